@@ -1,0 +1,5 @@
+"""`python -m minivllm ...`: see minivllm/cli.py (exported from notebooks/02_model.ipynb)."""
+from minivllm.cli import main
+
+if __name__ == "__main__":
+    main()
