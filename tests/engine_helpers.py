@@ -1,0 +1,132 @@
+"""Helpers for the engine tests (chapters 04-06): tiny models, the transformers oracle, invariants.
+
+Imported by tests/test_scheduler.py, test_block_manager.py, test_engine_oracle.py and
+test_engine_bad_input.py (plain functions, no fixtures, so they do not collide with conftest.py).
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+TINY_ENGINE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+MAX_STEPS = 20_000  # no test run needs more; reaching it means the engine is stuck
+
+
+def make_model(folder: Path, kind: str, seed: int = 0):
+    """Save a tiny random float64 transformers model ("llama" or "qwen3") in `folder`; return it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
+    extra = {"head_dim": 32} if kind == "qwen3" else {}
+    config = cls(**TINY_ENGINE, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 128) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """transformers' `generate(do_sample=False)` completion token ids for one prompt (no padding)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                         eos_token_id=eos_token_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_engine(engine, prompts, params) -> list:
+    """Add every prompt, step until idle (checking invariants after each step), return outputs in order."""
+    from minivllm.sampling_params import SamplingParams
+
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        check_invariants(engine)
+    else:
+        raise AssertionError("the engine did not finish within MAX_STEPS steps")
+    check_invariants(engine)
+    return [done[i] for i in ids]
+
+
+def check_invariants(engine_or_scheduler) -> None:
+    """Block-manager and scheduler invariants (design doc, "Correctness"):
+
+    * waiting sequences hold no blocks; no block appears twice in one block table;
+    * a running sequence's block table covers its tokens whose KV is stored (all but the newest);
+    * every block's ref_count equals the number of block tables holding it; used/free sets agree;
+    * an idle engine holds no blocks (all free; some may still be cached);
+    * prefix caching: every hash maps to a block carrying that hash and `block_size` tokens, and each
+      hashed block of a running sequence holds exactly that sequence's tokens with the chained hash.
+    """
+    from minivllm.block_manager import BlockManager
+
+    sched = getattr(engine_or_scheduler, "scheduler", engine_or_scheduler)
+    bm = sched.block_manager
+    running, waiting = list(sched.running), list(sched.waiting)
+    assert not set(map(id, running)) & set(map(id, waiting))
+    for seq in waiting:
+        assert not seq.block_table, f"waiting {seq} holds blocks"
+        assert not seq.is_finished
+    for seq in running:
+        assert not seq.is_finished
+        assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
+    if not isinstance(bm, BlockManager):
+        assert len(bm.used_block_ids) == len(running)
+        return
+    bs = bm.block_size
+    for seq in running:
+        stored = seq.num_tokens - 1  # the newest token's KV is written by the next step
+        assert len(seq.block_table) == -(-stored // bs), (seq, seq.block_table)
+    holders = Counter(b for seq in running for b in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == holders[block.block_id], (block, holders[block.block_id])
+    assert bm.used_block_ids == set(holders)
+    assert set(bm.free_block_ids) == set(range(bm.num_blocks)) - set(holders)
+    if not running and not waiting:
+        assert bm.num_free_blocks == bm.num_blocks, "an idle engine holds blocks"
+        if hasattr(engine_or_scheduler, "requests"):
+            assert not engine_or_scheduler.requests
+            assert not engine_or_scheduler.model_runner.generators
+    if hasattr(bm, "hash_to_block_id"):
+        from minivllm.prefix_caching import NO_HASH, compute_hash
+
+        for h, block_id in bm.hash_to_block_id.items():
+            block = bm.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == bs, (h, block)
+        for seq in running:
+            parent = NO_HASH
+            for i, block_id in enumerate(seq.block_table):
+                block = bm.blocks[block_id]
+                if (i + 1) * bs > seq.num_tokens - 1 or block.hash == NO_HASH:
+                    break
+                assert block.token_ids == seq.block(i), f"block {block_id} of {seq} holds other tokens"
+                parent = compute_hash(seq.block(i), parent)
+                assert block.hash == parent, f"block {block_id} of {seq} has a broken hash chain"
+
+
+def one_thread():
+    """Generator body of an autouse fixture: run a test module's tiny-model work on one torch thread.
+
+    Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads
+    competing with another process slow every small op down by an order of magnitude.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,196 @@
+"""Chapter 02: our decoder against transformers (the oracle), the naive loops, the CLI, bad input."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from minivllm.models.llama import attention_reference, load_model
+from minivllm.naive import CausalAttention, naive_generate
+from minivllm.sampling_params import SamplingParams
+
+
+def our_logits(model, ids):
+    scale = model.model.layers[0].self_attn.scale
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention(scale)))
+
+
+def hf_greedy(hf_model, prompt, n, eos_token_id=None):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=eos_token_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_logits_equal_transformers_float64(tiny_model):
+    folder, hf = tiny_model
+    ours = load_model(folder, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    for length in (1, 7, 200):
+        ids = torch.randint(0, 128, (length,), generator=g)
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0]
+        diff = (our_logits(ours, ids) - ref).abs().max().item()
+        assert diff < 1e-9, f"length {length}: max abs diff {diff}"
+
+
+def test_the_oracle_test_can_fail(tiny_llama):
+    """A perturbation far below what any real bug causes must still break the 1e-9 bound."""
+    folder, hf = tiny_llama
+    ours = load_model(folder, dtype=torch.float64)
+    with torch.no_grad():
+        ours.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-6
+        ids = torch.arange(20)
+        assert (our_logits(ours, ids) - hf(ids[None]).logits[0]).abs().max() > 1e-9
+
+
+@pytest.mark.parametrize("use_kv_cache", [False, True])
+def test_naive_loops_equal_transformers_generate(tiny_model, use_kv_cache):
+    folder, hf = tiny_model
+    ours = load_model(folder, dtype=torch.float64)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(2)
+    for length in (1, 13, 48):
+        prompt = torch.randint(0, 128, (length,), generator=g).tolist()
+        assert naive_generate(ours, prompt, params, use_kv_cache=use_kv_cache) == hf_greedy(hf, prompt, 16)
+
+
+def test_naive_loop_stops_at_eos(tiny_llama):
+    folder, hf = tiny_llama
+    ours = load_model(folder, dtype=torch.float64)
+    prompt = [3, 1, 4, 1, 5]
+    full = naive_generate(ours, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    eos = full[5]  # pretend the 6th generated token is the end of sequence
+    out = naive_generate(ours, prompt, SamplingParams(temperature=0, max_tokens=12), eos_token_id=eos)
+    assert out == full[: full.index(eos) + 1] == hf_greedy(hf, prompt, 12, eos_token_id=eos)
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama):
+    folder, _ = tiny_llama
+    ours = load_model(folder, dtype=torch.float64)
+    p = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+    a, b = naive_generate(ours, [1, 2, 3], p), naive_generate(ours, [1, 2, 3], p)
+    c = naive_generate(ours, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=20, seed=8, ignore_eos=True))
+    assert a == b and a != c
+
+
+def test_attention_reference_against_torch_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(9, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(9, 2, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(5, 9, dtype=torch.bool).tril(diagonal=4)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=mask, scale=0.3).transpose(0, 1)
+    assert torch.allclose(attention_reference(q, k, v, 0.3), ref, atol=1e-12)
+
+
+# --- the default model (float32) ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_pair(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model_files import load_tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return load_model(default_model_dir, dtype=torch.float32), hf, load_tokenizer(default_model_dir)
+
+
+@pytest.mark.slow
+def test_default_model_logits_float32(default_pair):
+    """Tolerance 1e-3: both sides sum the same float32 products in different orders (different
+    matmul shapes/kernels); float32 rounding (~6e-8 relative) grows through 30 layers to ~1e-4 on logits
+    of magnitude ~20. A wrong weight, norm or rotation gives errors of order 1."""
+    ours, hf, tok = default_pair
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor(tok.encode(prompt))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    got = our_logits(ours, ids)
+    assert (got - ref).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_default_model_greedy_text_equals_transformers(default_pair):
+    ours, hf, tok = default_pair
+    for question in ("What is the capital of France?", "Write a haiku about the sea."):
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+        ids = tok.encode(prompt)
+        for use_kv_cache in (False, True):
+            out = naive_generate(ours, ids, SamplingParams(temperature=0, max_tokens=24), tok.eos_token_id,
+                                 use_kv_cache=use_kv_cache)
+            assert out == hf_greedy(hf, ids, 24, tok.eos_token_id)[: len(out)]
+
+
+@pytest.mark.slow
+def test_main_job_cli_answers_paris(capsys):
+    from minivllm.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "32"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def test_unsupported_architecture(tmp_path, tiny_llama):
+    folder, _ = tiny_llama
+    shutil.copytree(folder, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*gpt2"):
+        load_model(tmp_path / "m")
+
+
+def test_malformed_config(tmp_path, tiny_llama):
+    folder, _ = tiny_llama
+    shutil.copytree(folder, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model(tmp_path / "m")
+
+
+def test_missing_and_misshapen_weights(tmp_path, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny_llama
+    shutil.copytree(folder, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1.mlp" not in k}, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="weights missing.*layers.1.mlp"):
+        load_model(tmp_path / "m")
+    weights["model.norm.weight"] = torch.ones(3, dtype=torch.float64)
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        load_model(tmp_path / "m")
+
+
+def test_unknown_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model(tiny_llama[0], dtype="float7")
+
+
+def test_naive_loop_rejects_empty_and_too_long_prompts(tiny_llama):
+    ours = load_model(tiny_llama[0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="empty"):
+        naive_generate(ours, [], SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        naive_generate(ours, [1] * 1020, SamplingParams(temperature=0, max_tokens=10))
+
+
+def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
+    from minivllm.cli import main
+
+    assert main(["generate", "hello", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "   "]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""Bad input fails at submission with a clear ValueError; other requests go on; nothing hangs."""
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import check_invariants, make_model, one_thread, run_engine
+from minivllm.engine import LLM, LLMEngine
+from minivllm.sampling_params import SamplingParams
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-bad-input")
+    make_model(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    # 8 blocks of 16 = 128 tokens of KV cache, max_model_len 256: some prompts fit the length but not the cache
+    return LLM(folder, dtype="float64", max_model_len=256, num_kvcache_blocks=8)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    (list(range(100)) * 3, "max_model_len"),  # 300 tokens >= 256
+    ([1] * 256, "max_model_len"),  # exactly max_model_len tokens
+    ([1] * 200, "whole KV cache"),  # < max_model_len, but > 128 cached tokens
+    ([1, 2, 128], r"\[0, 128\)"),
+    ([1, -2], r"\[0, 128\)"),
+    ([1, 2.5], r"\[0, 128\)"),
+    ("hello", "no tokenizer"),
+    ({"text": [1]}, "prompt_token_ids"),
+    (42, "prompt must be"),
+])
+def test_bad_prompt_is_refused_and_others_complete(llm, prompt, message):
+    engine = llm.llm_engine
+    good = engine.add_request(None, [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(None, prompt, GREEDY)
+    outs = run_engine(engine, [[4, 5]], GREEDY)
+    assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 4
+    assert good not in engine.requests  # finished too
+    check_invariants(engine)
+
+
+def test_bad_sampling_params(llm):
+    for kwargs, message in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+                            (dict(temperature=float("nan")), "temperature")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.llm_engine.add_request(None, [1, 2], {"temperature": 0})
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(llm):
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([[1, 2], [], [3]], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    outs = llm.generate([[1, 2], [3]], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+def test_longest_allowed_prompts(llm):
+    """A prompt of max_model_len - 1 tokens gets one token; one that fills the KV cache stops there."""
+    engine = llm.llm_engine
+    outs = run_engine(engine, [[1] * 128, [2] * 127], SamplingParams(temperature=0, max_tokens=50))
+    for o in outs:  # the whole cache holds 128 tokens: both stop with "length" at 128 + 1
+        assert o.outputs[0].finish_reason in ("length", "stop")
+        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) <= 129
+    big = LLM(llm.llm_engine.args.model, dtype="float64", max_model_len=64, num_kvcache_blocks=64)
+    out = big.generate([[3] * 63], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_abort_and_duplicate_ids(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("b", [4, 5, 6], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [1], GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("no-such-request")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+        check_invariants(engine)
+    assert finished == ["b"]
+    check_invariants(engine)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
+    (dict(max_model_len=10_000), "max_position_embeddings"),
+    (dict(max_model_len=256, max_num_batched_tokens=100), "max_num_batched_tokens"),
+    (dict(kv_cache_memory_bytes=10), "KV cache"),
+    (dict(kv_manager="nope"), "kv_manager"),
+    (dict(dtype="float17"), "dtype"),
+])
+def test_bad_engine_args(folder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(model=folder, **kwargs)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(tmp_path / "nothing-here")

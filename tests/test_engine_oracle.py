@@ -1,0 +1,162 @@
+"""The engine's greedy tokens equal transformers' `generate(do_sample=False)` (chapters 04-06).
+
+Float64 tiny random Llama and Qwen3 models, 32 prompts of 1-300 tokens, under each engine
+configuration; transformers' references are computed once per model and reused.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
+from minivllm.engine import LLM, LLMEngine
+from minivllm.sampling_params import SamplingParams
+
+NUM_PROMPTS = 32
+MAX_MODEL_LEN = 400
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def oracle(request, tmp_path_factory):
+    """(model folder, transformers model, prompts, max_tokens per prompt, reference completions)."""
+    folder = tmp_path_factory.mktemp(f"engine-{request.param}")
+    model = make_model(folder, request.param)
+    prompts = random_prompts(NUM_PROMPTS - 2, 1, 300, seed=1) + [[7], list(range(100)) * 3]
+    rng = random.Random(2)
+    max_tokens = [rng.randint(1, 10) for _ in prompts]
+    refs = [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    return folder, model, prompts, max_tokens, refs
+
+
+def _params(max_tokens):
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+CONFIGS = {
+    "prefix-caching-on": dict(enable_prefix_caching=True),
+    "prefix-caching-off": dict(enable_prefix_caching=False),
+    "block-size-1": dict(block_size=1),
+    "block-size-256": dict(block_size=256),
+    "contiguous-ch04": dict(kv_manager="contiguous", num_kvcache_blocks=6 * MAX_MODEL_LEN // 16),
+    "few-seqs-small-budget": dict(max_num_seqs=3, max_num_batched_tokens=MAX_MODEL_LEN),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_engine_greedy_equals_transformers(oracle, config):
+    folder, _, prompts, max_tokens, refs = oracle
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, **CONFIGS[config])
+    outs = run_engine(engine, prompts, _params(max_tokens))
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens)"
+        assert out.outputs[0].finish_reason == "length"
+        assert out.prompt_token_ids == prompts[i]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_repeated_preemption_keeps_outputs(oracle, caching):
+    folder, _, prompts, max_tokens, refs = oracle
+    # 84 blocks of 4 = 336 tokens: the longest sequence (322 tokens) fits alone, the batch does not
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=84,
+                       block_size=4, enable_prefix_caching=caching)
+    outs = run_engine(engine, prompts, _params([m + 12 for m in max_tokens]))
+    assert engine.scheduler.num_preemptions >= 3, engine.scheduler.num_preemptions
+    for out, ref, m in zip(outs, refs, max_tokens):
+        assert out.outputs[0].token_ids[:m] == ref
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prompt_of_whole_blocks_submitted_twice(oracle, block_size):
+    folder, model, _, _, _ = oracle
+    prompt = random_prompts(1, 3 * 16, 3 * 16, seed=5)[0]  # exactly k * block_size tokens
+    ref = hf_greedy(model, prompt, 6)
+    llm = LLM(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, block_size=block_size)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]  # fully cached: the last block is recomputed
+    both = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == ref
+    assert [o.outputs[0].token_ids for o in both] == [ref, ref]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == len(prompt) - block_size
+    check_invariants(llm.llm_engine)
+
+
+def test_identical_prompts_in_one_step(oracle):
+    folder, model, prompts, _, _ = oracle
+    batch = [prompts[0]] * 4 + [prompts[1]] * 3 + [prompts[0][:17]] * 2
+    refs = {tuple(p): hf_greedy(model, p, 5) for p in batch}
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    outs = run_engine(engine, batch, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(engine.stats) == 5 and engine.stats[0].num_seqs == len(batch)  # one prefill, four decodes
+    for p, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == refs[tuple(p)]
+
+
+def test_shared_prefix_is_computed_once(oracle):
+    folder, _, prompts, _, _ = oracle
+    long = prompts[int(torch.tensor([len(p) for p in prompts]).argmax())]
+    llm = LLM(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([long[:200] + [1]], params, use_tqdm=False)
+    outs = llm.generate([long[:200] + [t] for t in range(2, 6)], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [192] * 4
+    check_invariants(llm.llm_engine)
+
+
+def test_stops_at_eos_like_transformers(oracle):
+    folder, model, prompts, _, _ = oracle
+    # the model's EOS would almost never come up; declare the most frequent greedy token the EOS instead
+    counts = torch.bincount(torch.tensor([t for p in prompts[:8] for t in hf_greedy(model, p, 8)]), minlength=128)
+    eos = int(counts.argmax())
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    engine.eos_token_ids = engine.scheduler.eos_token_ids = frozenset({eos})
+    outs = run_engine(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=8))
+    reasons = set()
+    for p, out in zip(prompts[:8], outs):
+        ref = hf_greedy(model, p, 8, eos_token_id=eos)
+        assert out.outputs[0].token_ids == ref
+        reasons.add(out.outputs[0].finish_reason)
+        assert out.outputs[0].finish_reason == ("stop" if ref[-1] == eos else "length")
+    assert "stop" in reasons
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(oracle):
+    folder, _, prompts, _, _ = oracle
+    llm = LLM(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    alone = llm.generate([prompts[2]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)] * 5
+    crowd = llm.generate(prompts[:6], others[:2] + [seeded] + others[2:], use_tqdm=False)
+    assert crowd[2].outputs[0].token_ids == alone
+    assert len(set(tuple(o.outputs[0].token_ids) for o in crowd)) > 1  # sampling did happen
+
+
+@pytest.mark.slow
+def test_default_model_chat_greedy_text_equals_transformers():
+    """On SmolLM2-135M-Instruct in float32, greedy chat completions read exactly like transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model_files import resolve_model
+
+    questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
+                 "Write a haiku about the sea.", "Who wrote Hamlet?", "What is photosynthesis? One sentence.",
+                 "Translate 'good morning' into Spanish.", "Give me a synonym for 'happy'."]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    llm = LLM(None, dtype="float32", max_model_len=2048)
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    check_invariants(llm.llm_engine)
+    tok = llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40,
+                              pad_token_id=tok.eos_token_id)
+        ref_text = tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        assert out.outputs[0].text == ref_text, (out.prompt, out.outputs[0].text, ref_text)
