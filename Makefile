@@ -30,11 +30,11 @@ demo: setup
 
 ## the whole test suite, chapter notebooks included (what CI runs)
 test: setup
-	$(PY) -m pytest -n 2 --nbmake tests notebooks
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --nbmake tests notebooks
 
 ## tests without the notebooks, for a quick loop
 test-fast: setup
-	$(PY) -m pytest -n 2 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 tests
 
 ## regenerate minivllm/ from notebooks/ (after editing a chapter)
 export:

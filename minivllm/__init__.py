@@ -8,4 +8,17 @@ __version__ = "0.1.0"
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.sequence import Sequence, SequenceStatus  # noqa: E402
 
-__all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
+# The engine (chapter 04) imports torch; load it on first use so `import minivllm` stays light.
+_LAZY = {"LLM": "minivllm.engine", "LLMEngine": "minivllm.engine", "EngineArgs": "minivllm.engine",
+         "RequestOutput": "minivllm.engine", "CompletionOutput": "minivllm.engine"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+
+
+__all__ = ["SamplingParams", "Sequence", "SequenceStatus", *_LAZY]

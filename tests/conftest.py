@@ -1,8 +1,15 @@
 """Shared fixtures: tiny random transformers models (float64) and the `--impl` switch for grading."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Two pytest-xdist workers on two cores: one torch thread each. With the default (a thread per core
+# in every worker) the workers' OpenMP threads fight over the cores and runs get 10-50x slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

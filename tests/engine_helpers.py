@@ -80,6 +80,7 @@ def check_invariants(engine_or_scheduler) -> None:
     bm = sched.block_manager
     running, waiting = list(sched.running), list(sched.waiting)
     assert not set(map(id, running)) & set(map(id, waiting))
+    assert len(running) <= sched.max_num_seqs
     for seq in waiting:
         assert not seq.block_table, f"waiting {seq} holds blocks"
         assert not seq.is_finished

