@@ -58,7 +58,9 @@ def main() -> int:
         have = {p.name: p.read_text() for p in (ROOT / "exercises").glob("ch*.py")}
         bad = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
         for n in bad:
-            print(f"exercises/{n} is stale: run `make exercises`")
+            print(f"exercises/{n} differs from the stubs generated from solutions/{n}: authors run "
+                  "`make exercises` (it resets exercises/ to fresh stubs; students: grade with "
+                  "`pytest -m chNN_exK --impl=exercises` instead)")
         return 1 if bad else 0
     for name, text in want.items():
         (ROOT / "exercises" / name).write_text(text)

@@ -173,8 +173,9 @@ def test_missing_and_misshapen_weights(tmp_path, tiny_llama):
 
 
 def test_unknown_dtype(tiny_llama):
-    with pytest.raises(ValueError, match="unknown dtype"):
-        load_model(tiny_llama[0], dtype="float7")
+    for bad in ("float7", "int8", torch.int8):
+        with pytest.raises(ValueError, match="unknown dtype"):
+            load_model(tiny_llama[0], dtype=bad)
 
 
 def test_naive_loop_rejects_empty_and_too_long_prompts(tiny_llama):
@@ -194,3 +195,15 @@ def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
     assert "empty" in capsys.readouterr().err
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_python_dash_m_exits_with_status_2_on_bad_input(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--model", str(tmp_path / "none")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--dtype", "int8"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
