@@ -12,7 +12,7 @@ from minivllm.sequence import Sequence, SequenceStatus
     (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature="hot"), "temperature"), (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=2.5), "max_tokens"), (dict(ignore_eos="yes"), "ignore_eos"),
-    (dict(seed=1.5), "seed"), (dict(max_tokens=True), "max_tokens"),
+    (dict(seed=1.5), "seed"), (dict(max_tokens=True), "max_tokens"), (dict(seed=2**64), "seed"),
 ])
 def test_sampling_params_reject_invalid_values(kwargs, field):
     with pytest.raises(ValueError, match=field):

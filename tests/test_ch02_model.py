@@ -207,3 +207,45 @@ def test_python_dash_m_exits_with_status_2_on_bad_input(tmp_path):
     r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--dtype", "int8"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_llama_with_attention_bias_biases_o_proj_too(tmp_path):
+    """transformers' Llama puts a bias on o_proj as well as q/k/v when attention_bias=True."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import TINY
+
+    torch.manual_seed(4)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY, attention_bias=True)).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float64)
+    ids = torch.arange(3, 30)
+    with torch.no_grad():
+        assert (our_logits(ours, ids) - hf(ids[None]).logits[0]).abs().max() < 1e-9
+
+
+def test_unsupported_activation_and_unknown_tensors_are_refused(tmp_path, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny_llama
+    shutil.copytree(folder, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64, dtype=torch.float64)
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="o_proj.bias has no matching parameter"):
+        load_model(tmp_path / "m")
+
+
+def test_tiny_temperatures_are_greedy(tiny_llama):
+    ours = load_model(tiny_llama[0], dtype=torch.float64)
+    greedy = naive_generate(ours, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert naive_generate(ours, [1, 2, 3], SamplingParams(temperature=1e-320, max_tokens=8, ignore_eos=True)) == greedy

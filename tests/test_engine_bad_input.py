@@ -115,3 +115,34 @@ def test_bad_engine_args(folder, kwargs, message):
 def test_missing_model_folder(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(tmp_path / "nothing-here")
+
+
+def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tmp_path_factory):
+    """If the forward pass dies (Ctrl-C, out of memory), the blocks it was to fill must not be
+    found by a later request with the same prefix: their K/V was never written."""
+    import torch
+
+    from conftest import make_tiny_model
+    from minivllm import LLM, SamplingParams
+
+    folder, hf = make_tiny_model(tmp_path_factory, "llama")
+    llm = LLM(str(folder), dtype="float64", num_kvcache_blocks=16, block_size=16)
+    model = llm.llm_engine.model_runner.model
+    real_forward, calls = model.forward, [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return real_forward(*args, **kwargs)
+
+    model.forward = flaky
+    prompt = list(range(40))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], params, use_tqdm=False)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long), max_new_tokens=5,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
