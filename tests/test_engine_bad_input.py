@@ -146,3 +146,22 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tmp_p
         want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 40, dtype=torch.long), max_new_tokens=5,
                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, 40:].tolist()
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
+
+
+def test_auto_request_ids_skip_user_ids_and_int_ids_abort(tmp_path_factory):
+    from conftest import make_tiny_model
+    from minivllm import SamplingParams
+    from minivllm.engine import LLMEngine
+
+    folder, _ = make_tiny_model(tmp_path_factory, "llama")
+    engine = LLMEngine(model=str(folder), dtype="float64", num_kvcache_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert engine.add_request("0", [5, 6], params) == "0"
+    assert engine.add_request(None, [1, 2], params) != "0"
+    assert engine.add_request(7, [1, 2], params) == "7"
+    engine.abort_request(7)
+    engine.abort_request("0")
+    assert sorted(engine.requests) == ["1"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.requests
