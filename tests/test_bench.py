@@ -91,3 +91,11 @@ def test_bench_cli_summary_and_bad_input(tiny_llama, capsys):
     assert "engine:" in out and "output tok/s" in out and "hf" not in out.split("engine:")[1]
     assert main(["bench", "--model", str(folder), "--input-len", "5", "2"]) == 2
     assert "input_len" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_workload_that_cannot_fit(tiny_llama, capsys):
+    folder, _ = tiny_llama
+    assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "4", "--input-len", "30",
+                 "40", "--output-len", "20", "30", "--max-model-len", "48"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "longest request needs" in err
