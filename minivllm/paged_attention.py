@@ -5,6 +5,8 @@
 from notebooks/05_paged_attention.ipynb). The contract of vLLM's PagedAttention kernels (Kwon et al.)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,120 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return o[:, :, 0, :]
 
 
+BUCKET_OVERHEAD_SLOTS = 512  # one more bucket costs about as much as reading this many padded slots (CPU)
+
+
+@dataclass
+class DecodeBucket:
+    """Sequences of similar length that decode attention reads together.
+
+    Attributes:
+        start, end: their rows in the length-sorted batch.
+        block_ids: `[(end - start) * num_blocks]` int64, their block tables cut to `num_blocks` blocks
+            and flattened (padding reads block 0, masked below).
+        num_slots: `num_blocks * block_size`, the padded context length.
+        mask: `[end - start, 1, 1, num_slots]`, added to the scores: 0 for a real key, -inf for padding.
+    """
+
+    start: int
+    end: int
+    block_ids: torch.Tensor
+    num_slots: int
+    mask: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """How one decode step's attention reads the cache, computed once and used by every layer.
+
+    Attributes:
+        order: `[num_seqs]` int64, the batch rows sorted by context length (shortest first).
+        inverse: `[num_seqs]` int64, puts sorted rows back in batch order (`sorted[inverse]`).
+        buckets: consecutive runs of the sorted rows.
+    """
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    buckets: list[DecodeBucket]
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype,
+                overhead_slots: int = BUCKET_OVERHEAD_SLOTS) -> DecodePlan:
+    """Sort a decode batch by length and cut it into buckets that minimise the attention's cost.
+
+    One padded gather over the whole batch reads `num_seqs * longest` slots. Sorted by length, the
+    batch can be cut into buckets, each padded only to its own longest sequence; a bucket costs
+    `overhead_slots` (a few more torch calls per layer) plus the slots it reads. Cut points are
+    chosen by dynamic programming over the distinct block counts.
+
+    Args:
+        block_tables: `[num_seqs, max_blocks]` int64, padded with -1.
+        context_lens: `[num_seqs]` int64, >= 1.
+        block_size: slots per block.
+        dtype: dtype of the additive masks (the queries' dtype).
+        overhead_slots: the fixed cost of one bucket, in slots (0: one bucket per distinct length).
+    Returns:
+        A `DecodePlan`; its tensors are on `block_tables`' device.
+    """
+    device = block_tables.device
+    lens = context_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    blocks = [-(-lens[i] // block_size) for i in order]  # ascending
+    ends = [k + 1 for k in range(len(blocks)) if k + 1 == len(blocks) or blocks[k + 1] != blocks[k]]
+    # best[e]: the cheapest cut of sorted rows [0, ends[e]); a bucket of rows [a, b) costs
+    # overhead + (b - a) * blocks[b - 1] * block_size
+    best, cut = [0.0], [0]
+    for e, b in enumerate(ends):
+        options = [(best[s] + overhead_slots + (b - a) * blocks[b - 1] * block_size, s)
+                   for s, a in enumerate([0] + ends[:e])]
+        cost, s = min(options)
+        best.append(cost)
+        cut.append(s)
+    bounds, e = [], len(ends)
+    while e:
+        s = cut[e]
+        bounds.append(((0, *ends)[s], ends[e - 1]))
+        e = s
+    order_t = torch.tensor(order, dtype=torch.int64, device=device)
+    inverse = torch.empty_like(order_t)
+    inverse[order_t] = torch.arange(len(order), device=device)
+    buckets = []
+    for a, b in reversed(bounds):
+        rows, n = order_t[a:b], blocks[b - 1]
+        slots = torch.arange(n * block_size, device=device)
+        mask = torch.zeros(b - a, 1, 1, n * block_size, dtype=dtype, device=device)
+        mask.masked_fill_((slots[None, :] >= context_lens[rows][:, None])[:, None, None, :], float("-inf"))
+        buckets.append(DecodeBucket(a, b, block_tables[rows, :n].clamp(min=0).flatten(), n * block_size, mask))
+    return DecodePlan(order_t, inverse, buckets)
+
+
+def paged_decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   plan: DecodePlan, scale: float) -> torch.Tensor:
+    """`paged_decode_attention`, bucket by bucket (see `plan_decode`).
+
+    Each query head group becomes a little "query sequence" of its K/V head (`[num_kv_heads, group,
+    head_dim]`), so no K/V head is repeated for its group.
+
+    Args:
+        q: `[num_seqs, num_heads, head_dim]`.
+        k_cache, v_cache: one layer's `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        plan: from `plan_decode` for this batch.
+        scale: multiplies q·k.
+    Returns:
+        `[num_seqs, num_heads, head_dim]`, dtype of `q`.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    q = q.index_select(0, plan.order).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = []
+    for b in plan.buckets:
+        m = b.end - b.start
+        k = k_cache.index_select(0, b.block_ids).view(m, b.num_slots, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, b.block_ids).view(m, b.num_slots, num_kv_heads, head_dim).transpose(1, 2)
+        out.append(F.scaled_dot_product_attention(q[b.start:b.end], k, v, attn_mask=b.mask, scale=scale))
+    return torch.cat(out).view(n, num_heads, head_dim).index_select(0, plan.inverse)
+
+
 class PagedAttention(ContiguousAttention):
     """Attention backend over a paged KV cache (plain torch; runs anywhere torch runs).
 
@@ -57,15 +173,24 @@ class PagedAttention(ContiguousAttention):
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
         scale: attention scale.
     Prefill: per sequence, `attention_reference` of its new tokens over all its cached tokens.
-    Decode: `paged_decode_attention`, one batched call.
+    Decode: `paged_decode_attention_planned`, with one `plan_decode` per step shared by all layers.
     """
+
+    _plan_for: AttentionMetadata | None = None
+
+    def decode_plan(self, md: AttentionMetadata, dtype: torch.dtype) -> DecodePlan:
+        """This step's `DecodePlan` (made at the first layer, reused by the others)."""
+        if self._plan_for is not md:
+            self._plan = plan_decode(md.block_tables, md.context_lens, self.kv_cache.shape[3], dtype)
+            self._plan_for = md
+        return self._plan
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md: AttentionMetadata = self.metadata
         self.store_kvcache(layer_idx, k, v)
         k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
         if not md.is_prefill:
-            return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
+            return paged_decode_attention_planned(q, k_cache, v_cache, self.decode_plan(md, q.dtype), self.scale)
         cu, lens = md.cu_seqlens_q.tolist(), md.context_lens.tolist()
         out = []
         for i in range(md.num_seqs):
@@ -79,4 +204,5 @@ class PagedAttention(ContiguousAttention):
         return torch.cat(out)
 
 # %% auto #0
-__all__ = ['gather_kv', 'paged_decode_attention', 'PagedAttention']
+__all__ = ['BUCKET_OVERHEAD_SLOTS', 'gather_kv', 'paged_decode_attention', 'DecodeBucket', 'DecodePlan', 'plan_decode',
+           'paged_decode_attention_planned', 'PagedAttention']

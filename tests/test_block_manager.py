@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from minivllm.block_manager import BlockManager
 from minivllm.model_runner import AttentionMetadata
 from minivllm.models.llama import attention_reference
-from minivllm.paged_attention import PagedAttention, gather_kv, paged_decode_attention
+from minivllm.paged_attention import (PagedAttention, gather_kv, paged_decode_attention,
+                                      paged_decode_attention_planned, plan_decode)
 from minivllm.prefix_caching import NO_HASH, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
@@ -158,3 +159,49 @@ def test_paged_attention_matches_reference(lens, block_size, seed, num_cached):
     for i in range(len(lens)):
         ref = attention_reference(qs[i][-1:], ks[i], vs[i], D ** -0.5)[0]
         torch.testing.assert_close(dec[i], ref, atol=1e-12, rtol=0)
+    # the bucketed decode, with one bucket per length, the default cost, and one bucket for all
+    q_last = torch.stack([q[-1] for q in qs])
+    for overhead in (0, 512, 10 ** 9):
+        plan = plan_decode(bt, torch.tensor(lens), block_size, torch.float64, overhead)
+        got = paged_decode_attention_planned(q_last, cache[0, 0], cache[1, 0], plan, D ** -0.5)
+        torch.testing.assert_close(got, dec, atol=1e-12, rtol=0)
+    # and the backend's decode path (a decode step writes each sequence's last K/V first)
+    backend.metadata = AttentionMetadata(False, torch.arange(len(lens) + 1), torch.tensor(lens),
+                                         torch.tensor([tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size
+                                                       for i, n in enumerate(lens)]), bt)
+    got = backend(0, q_last, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]))
+    torch.testing.assert_close(got, dec, atol=1e-12, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=7), block_size=st.sampled_from([1, 4, 16]),
+       overhead=st.sampled_from([0, 3, 20, 100]))
+def test_plan_decode_is_the_cheapest_cut(lens, block_size, overhead):
+    """The DP's buckets partition the length-sorted batch, cover each sequence's blocks, and cost no
+    more than any other way of cutting the sorted batch into runs (brute force over all 2^(n-1) cuts)."""
+    import itertools
+
+    n = len(lens)
+    width = max(-(-L // block_size) for L in lens)
+    bt = torch.arange(n * width).view(n, width)  # any distinct ids
+    plan = plan_decode(bt, torch.tensor(lens), block_size, torch.float32, overhead)
+    srt = sorted(lens)
+    assert [lens[i] for i in plan.order.tolist()] == srt
+    assert plan.order[plan.inverse].tolist() == list(range(n))
+    assert plan.buckets[0].start == 0 and plan.buckets[-1].end == n
+    assert all(a.end == b.start for a, b in zip(plan.buckets, plan.buckets[1:]))
+    blocks = lambda L: -(-L // block_size)  # noqa: E731
+    for b in plan.buckets:
+        assert b.num_slots == blocks(srt[b.end - 1]) * block_size
+        rows = plan.order[b.start:b.end]
+        assert torch.equal(b.block_ids, bt[rows, :blocks(srt[b.end - 1])].flatten())
+        real = torch.arange(b.num_slots)[None, :] < torch.tensor(srt[b.start:b.end])[:, None]
+        assert torch.equal(b.mask[:, 0, 0] == 0, real) and torch.isinf(b.mask[:, 0, 0][~real]).all()
+
+    def cost(bounds):
+        return sum(overhead + (e - s) * blocks(srt[e - 1]) * block_size for s, e in bounds)
+
+    got = cost([(b.start, b.end) for b in plan.buckets])
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        points = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        assert got <= cost(list(zip(points, points[1:])))
