@@ -8,15 +8,17 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import operator
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .model_runner import ModelRunner
-from .sampling_params import SamplingParams
+from .sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from .scheduler import ContiguousKVManager, Scheduler
 from .sequence import Sequence
 
@@ -101,6 +103,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}] (a 64-bit generator seed), "
+                             f"got {self.seed!r}")
 
 
 @dataclass
@@ -171,6 +176,19 @@ def _eos_token_ids(path: Path, config, tokenizer) -> set[int]:
         elif isinstance(s, (list, tuple)):
             ids.update(int(x) for x in s)
     return ids
+
+
+def _token_id(t) -> int | None:
+    """`t` as a Python int if it is an integer (Python, numpy, or a one-element integer tensor), else None.
+
+    Bools and floats are not token ids: `int(2.7)` would silently become token 2.
+    """
+    if isinstance(t, bool) or getattr(t, "dtype", None) in (torch.bool, np.bool_):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
 
 
 class LLMEngine:
@@ -286,16 +304,19 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"a dict prompt's 'prompt' must be text, got {type(text).__name__}")
         try:
-            token_ids = [int(t) if isinstance(t, int) or (isinstance(t, torch.Tensor) and t.ndim == 0) else t
-                         for t in token_ids]
+            token_ids = list(token_ids)
         except TypeError:
             raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}") from None
         if not token_ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        ids = [_token_id(t) for t in token_ids]
+        bad = [t for t, i in zip(token_ids, ids) if i is None or not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}")
+            raise ValueError(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        token_ids = ids
         n, limit = len(token_ids), self.args.max_model_len
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens; max_model_len={limit} leaves no room to generate "
@@ -401,7 +422,7 @@ def _is_single_prompt(prompts) -> bool:
     if isinstance(prompts, (str, dict)):
         return True
     return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        _token_id(t) is not None for t in prompts)
 
 
 class LLM:
@@ -430,19 +451,26 @@ class LLM:
             sampling_params: one for all prompts, one per prompt, or None (defaults).
             use_tqdm: show a progress bar with prefill and decode tokens/s.
         Raises:
-            ValueError: a bad prompt or parameter (the message names the prompt's index); nothing is
+            ValueError: a bad prompt or parameter (the message names the prompt's index), or the engine
+                still holds requests added directly with `llm_engine.add_request`; nothing is
                 queued in that case.
         """
         if _is_single_prompt(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            # generate() steps the whole engine: it would run those requests and drop their outputs
+            raise ValueError(f"the engine has {engine.get_num_unfinished_requests()} unfinished requests added "
+                             "with llm_engine.add_request; step them with llm_engine.step() or abort them first")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        engine = self.llm_engine
         seqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:

@@ -1,7 +1,9 @@
 """Bad input fails at submission with a clear ValueError; other requests go on; nothing hangs."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from engine_helpers import check_invariants, make_model, one_thread, run_engine
 from minivllm.engine import LLM, LLMEngine
@@ -33,6 +35,11 @@ def llm(folder):
     ([1, 2, 128], r"\[0, 128\)"),
     ([1, -2], r"\[0, 128\)"),
     ([1, 2.5], r"\[0, 128\)"),
+    ([1, torch.tensor(2.7)], r"\[0, 128\)"),  # a float tensor must not be truncated to token 2
+    (torch.tensor([1.0, 2.0]), r"\[0, 128\)"),
+    ([1, True], r"\[0, 128\)"),
+    ([1, torch.tensor(True)], r"\[0, 128\)"),
+    ({"prompt_token_ids": [1], "prompt": 5}, "'prompt' must be text"),
     ("hello", "no tokenizer"),
     ({"text": [1]}, "prompt_token_ids"),
     (42, "prompt must be"),
@@ -106,6 +113,8 @@ def test_abort_and_duplicate_ids(llm):
     (dict(kv_cache_memory_bytes=10), "KV cache"),
     (dict(kv_manager="nope"), "kv_manager"),
     (dict(dtype="float17"), "dtype"),
+    (dict(seed=2 ** 64), "seed"),
+    (dict(seed=1.5), "seed"),
 ])
 def test_bad_engine_args(folder, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -165,3 +174,28 @@ def test_auto_request_ids_skip_user_ids_and_int_ids_abort(tmp_path_factory):
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.requests
+
+
+def test_integer_token_ids_of_any_kind_are_accepted(llm):
+    """numpy integers and integer tensors are token ids; they give the same tokens as Python ints."""
+    want = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ([np.int64(1), np.int32(2), 3], {"prompt_token_ids": np.array([1, 2, 3])},
+                   {"prompt_token_ids": torch.tensor([1, 2, 3])}, [torch.tensor(1), 2, torch.tensor(3)]):
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want
+        assert out[0].prompt_token_ids == [1, 2, 3] and all(type(t) is int for t in out[0].prompt_token_ids)
+
+
+def test_generate_refuses_bad_containers_and_foreign_requests(llm):
+    with pytest.raises(ValueError, match="list of prompts"):
+        llm.generate(None, use_tqdm=False)
+    engine = llm.llm_engine
+    rid = engine.add_request("mine", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="add_request"):
+        llm.generate([[3, 4]], GREEDY, use_tqdm=False)
+    assert engine.get_num_unfinished_requests() == 1  # nothing queued, the direct request untouched
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [rid] and len(outs[0].outputs[0].token_ids) == 4
+    check_invariants(engine)
