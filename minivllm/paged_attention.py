@@ -53,6 +53,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 BUCKET_OVERHEAD_SLOTS = 512  # one more bucket costs about as much as reading this many padded slots (CPU)
+PREFILL_QUERY_CHUNK = 128  # queries per piece of a long prefill (see `prefill_attention`)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      chunk: int = PREFILL_QUERY_CHUNK) -> torch.Tensor:
+    """Causal attention of a sequence's last `Tq` tokens over its `Tk` keys, in query chunks.
+
+    Query `i` sees keys `0 .. Tk - Tq + i`, so a chunk of queries needs only the keys up to its last
+    query: cut in chunks, a long prompt skips most of the masked upper triangle that one
+    `attention_reference` call would compute and throw away (what FlashAttention does tile by tile).
+
+    Args:
+        q: `[Tq, num_heads, head_dim]`; k, v: `[Tk, num_kv_heads, head_dim]`, `Tk >= Tq`.
+        scale: multiplies q·k.
+        chunk: queries per piece (>= 1).
+    Returns:
+        `[Tq, num_heads, head_dim]`, equal to `attention_reference(q, k, v, scale)` up to rounding.
+    """
+    tq, offset = q.shape[0], k.shape[0] - q.shape[0]
+    if tq <= chunk:
+        return attention_reference(q, k, v, scale)
+    return torch.cat([attention_reference(q[s:s + chunk], k[:offset + s + chunk], v[:offset + s + chunk], scale)
+                      for s in range(0, tq, chunk)])
 
 
 @dataclass
@@ -172,7 +195,7 @@ class PagedAttention(ContiguousAttention):
     Args:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
         scale: attention scale.
-    Prefill: per sequence, `attention_reference` of its new tokens over all its cached tokens.
+    Prefill: per sequence, `prefill_attention` of its new tokens over all its cached tokens.
     Decode: `paged_decode_attention_planned`, with one `plan_decode` per step shared by all layers.
     """
 
@@ -200,9 +223,9 @@ class PagedAttention(ContiguousAttention):
             else:
                 ki = gather_kv(k_cache, md.block_tables[i], lens[i])
                 vi = gather_kv(v_cache, md.block_tables[i], lens[i])
-            out.append(attention_reference(qi, ki, vi, self.scale))
+            out.append(prefill_attention(qi, ki, vi, self.scale))
         return torch.cat(out)
 
 # %% auto #0
-__all__ = ['BUCKET_OVERHEAD_SLOTS', 'gather_kv', 'paged_decode_attention', 'DecodeBucket', 'DecodePlan', 'plan_decode',
-           'paged_decode_attention_planned', 'PagedAttention']
+__all__ = ['BUCKET_OVERHEAD_SLOTS', 'PREFILL_QUERY_CHUNK', 'gather_kv', 'paged_decode_attention', 'prefill_attention',
+           'DecodeBucket', 'DecodePlan', 'plan_decode', 'paged_decode_attention_planned', 'PagedAttention']

@@ -10,7 +10,7 @@ from minivllm.block_manager import BlockManager
 from minivllm.model_runner import AttentionMetadata
 from minivllm.models.llama import attention_reference
 from minivllm.paged_attention import (PagedAttention, gather_kv, paged_decode_attention,
-                                      paged_decode_attention_planned, plan_decode)
+                                      paged_decode_attention_planned, plan_decode, prefill_attention)
 from minivllm.prefix_caching import NO_HASH, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
@@ -205,3 +205,14 @@ def test_plan_decode_is_the_cheapest_cut(lens, block_size, overhead):
     for cuts in itertools.product([False, True], repeat=n - 1):
         points = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
         assert got <= cost(list(zip(points, points[1:])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tq=st.integers(1, 40), cached=st.integers(0, 30), chunk=st.integers(1, 16), seed=st.integers(0, 1000))
+def test_prefill_attention_in_chunks_equals_reference(tq, cached, chunk, seed):
+    """Query chunks that skip the masked keys give `attention_reference`'s result (float64 rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, 4, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, cached + tq, 2, 8, generator=g, dtype=torch.float64).unbind(0)
+    torch.testing.assert_close(prefill_attention(q, k, v, 0.3, chunk), attention_reference(q, k, v, 0.3),
+                               atol=1e-12, rtol=0)
