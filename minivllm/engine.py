@@ -183,8 +183,8 @@ def _token_id(t) -> int | None:
 
     Bools and floats are not token ids: `int(2.7)` would silently become token 2.
     """
-    if isinstance(t, bool) or getattr(t, "dtype", None) in (torch.bool, np.bool_):
-        return None
+    if isinstance(t, bool) or getattr(t, "dtype", None) in (torch.bool, np.bool_) or getattr(t, "ndim", 0) != 0:
+        return None  # a bool, or a tensor/array with dimensions (even of one element)
     try:
         return operator.index(t)
     except TypeError:
@@ -457,9 +457,10 @@ class LLM:
         """
         if _is_single_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
         engine = self.llm_engine
         if engine.has_unfinished_requests():
             # generate() steps the whole engine: it would run those requests and drop their outputs

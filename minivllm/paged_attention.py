@@ -179,6 +179,8 @@ def paged_decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if not plan.buckets:  # an empty batch
+        return q.clone()
     q = q.index_select(0, plan.order).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = []
     for b in plan.buckets:
@@ -202,7 +204,11 @@ class PagedAttention(ContiguousAttention):
     _plan_for: AttentionMetadata | None = None
 
     def decode_plan(self, md: AttentionMetadata, dtype: torch.dtype) -> DecodePlan:
-        """This step's `DecodePlan` (made at the first layer, reused by the others)."""
+        """This step's `DecodePlan` (made at the first layer, reused by the others).
+
+        Keyed by the metadata object: `ModelRunner.prepare` builds a new one every step, so a
+        metadata object changed in place would be served a stale plan.
+        """
         if self._plan_for is not md:
             self._plan = plan_decode(md.block_tables, md.context_lens, self.kv_cache.shape[3], dtype)
             self._plan_for = md

@@ -39,6 +39,8 @@ def llm(folder):
     (torch.tensor([1.0, 2.0]), r"\[0, 128\)"),
     ([1, True], r"\[0, 128\)"),
     ([1, torch.tensor(True)], r"\[0, 128\)"),
+    ([1, torch.tensor([2])], r"\[0, 128\)"),  # a one-element 1-D tensor is a list, not a token id
+    (torch.tensor([[1], [2]]), r"\[0, 128\)"),
     ({"prompt_token_ids": [1], "prompt": 5}, "'prompt' must be text"),
     ("hello", "no tokenizer"),
     ({"text": [1]}, "prompt_token_ids"),
@@ -189,6 +191,10 @@ def test_integer_token_ids_of_any_kind_are_accepted(llm):
 def test_generate_refuses_bad_containers_and_foreign_requests(llm):
     with pytest.raises(ValueError, match="list of prompts"):
         llm.generate(None, use_tqdm=False)
+    outs = llm.generate([torch.tensor([1]), torch.tensor([2])], GREEDY, use_tqdm=False)  # two prompts, not one
+    assert [o.prompt_token_ids for o in outs] == [[1], [2]]
+    outs = llm.generate((p for p in [[1, 2], [3]]), GREEDY, use_tqdm=False)  # any iterable of prompts
+    assert [o.prompt_token_ids for o in outs] == [[1, 2], [3]]
     engine = llm.llm_engine
     rid = engine.add_request("mine", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="add_request"):
