@@ -187,7 +187,15 @@ def run_hf(model: str | None, workload: Workload, dtype: str = "float32", batch_
         raise ValueError(f"hf batch_size must be >= 1, got {batch_size}")
     path = resolve_model(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar is not part of the report
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     pad_id = hf.generation_config.pad_token_id
     if pad_id is None:
         pad_id = 0
@@ -322,7 +330,7 @@ def benchmark(model: str | None = None, num_requests: int = 64, input_len: tuple
 def format_report(r: dict) -> str:
     """The human-readable summary `python -m minivllm bench` prints."""
     w = r["workload"]
-    lines = [f"model {r['model']} ({r['dtype']}), {r['threads']} threads, {r['hardware']['cpu']}",
+    lines = [f"model {r['model']} ({r['dtype']}), torch threads: {r['threads']}, {r['hardware']['cpu']}",
              f"workload: {w['num_requests']} requests, prompts {w['input_len'][0]}-{w['input_len'][1]} tokens "
              f"({r['prompt_tokens_total']} in all), outputs {w['output_len'][0]}-{w['output_len'][1]} tokens "
              f"({r['output_tokens']} in all), shared prefix {w['shared_prefix']:g}, seed {w['seed']}",
@@ -333,10 +341,10 @@ def format_report(r: dict) -> str:
                      f"prefix caching gain {r['prefix_caching_speedup']:.2f}x "
                      f"(shared prompt tokens: {r['prompt_tokens_shared']})")
     if r["hf_tok_s"] is not None:
-        lines.append(f"hf    : {r['hf_tok_s']:8.1f} output tok/s ({r['hf_s']:.1f} s; batches of "
-                     f"{r['hf_batch_size']}, left-padded); identical greedy outputs: "
+        lines.append(f"hf    : {r['hf_tok_s']:8.1f} output tok/s ({r['hf_s']:.1f} s; up to "
+                     f"{r['hf_batch_size']} requests per generate call, left-padded); identical greedy outputs: "
                      f"{100 * r['hf_match_fraction']:.0f}% of requests")
-        lines.append(f"ratio : {r['ratio']:.2f}x")
+        lines.append(f"ratio : {r['ratio']:.2f}x (engine / hf output tok/s)")
     return "\n".join(lines)
 
 
