@@ -162,7 +162,10 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
     return result
 
 
-def run_hf(model: str | None, workload: Workload, dtype: str = "float32", batch_size: int = 32,
+DEFAULT_HF_BATCH_SIZE = 32  # transformers' static batches: its best on the headline workload (see the chapter)
+
+
+def run_hf(model: str | None, workload: Workload, dtype: str = "float32", batch_size: int = DEFAULT_HF_BATCH_SIZE,
            device: str | None = None) -> RunResult:
     """Time transformers' batched `generate` on the workload: what you would write without an engine.
 
@@ -235,8 +238,6 @@ import os
 import platform
 import shlex
 import sys
-
-DEFAULT_HF_BATCH_SIZE = 32  # transformers' static batches: its best on the headline workload (see the chapter)
 
 
 def environment() -> dict:

@@ -179,7 +179,7 @@ def _eos_token_ids(path: Path, config, tokenizer) -> set[int]:
 
 
 def _token_id(t) -> int | None:
-    """`t` as a Python int if it is an integer (Python, numpy, or a one-element integer tensor), else None.
+    """`t` as a Python int if it is an integer (Python, a numpy integer, or a 0-d integer tensor), else None.
 
     Bools and floats are not token ids: `int(2.7)` would silently become token 2.
     """

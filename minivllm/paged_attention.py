@@ -137,18 +137,17 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     ends = [k + 1 for k in range(len(blocks)) if k + 1 == len(blocks) or blocks[k + 1] != blocks[k]]
     # best[e]: the cheapest cut of sorted rows [0, ends[e]); a bucket of rows [a, b) costs
     # overhead + (b - a) * blocks[b - 1] * block_size
+    starts = [0, *ends]  # candidate bucket boundaries
     best, cut = [0.0], [0]
     for e, b in enumerate(ends):
-        options = [(best[s] + overhead_slots + (b - a) * blocks[b - 1] * block_size, s)
-                   for s, a in enumerate([0] + ends[:e])]
-        cost, s = min(options)
+        cost, s = min((best[s] + overhead_slots + (b - starts[s]) * blocks[b - 1] * block_size, s)
+                      for s in range(e + 1))
         best.append(cost)
         cut.append(s)
     bounds, e = [], len(ends)
     while e:
-        s = cut[e]
-        bounds.append(((0, *ends)[s], ends[e - 1]))
-        e = s
+        bounds.append((starts[cut[e]], ends[e - 1]))
+        e = cut[e]
     order_t = torch.tensor(order, dtype=torch.int64, device=device)
     inverse = torch.empty_like(order_t)
     inverse[order_t] = torch.arange(len(order), device=device)
