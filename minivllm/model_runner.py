@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.llama import LlamaForCausalLM, attention_reference
+from .models.llama import LlamaForCausalLM, attention_reference, pack_linear_layers
 from .naive import sample
 from .sequence import Sequence
 
@@ -80,13 +80,19 @@ class ModelRunner:
         attention_backend: overrides the manager's attention backend class.
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype and device.
+        pack_cpu_linears: class switch (default True): on CPU, swap the model's linear layers for
+            chapter 02's oneDNN `PackedLinear` where the dtype allows (float32, bfloat16).
     """
+
+    pack_cpu_linears = True
 
     def __init__(self, model: LlamaForCausalLM, block_manager, generator: torch.Generator | None = None,
                  attention_backend: type | None = None):
         self.model, self.block_manager = model, block_manager
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.pack_cpu_linears and self.device.type == "cpu":
+            pack_linear_layers(model)  # float64/float16 models are left as they are
         attn0 = model.model.layers[0].self_attn
         self.kv_cache = torch.zeros(2, len(model.model.layers), block_manager.num_blocks, block_manager.block_size,
                                     attn0.num_kv_heads, attn0.head_dim, dtype=self.dtype, device=self.device)

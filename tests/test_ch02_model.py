@@ -249,3 +249,67 @@ def test_tiny_temperatures_are_greedy(tiny_llama):
     ours = load_model(tiny_llama[0], dtype=torch.float64)
     greedy = naive_generate(ours, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert naive_generate(ours, [1, 2, 3], SamplingParams(temperature=1e-320, max_tokens=8, ignore_eos=True)) == greedy
+
+
+# --- oneDNN-packed linear layers (the engine's CPU fast path) ------------------------------------
+
+from minivllm.models.llama import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
+
+needs_onednn = pytest.mark.skipif(not onednn_packing_supported(torch.float32),
+                                  reason="this PyTorch build has no oneDNN float32 linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(bias):
+    """float32: the two libraries sum in different orders, so equal up to ~1e-6 relative, not bits."""
+    g = torch.Generator().manual_seed(0)
+    for in_f, out_f in ((8, 3), (576, 192), (64, 1000)):
+        lin = torch.nn.Linear(in_f, out_f, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out_f, in_f, generator=g))
+            if bias:
+                lin.bias.copy_(torch.randn(out_f, generator=g))
+        packed = PackedLinear(lin)
+        for shape in ((1, in_f), (5, in_f), (2, 3, in_f), (in_f,), (0, in_f)):
+            x = torch.randn(*shape, generator=g)
+            want, got = lin(x), packed(x)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_f ** 0.5)
+        xt = torch.randn(in_f, 7, generator=g).t()  # a non-contiguous input
+        torch.testing.assert_close(packed(xt), lin(xt), rtol=1e-5, atol=1e-5 * in_f ** 0.5)
+
+
+@needs_onednn
+def test_packed_linear_refuses_what_onednn_cannot_run():
+    with pytest.raises(ValueError, match="cannot pack a torch.float64 weight"):
+        PackedLinear(torch.nn.Linear(4, 4).double())
+
+
+@needs_onednn
+def test_pack_linear_layers_keeps_the_logits(tiny_model):
+    folder, _ = tiny_model
+    plain = load_model(folder, dtype=torch.float32)
+    packed = load_model(folder, dtype=torch.float32)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert pack_linear_layers(packed) == n_linear and n_linear > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    ids = torch.randint(0, 128, (33,), generator=torch.Generator().manual_seed(3))
+    want, got = our_logits(plain, ids), our_logits(packed, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 rounding through 2 layers, not bits
+    # float64 models are left alone (oneDNN has no float64 kernels): the oracle tests run nn.Linear
+    f64 = load_model(folder, dtype=torch.float64)
+    assert pack_linear_layers(f64) == 0
+
+
+@needs_onednn
+def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
+    from minivllm import LLM
+    from minivllm.model_runner import ModelRunner
+
+    folder, _ = tiny_llama
+    f32 = LLM(str(folder), dtype="float32", num_kvcache_blocks=8).llm_engine.model_runner.model
+    assert isinstance(f32.lm_head, PackedLinear) and isinstance(f32.model.layers[0].mlp.down_proj, PackedLinear)
+    f64 = LLM(str(folder), dtype="float64", num_kvcache_blocks=8).llm_engine.model_runner.model
+    assert isinstance(f64.lm_head, torch.nn.Linear)
+    assert ModelRunner.pack_cpu_linears is True

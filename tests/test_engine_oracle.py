@@ -13,6 +13,7 @@ import torch
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm.engine import LLM, LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.models.llama import PackedLinear, onednn_packing_supported
 
 NUM_PROMPTS = 32
 MAX_MODEL_LEN = 400
@@ -168,6 +169,8 @@ def test_default_model_chat_greedy_text_equals_transformers():
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_tokens=40)
     llm = LLM(None, dtype="float32", max_model_len=2048)
+    if onednn_packing_supported(torch.float32):  # so this test also covers the oneDNN-packed layers
+        assert isinstance(llm.llm_engine.model_runner.model.lm_head, PackedLinear)
     outs = llm.chat(conversations, params, use_tqdm=False)
     check_invariants(llm.llm_engine)
     tok = llm.get_tokenizer()
