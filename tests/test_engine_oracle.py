@@ -197,3 +197,43 @@ def test_generate_accepts_vllm_prompt_forms_and_keeps_input_order(oracle):
     assert len(single) == 1 and single[0].outputs[0].token_ids == refs[3]
     assert llm.generate([], use_tqdm=False) == []
     check_invariants(llm.llm_engine)
+
+
+@pytest.mark.parametrize("limit", [None, 1, 150])
+def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
+    """A prefill step run in forward passes of at most `limit` new tokens (1: one sequence per pass;
+    None: the whole step in one pass) gives transformers' tokens all the same."""
+    from minivllm.model_runner import ModelRunner
+
+    folder, _, prompts, max_tokens, refs = oracle
+    monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    passes = []
+    real = engine.model_runner.forward_logits
+    monkeypatch.setattr(engine.model_runner, "forward_logits", lambda seqs, p: passes.append((len(seqs), p)) or real(seqs, p))
+    outs = run_engine(engine, prompts, _params(max_tokens))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    prefill_passes = [n for n, is_prefill in passes if is_prefill]
+    if limit == 1:
+        assert set(prefill_passes) == {1} and len(prefill_passes) == len(prompts)
+    elif limit is None:
+        assert len(prefill_passes) == sum(1 for s in engine.stats if s.is_prefill)
+    else:
+        assert len(prefill_passes) > sum(1 for s in engine.stats if s.is_prefill)
+
+
+def test_microbatches_cut_in_order_under_the_limit():
+    from types import SimpleNamespace
+
+    from minivllm.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.prefill_microbatch_tokens = 100
+    seqs = [SimpleNamespace(num_tokens=n + c, num_cached_tokens=c) for n, c in
+            [(30, 0), (70, 16), (1, 0), (250, 32), (60, 0), (40, 5), (1, 0)]]
+    groups = runner.microbatches(seqs)
+    assert [s for g in groups for s in g] == seqs
+    assert [len(g) for g in groups] == [2, 1, 1, 2, 1]
+    for g in groups:
+        new = sum(s.num_tokens - s.num_cached_tokens for s in g)
+        assert new <= 100 or len(g) == 1
