@@ -87,7 +87,8 @@ class ModelRunner:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype and device.
         pack_cpu_linears: class switch (default True): on CPU, swap the model's linear layers for
             chapter 02's oneDNN `PackedLinear` where the dtype allows (float32, bfloat16).
-        prefill_microbatch_tokens: most new tokens per forward pass of a prefill step (None: no limit).
+        prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU (None: no
+            limit; other devices run a step in one pass).
     """
 
     pack_cpu_linears = True
@@ -143,11 +144,13 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Run the model on the batch and sample one token per sequence (in `seqs` order).
 
-        A prefill batch runs in pieces of whole sequences of at most `prefill_microbatch_tokens` new
-        tokens each (a longer sequence runs alone): the results are the same, and on CPU smaller
-        activations are faster (see `PREFILL_MICROBATCH_TOKENS`).
+        On CPU a prefill batch runs in pieces of whole sequences, in order, of at most
+        `prefill_microbatch_tokens` new tokens each (a longer sequence runs alone): the results are
+        the same, and smaller activations are faster there (see `PREFILL_MICROBATCH_TOKENS`). Order
+        matters: a sequence may read K/V that an earlier one writes in this step (prefix caching).
         """
-        groups = self.microbatches(seqs) if is_prefill else [seqs]
+        split = is_prefill and self.device.type == "cpu"
+        groups = self.microbatches(seqs) if split else [seqs]
         logits = torch.cat([self.forward_logits(group, is_prefill) for group in groups])
         return self.sample(seqs, logits)
 

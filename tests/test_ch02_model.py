@@ -284,6 +284,9 @@ def test_packed_linear_equals_f_linear(bias):
 def test_packed_linear_refuses_what_onednn_cannot_run():
     with pytest.raises(ValueError, match="cannot pack a torch.float64 weight"):
         PackedLinear(torch.nn.Linear(4, 4).double())
+    packed = PackedLinear(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="holds torch.float32 weights; got a torch.float64 input"):
+        packed(torch.zeros(2, 4, dtype=torch.float64))
 
 
 @needs_onednn

@@ -237,3 +237,20 @@ def test_microbatches_cut_in_order_under_the_limit():
     for g in groups:
         new = sum(s.num_tokens - s.num_cached_tokens for s in g)
         assert new <= 100 or len(g) == 1
+
+
+@pytest.mark.skipif(not onednn_packing_supported(torch.float32), reason="no oneDNN float32 linear here")
+def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monkeypatch):
+    """The engine's real CPU path (float32, oneDNN-packed layers) with prefill passes of one sequence
+    each and with no limit: oneDNN's rows do not depend on how many rows it is given, so the greedy
+    tokens must be identical (not just close)."""
+    from minivllm.model_runner import ModelRunner
+
+    folder, _, prompts, max_tokens, _ = oracle
+    outs = {}
+    for limit in (None, 1):
+        monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
+        engine = LLMEngine(model=folder, dtype="float32", max_model_len=MAX_MODEL_LEN)
+        assert isinstance(engine.model_runner.model.lm_head, PackedLinear)
+        outs[limit] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, _params(max_tokens))]
+    assert outs[None] == outs[1]

@@ -387,12 +387,13 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
     return net.eval()
 
 # %% ../../notebooks/02_model.ipynb #81e8b3d2
-ONEDNN_PACK_BATCH_HINT = 64  # the batch size oneDNN tunes a packed layout for (64 measured best of 1, 64)
+ONEDNN_PACK_BATCH_HINT = 64  # the batch size oneDNN tunes a packed layout for (of 1 and 64, 64 was faster)
 
 
 def onednn_packing_supported(dtype: torch.dtype) -> bool:
     """Whether `PackedLinear` can run weights of `dtype` on this CPU: float32 whenever PyTorch was
-    built with oneDNN, bfloat16 only where the CPU has bfloat16 instructions, nothing else."""
+    built with oneDNN, bfloat16 where PyTorch's oneDNN supports it on this CPU (AVX-512 or newer; it
+    emulates bfloat16 where the CPU lacks bfloat16 instructions), nothing else."""
     mkldnn = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
         return False
@@ -406,14 +407,16 @@ class PackedLinear(nn.Module):
 
     `forward(x)`: `[..., in_features]` -> `[..., out_features]`, same dtype, equal to `F.linear` up to
     the summation order (float32: relative differences around 1e-6). The plain weight is not kept
-    (as in vLLM, which frees it), so pack after the model has its final device and dtype, and do
-    not `.to()` it afterwards. Idea: vLLM's CPU backend, `dispatch_cpu_unquantized_gemm`.
+    (as in vLLM, which frees it), so pack after the model has its final device and dtype. A packed
+    model is for running only: no `.to()`, `state_dict()` (the packed weights are not in it),
+    `copy.deepcopy` or `torch.save` afterwards. Idea: vLLM's CPU backend, `dispatch_cpu_unquantized_gemm`.
 
     Args:
         linear: the layer to replace; CPU, a dtype `onednn_packing_supported` accepts.
         batch_hint: the number of rows oneDNN chooses the packed layout for; any batch size works.
     Raises:
-        ValueError: if the layer is not on CPU or its dtype cannot be packed.
+        ValueError: if the layer is not on CPU or its dtype cannot be packed; in `forward`, if `x`'s
+            dtype differs from the weight's.
     """
 
     def __init__(self, linear: nn.Linear, batch_hint: int = ONEDNN_PACK_BATCH_HINT):
@@ -421,11 +424,13 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         if weight.device.type != "cpu" or not onednn_packing_supported(weight.dtype):
             raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on {weight.device} here")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, weight.dtype
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)  # opaque layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise ValueError(f"PackedLinear holds {self.dtype} weights; got a {x.dtype} input")
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
