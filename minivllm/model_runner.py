@@ -149,10 +149,10 @@ class ModelRunner:
         the same, and smaller activations are faster there (see `PREFILL_MICROBATCH_TOKENS`). Order
         matters: a sequence may read K/V that an earlier one writes in this step (prefix caching).
         """
-        split = is_prefill and self.device.type == "cpu"
-        groups = self.microbatches(seqs) if split else [seqs]
-        logits = torch.cat([self.forward_logits(group, is_prefill) for group in groups])
-        return self.sample(seqs, logits)
+        if not (is_prefill and self.device.type == "cpu"):
+            return self.sample(seqs, self.forward_logits(seqs, is_prefill))  # decode: one pass, no copy
+        logits = [self.forward_logits(group, is_prefill) for group in self.microbatches(seqs)]
+        return self.sample(seqs, logits[0] if len(logits) == 1 else torch.cat(logits))
 
     def microbatches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """Cut a prefill batch, in order, into runs of at most `prefill_microbatch_tokens` new tokens."""

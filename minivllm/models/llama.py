@@ -419,10 +419,15 @@ class PackedLinear(nn.Module):
             dtype differs from the weight's.
     """
 
+    @staticmethod
+    def can_pack(linear: nn.Linear) -> bool:
+        """Whether `linear` can be packed: on CPU, with a dtype `onednn_packing_supported` accepts."""
+        return linear.weight.device.type == "cpu" and onednn_packing_supported(linear.weight.dtype)
+
     def __init__(self, linear: nn.Linear, batch_hint: int = ONEDNN_PACK_BATCH_HINT):
         super().__init__()
         weight = linear.weight.detach()
-        if weight.device.type != "cpu" or not onednn_packing_supported(weight.dtype):
+        if not self.can_pack(linear):
             raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on {weight.device} here")
         self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, weight.dtype
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)  # opaque layout
@@ -447,8 +452,7 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = ONEDNN_PACK_BATCH_HIN
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                    and onednn_packing_supported(child.weight.dtype)):
+            if isinstance(child, nn.Linear) and PackedLinear.can_pack(child):
                 setattr(module, name, PackedLinear(child, batch_hint))
                 replaced += 1
     return replaced
