@@ -1,0 +1,148 @@
+"""Chapter 05's C++ CPU decode kernel: equal to the plain-torch paged decode, refuses bad input, and
+the engine falls back to plain torch where it does not build.
+
+The kernel is compiled on first use (about half a minute; torch caches the library on disk). Tests
+that need it are skipped only where there is no C++ compiler at all, which CI machines have.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import minivllm.paged_attention as pa
+from minivllm.paged_attention import (cpu_decode_kernel, paged_decode_attention, paged_decode_attention_cpu,
+                                      paged_decode_attention_planned, plan_decode)
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here: the kernel cannot be built")
+
+# (num_heads, num_kv_heads, head_dim, block_size): the default model's shape, Qwen3-0.6B's head_dim
+# 128, no grouping, one K/V head for all, odd sizes that take the generic (runtime head_dim) path
+SHAPES = [(9, 3, 64, 16), (16, 8, 128, 1), (4, 4, 8, 5), (6, 1, 32, 256), (4, 2, 16, 4)]
+
+
+def random_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, num_seqs=7, num_blocks=60):
+    """A cache with shuffled block tables; table entries past a sequence's last block are garbage ids
+    (10**9) that the kernel must not read."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g, dtype=dtype)
+    capacity = min(40, num_blocks * block_size // num_seqs)
+    lens = torch.randint(1, capacity + 1, (num_seqs,), generator=g)
+    lens[0], lens[1] = 1, block_size * max(1, capacity // block_size)  # one token; whole blocks
+    n_blocks = (lens + block_size - 1) // block_size
+    tables = torch.full((num_seqs, int(n_blocks.max()) + 1), 10**9, dtype=torch.int64)
+    perm = torch.randperm(num_blocks, generator=g)
+    start = 0
+    for i, n in enumerate(n_blocks.tolist()):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g, dtype=dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+@needs_kernel
+def test_the_kernel_builds_where_there_is_a_compiler():
+    assert cpu_decode_kernel() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_equals_plain_torch_decode(shape, dtype, threads):
+    q, k_cache, v_cache, tables, lens = random_batch(*shape, dtype)
+    scale = shape[2] ** -0.5
+    plain_tables = tables.masked_fill(tables == 10**9, -1)  # the plain version clamps padding to block 0
+    ref = paged_decode_attention(q, k_cache, v_cache, plain_tables, lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+        # a non-contiguous q (a strided view) gives the same
+        wide = torch.cat([q, torch.zeros_like(q)], dim=2)[:, :, :shape[2]]
+        assert not wide.is_contiguous()
+        out_strided = paged_decode_attention_cpu(wide, k_cache, v_cache, tables, lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+    torch.testing.assert_close(out_strided, out, atol=0, rtol=0)
+    plan = plan_decode(plain_tables, lens, shape[3], dtype)
+    torch.testing.assert_close(paged_decode_attention_planned(q, k_cache, v_cache, plan, scale), out, atol=tol, rtol=0)
+
+
+@needs_kernel
+def test_kernel_on_an_empty_batch():
+    q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)
+    out = paged_decode_attention_cpu(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.25)
+    assert out.shape == (0, 4, 16)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_input_with_a_clear_error():
+    q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)
+    call = lambda **kw: paged_decode_attention_cpu(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                                                             block_tables=tables, context_lens=lens, scale=0.25), **kw})
+    bad_tables = tables.clone()
+    bad_tables[2, 0] = -1
+    cases = {
+        "context_lens\\[0\\] = 0": dict(context_lens=lens.clone().index_fill_(0, torch.tensor([0]), 0)),
+        "is not in \\[1, ": dict(context_lens=lens + 10**6),
+        "block_tables\\[2, 0\\] = -1": dict(block_tables=bad_tables),
+        "one dtype": dict(q=q.float()),
+        "2-D int64": dict(block_tables=tables.int()),
+        "multiple of num_kv_heads": dict(q=torch.randn(7, 3, 16, dtype=torch.float64)),
+        "one row per sequence": dict(context_lens=lens[:-1]),
+        "contiguous": dict(k_cache=k_cache.transpose(0, 1).contiguous().transpose(0, 1)),
+    }
+    for message, kw in cases.items():
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+    torch.testing.assert_close(call(), paged_decode_attention(q, k_cache, v_cache, tables.masked_fill(tables == 10**9, -1),
+                                                              lens, 0.25))  # still serving
+
+
+def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch):
+    """Where the kernel cannot be built, `cpu_decode_kernel` warns and returns None, the direct call
+    raises, and `PagedAttention` decodes with plain torch."""
+    import torch.utils.cpp_extension as cpp
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    cpu_decode_kernel.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+            assert cpu_decode_kernel() is None
+        with pytest.raises(RuntimeError, match="not available"):
+            paged_decode_attention_cpu(*random_batch(4, 2, 16, 4, torch.float64), 0.25)
+        kv_cache = torch.zeros(2, 1, 8, 4, 2, 16, dtype=torch.float64)
+        assert pa.PagedAttention(kv_cache, 0.25).decode_kernel(torch.zeros(1, 4, 16, dtype=torch.float64)) is None
+    finally:
+        cpu_decode_kernel.cache_clear()
+
+
+def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
+    cpu_decode_kernel.cache_clear()
+    try:
+        assert cpu_decode_kernel() is None
+    finally:
+        cpu_decode_kernel.cache_clear()
+
+
+@needs_kernel
+def test_backend_uses_the_kernel_only_for_cpu_float32_and_float64(monkeypatch):
+    kv_cache = torch.zeros(2, 1, 8, 4, 2, 16)
+    backend = pa.PagedAttention(kv_cache, 0.25)
+    assert backend.decode_kernel(torch.zeros(1, 4, 16)) is cpu_decode_kernel()
+    assert backend.decode_kernel(torch.zeros(1, 4, 16, dtype=torch.float64)) is cpu_decode_kernel()
+    assert backend.decode_kernel(torch.zeros(1, 4, 16, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(pa.PagedAttention, "use_cpu_kernel", False)
+    assert backend.decode_kernel(torch.zeros(1, 4, 16)) is None
