@@ -7,13 +7,20 @@ of vLLM's PagedAttention kernels (Kwon et al.); the CPU kernel follows vLLM's CP
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
+import shutil
+import sys
+import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .model_files import model_cache_dir
 from .model_runner import AttentionMetadata, ContiguousAttention
 from .models.llama import attention_reference
 
@@ -251,8 +258,9 @@ class PagedAttention(ContiguousAttention):
 
 # %% auto #0
 __all__ = ['BUCKET_OVERHEAD_SLOTS', 'PREFILL_QUERY_CHUNK', 'CPU_KERNEL_DTYPES', 'CPU_KERNEL_CFLAGS', 'CPU_DECODE_SOURCE',
-           'gather_kv', 'paged_decode_attention', 'prefill_attention', 'DecodeBucket', 'DecodePlan', 'plan_decode',
-           'paged_decode_attention_planned', 'PagedAttention', 'cpu_decode_kernel', 'paged_decode_attention_cpu']
+           'STALE_BUILD_LOCK_SECONDS', 'gather_kv', 'paged_decode_attention', 'prefill_attention', 'DecodeBucket',
+           'DecodePlan', 'plan_decode', 'paged_decode_attention_planned', 'PagedAttention', 'cpu_kernel_build_dir',
+           'cpu_decode_kernel', 'paged_decode_attention_cpu']
 
 # %% ../notebooks/05_paged_attention.ipynb #bd2b8010
 CPU_KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -329,8 +337,8 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
 
 template <typename scalar_t, int64_t kHeadDim>
 static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                         const int64_t* lens, const std::vector<int64_t>& order, double scale) {
+                         const torch::Tensor& v_cache, const torch::Tensor& block_tables, const int64_t* lens,
+                         const std::vector<std::vector<int64_t>>& bins, double scale) {
   const int64_t num_heads = q.size(1), D = q.size(2), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   scalar_t* o = out.data_ptr<scalar_t>();
@@ -338,14 +346,13 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   const scalar_t* kc = k_cache.data_ptr<scalar_t>();
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<at::opmath_type<scalar_t>> scores, acc;  // this thread's scratch
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t seq = order[i];
-      decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
-                                              tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
-                                              D, block_size, scale, scores, acc);
-    }
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t seq : bins[b])
+        decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
+                                                tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
+                                                D, block_size, scale, scores, acc);
   });
 }
 
@@ -354,8 +361,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                        block_tables.device().is_cpu() && context_lens.device().is_cpu(),
                     "the CPU decode kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble,
+                    "the CPU decode kernel takes float32 or float64, got ", q.scalar_type());
   TORCH_CHECK_VALUE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
                     "q, k_cache and v_cache must have one dtype");
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
@@ -366,6 +376,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(block_tables.size(0) == n && context_lens.size(0) == n,
                     "block_tables and context_lens need one row per sequence of q");
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && block_size > 0 && q.size(2) > 0,
+                    "num_heads, num_kv_heads, block_size and head_dim must be positive");
   TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3) && num_heads % num_kv_heads == 0,
                     "head_dim must match and num_heads must be a multiple of num_kv_heads");
   q = q.contiguous();
@@ -374,7 +386,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
-  for (int64_t i = 0; i < n; ++i) {  // checked here: an error inside the threads would end the process
+  for (int64_t i = 0; i < n; ++i) {  // checked before the threads start: no thread reads outside the cache
     TORCH_CHECK_VALUE(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "context_lens[", i, "] = ", lens[i],
                       " is not in [1, ", max_blocks * block_size, "]");
     for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
@@ -383,46 +395,96 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                         " is not a block of the cache (", num_blocks, " blocks)");
     }
   }
-  // longest, shortest, second longest, ...: each thread's share of the list holds about as many tokens
-  std::vector<int64_t> by_len(n), order;
+  // one bin of sequences per thread: longest first, each into the bin with the fewest tokens so far
+  // (Graham's LPT rule), so that the threads finish at about the same time
+  std::vector<int64_t> by_len(n);
   std::iota(by_len.begin(), by_len.end(), 0);
   std::stable_sort(by_len.begin(), by_len.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  for (int64_t lo = 0, hi = n - 1; lo <= hi; ++lo, --hi) {
-    order.push_back(by_len[lo]);
-    if (lo != hi) order.push_back(by_len[hi]);
+  const int64_t num_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<std::vector<int64_t>> bins(num_bins);
+  std::vector<int64_t> load(num_bins, 0);
+  for (int64_t seq : by_len) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(seq);
+    load[b] += lens[seq];
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
     const int64_t D = q.size(2);
-    if (D == 64) decode_batch<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, lens, order, scale);
-    else if (D == 128) decode_batch<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, lens, order, scale);
-    else decode_batch<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, lens, order, scale);
+    if (D == 64) decode_batch<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
+    else if (D == 128) decode_batch<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
+    else decode_batch<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
   });
   return out;
 }
 """
 
 
+STALE_BUILD_LOCK_SECONDS = 180  # a build takes ~30 s; an older lock was left by a killed build
+
+
+def cpu_kernel_build_dir() -> Path:
+    """Where the kernel is compiled and cached: under minivllm's cache (`$MINIVLLM_CACHE`, else
+    `~/.cache/minivllm`), one folder per Python, torch and CPU model (a hash of its instruction-set
+    flags: the library is built with `-march=native`, so another CPU must not load it)."""
+    flags = f"{platform.machine()} {platform.processor()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return model_cache_dir() / "kernels" / f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-cpu{cpu}"
+
+
+def _clear_stale_build_lock(build_dir: Path) -> None:
+    """torch's builder waits without end on a `lock` file that a killed build left behind: wait for a
+    live build to finish, and remove a lock older than `STALE_BUILD_LOCK_SECONDS`."""
+    lock = build_dir / "lock"
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_BUILD_LOCK_SECONDS:
+            warnings.warn(f"minivllm: removing {lock}, left by a kernel build that did not finish", RuntimeWarning)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
+
+
 @functools.cache
 def cpu_decode_kernel():
-    """Build (once per process; cached on disk by torch) and return the C++ paged decode kernel.
+    """Build or load (once per process) and return the C++ paged decode kernel.
+
+    Compiled by `torch.utils.cpp_extension.load_inline` into `cpu_kernel_build_dir()` the first time
+    (about 30 s), loaded from there afterwards. torch runs `ninja` at every load, so the `ninja` of
+    the `ninja` pip package is put on `PATH` when there is none.
 
     Returns:
         A function with `paged_decode_attention_cpu`'s signature, or None where the kernel cannot be
-        built (no C++ compiler, OpenMP or ninja: a `RuntimeWarning` says why) or `MINIVLLM_CPU_KERNEL=0`.
-    The library is compiled with `-march=native`: a cache directory shared between different CPUs
-    (`TORCH_EXTENSIONS_DIR`) must not be.
+        built or loaded (no C++ compiler, OpenMP or ninja: a `RuntimeWarning` says why) or where
+        `MINIVLLM_CPU_KERNEL=0`.
     """
     if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load_inline
 
+        if shutil.which("ninja") is None:
+            import ninja  # the pip package ships the binary
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        build_dir = cpu_kernel_build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_build_lock(build_dir)
         module = load_inline("minivllm_paged_decode_cpu", CPU_DECODE_SOURCE, functions=["paged_decode_attention"],
-                             extra_cflags=CPU_KERNEL_CFLAGS, extra_ldflags=["-fopenmp"])
-    except Exception as e:  # any build failure leaves the plain-torch path, which computes the same
-        warnings.warn(f"minivllm: the C++ CPU decode kernel did not build ({type(e).__name__}: {str(e)[:500]}); "
-                      "decode attention uses plain torch (paged_decode_attention_planned)", RuntimeWarning)
+                             extra_cflags=CPU_KERNEL_CFLAGS, extra_ldflags=["-fopenmp"],
+                             build_directory=str(build_dir))
+    except Exception as e:  # any failure leaves the plain-torch path, which computes the same
+        warnings.warn(f"minivllm: the C++ CPU decode kernel could not be built or loaded ({type(e).__name__}: "
+                      f"{str(e)[:500]}); decode attention uses plain torch (paged_decode_attention_planned)",
+                      RuntimeWarning)
         return None
     return module.paged_decode_attention
 
@@ -444,6 +506,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: shapes, dtypes or devices that do not fit, a context length out of range, or a
             block id that is not a block of the cache.
         RuntimeError: the kernel is not available here (see `cpu_decode_kernel`).
+    For inference only: the output carries no autograd history.
     """
     kernel = cpu_decode_kernel()
     if kernel is None:

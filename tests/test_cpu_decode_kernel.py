@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import minivllm.paged_attention as pa
-from minivllm.paged_attention import (cpu_decode_kernel, paged_decode_attention, paged_decode_attention_cpu,
+from minivllm.paged_attention import (_clear_stale_build_lock, cpu_decode_kernel, cpu_kernel_build_dir,
+                                      paged_decode_attention, paged_decode_attention_cpu,
                                       paged_decode_attention_planned, plan_decode)
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -50,7 +51,7 @@ def test_the_kernel_builds_where_there_is_a_compiler():
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_equals_plain_torch_decode(shape, dtype, threads):
@@ -99,6 +100,9 @@ def test_kernel_refuses_bad_input_with_a_clear_error():
         "multiple of num_kv_heads": dict(q=torch.randn(7, 3, 16, dtype=torch.float64)),
         "one row per sequence": dict(context_lens=lens[:-1]),
         "contiguous": dict(k_cache=k_cache.transpose(0, 1).contiguous().transpose(0, 1)),
+        "float32 or float64": dict(q=q.bfloat16(), k_cache=k_cache.bfloat16(), v_cache=v_cache.bfloat16()),
+        "must be positive": dict(k_cache=k_cache[:, :, :0], v_cache=v_cache[:, :, :0]),
+        "CPU tensors": dict(context_lens=torch.empty(7, dtype=torch.int64, device="meta")),
     }
     for message, kw in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -146,3 +150,28 @@ def test_backend_uses_the_kernel_only_for_cpu_float32_and_float64(monkeypatch):
     assert backend.decode_kernel(torch.zeros(1, 4, 16, dtype=torch.bfloat16)) is None
     monkeypatch.setattr(pa.PagedAttention, "use_cpu_kernel", False)
     assert backend.decode_kernel(torch.zeros(1, 4, 16)) is None
+
+
+def test_build_folder_is_per_python_torch_and_cpu_under_the_minivllm_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    folder = cpu_kernel_build_dir()
+    assert folder.parent == tmp_path / "kernels"
+    assert torch.__version__ in folder.name and "-cpu" in folder.name
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_awaited(tmp_path):
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - pa.STALE_BUILD_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        _clear_stale_build_lock(tmp_path)
+    assert not lock.exists()
+    lock.touch()  # a live build: its lock goes away after a moment, and we wait for that
+    threading.Timer(1.5, lock.unlink).start()
+    t0 = time.perf_counter()
+    _clear_stale_build_lock(tmp_path)
+    assert not lock.exists() and time.perf_counter() - t0 >= 1.0
