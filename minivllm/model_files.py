@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 MODEL_CACHE_ENV = "MINIVLLM_CACHE"
@@ -71,6 +72,7 @@ def convert_default_model(dest: str | os.PathLike | None = None, force: bool = F
     for pkg in ("gguf", "accelerate"):
         if importlib.util.find_spec(pkg) is None:
             raise ImportError(f"converting the default model needs `{pkg}`: pip install gguf accelerate")
+    print(f"minivllm: converting the default model once into {dest} (about 30 s)", file=sys.stderr)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

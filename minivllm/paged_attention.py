@@ -6,13 +6,13 @@ decode on CPU, in a small C++ kernel (exported from notebooks/05_paged_attention
 of vLLM's PagedAttention kernels (Kwon et al.); the CPU kernel follows vLLM's CPU backend."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import shutil
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +231,9 @@ class PagedAttention(ContiguousAttention):
         return self._plan
 
     def decode_kernel(self, q: torch.Tensor):
-        """The C++ decode kernel if this backend should use it for `q`, else None."""
+        """The C++ decode kernel (`paged_decode_attention_cpu`'s signature) if this backend should use
+        it for `q` (`[num_seqs, num_heads, head_dim]`: on CPU, float32 or float64, `use_cpu_kernel`
+        set, the kernel built), else None."""
         if self.use_cpu_kernel and q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES:
             return cpu_decode_kernel()
         return None
@@ -258,8 +260,8 @@ class PagedAttention(ContiguousAttention):
 
 # %% auto #0
 __all__ = ['BUCKET_OVERHEAD_SLOTS', 'PREFILL_QUERY_CHUNK', 'CPU_KERNEL_DTYPES', 'CPU_KERNEL_CFLAGS', 'CPU_DECODE_SOURCE',
-           'STALE_BUILD_LOCK_SECONDS', 'gather_kv', 'paged_decode_attention', 'prefill_attention', 'DecodeBucket',
-           'DecodePlan', 'plan_decode', 'paged_decode_attention_planned', 'PagedAttention', 'cpu_kernel_build_dir',
+           'CPUINFO', 'gather_kv', 'paged_decode_attention', 'prefill_attention', 'DecodeBucket', 'DecodePlan',
+           'plan_decode', 'paged_decode_attention_planned', 'PagedAttention', 'cpu_kernel_build_dir',
            'cpu_decode_kernel', 'paged_decode_attention_cpu']
 
 # %% ../notebooks/05_paged_attention.ipynb #bd2b8010
@@ -283,7 +285,8 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
                                 const int64_t* __restrict block_table, int64_t len, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
                                 std::vector<at::opmath_type<scalar_t>>& scores,
-                                std::vector<at::opmath_type<scalar_t>>& acc) {
+                                std::vector<at::opmath_type<scalar_t>>& acc,
+                                std::vector<at::opmath_type<scalar_t>>& denom) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t group = num_heads / num_kv_heads;     // query heads per K/V head
@@ -291,6 +294,7 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   const int64_t block_stride = block_size * token_stride;
   scores.resize(num_heads * len);
   acc.assign(num_heads * D, acc_t(0));
+  denom.resize(num_heads);
   acc_t* __restrict s = scores.data();  // s[h * len + t]
   acc_t* __restrict a = acc.data();     // a[h * D + d]
 
@@ -307,7 +311,6 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
     }
   }
   // 2. softmax numerators in place, and their sums
-  std::vector<acc_t> denom(num_heads);
   for (int64_t h = 0; h < num_heads; ++h) {
     acc_t* sh = s + h * len;
     acc_t mx = -INFINITY, total = 0;
@@ -347,12 +350,12 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::opmath_type<scalar_t>> scores, acc;  // this thread's scratch
+    std::vector<at::opmath_type<scalar_t>> scores, acc, denom;  // this thread's scratch
     for (int64_t b = begin; b < end; ++b)
       for (int64_t seq : bins[b])
         decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
                                                 tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
-                                                D, block_size, scale, scores, acc);
+                                                D, block_size, scale, scores, acc, denom);
   });
 }
 
@@ -420,37 +423,66 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 """
 
 
-STALE_BUILD_LOCK_SECONDS = 180  # a build takes ~30 s; an older lock was left by a killed build
+CPUINFO = "/proc/cpuinfo"  # Linux: the CPU's model and instruction-set flags
 
 
 def cpu_kernel_build_dir() -> Path:
     """Where the kernel is compiled and cached: under minivllm's cache (`$MINIVLLM_CACHE`, else
-    `~/.cache/minivllm`), one folder per Python, torch and CPU model (a hash of its instruction-set
-    flags: the library is built with `-march=native`, so another CPU must not load it)."""
-    flags = f"{platform.machine()} {platform.processor()}"
+    `~/.cache/minivllm`), one folder per Python, torch and CPU model. The CPU is a hash of its model
+    and instruction-set flags (`/proc/cpuinfo` on Linux, x86 `flags` or Arm `Features`; elsewhere
+    `platform`'s names only): the library is built with `-march=native`, and another CPU must not
+    load it from a shared home folder."""
+    ident = f"{platform.system()} {platform.machine()} {platform.processor()}"
     try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
+        with open(CPUINFO) as f:
+            keys = ("flags", "Features", "model name", "CPU part")
+            ident += "".join(sorted({line for line in f if line.startswith(keys)}))
     except OSError:
         pass
-    cpu = hashlib.sha1(flags.encode()).hexdigest()[:10]
+    cpu = hashlib.sha1(ident.encode()).hexdigest()[:10]
     return model_cache_dir() / "kernels" / f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-cpu{cpu}"
 
 
-def _clear_stale_build_lock(build_dir: Path) -> None:
-    """torch's builder waits without end on a `lock` file that a killed build left behind: wait for a
-    live build to finish, and remove a lock older than `STALE_BUILD_LOCK_SECONDS`."""
-    lock = build_dir / "lock"
-    while lock.exists():
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an OS lock (`fcntl.flock`; the OS drops it when its process dies) on
+    `build_dir/minivllm.lock` while torch builds or loads the kernel. Inside it, torch's own `lock`
+    file can only be a leftover of a build that was killed (torch would wait on it for ever), so it
+    is removed. Without `fcntl` (Windows) nothing is locked or removed."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build_dir / "minivllm.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_BUILD_LOCK_SECONDS:
-            warnings.warn(f"minivllm: removing {lock}, left by a kernel build that did not finish", RuntimeWarning)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(1.0)
+            leftover = build_dir / "lock"
+            if leftover.exists():
+                warnings.warn(f"minivllm: removing {leftover}, left by a kernel build that did not finish",
+                              RuntimeWarning)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Append the `ninja` pip package's folder to `PATH` for the duration, where no `ninja` is on it."""
+    old = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        import ninja  # the pip package ships the binary
+
+        if ninja.BIN_DIR:
+            os.environ["PATH"] = (old + os.pathsep if old else "") + ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
 
 
 @functools.cache
@@ -458,33 +490,40 @@ def cpu_decode_kernel():
     """Build or load (once per process) and return the C++ paged decode kernel.
 
     Compiled by `torch.utils.cpp_extension.load_inline` into `cpu_kernel_build_dir()` the first time
-    (about 30 s), loaded from there afterwards. torch runs `ninja` at every load, so the `ninja` of
-    the `ninja` pip package is put on `PATH` when there is none.
+    (about 30 s), loaded from there afterwards, one process at a time (`_build_lock`). torch runs
+    `ninja` at every load: where none is on `PATH`, the `ninja` pip package's is added at the end of
+    `PATH` for that call.
 
     Returns:
         A function with `paged_decode_attention_cpu`'s signature, or None where the kernel cannot be
-        built or loaded (no C++ compiler, OpenMP or ninja: a `RuntimeWarning` says why) or where
-        `MINIVLLM_CPU_KERNEL=0`.
+        built or loaded (no C++ compiler — `$CXX`, else `c++` — OpenMP or ninja: a `RuntimeWarning`
+        says why) or where `MINIVLLM_CPU_KERNEL=0`. The first build prints one line to stderr.
     """
     if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
+        return None
+    fallback = "decode attention uses plain torch instead (slower, same results)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        warnings.warn(f"minivllm: no C++ compiler `{compiler}` found (install g++, or set CXX) for the CPU decode "
+                      f"kernel; {fallback}", RuntimeWarning, stacklevel=2)
         return None
     try:
         from torch.utils.cpp_extension import load_inline
 
-        if shutil.which("ninja") is None:
-            import ninja  # the pip package ships the binary
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         build_dir = cpu_kernel_build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        _clear_stale_build_lock(build_dir)
-        module = load_inline("minivllm_paged_decode_cpu", CPU_DECODE_SOURCE, functions=["paged_decode_attention"],
-                             extra_cflags=CPU_KERNEL_CFLAGS, extra_ldflags=["-fopenmp"],
-                             build_directory=str(build_dir))
+        with _build_lock(build_dir), _ninja_on_path():
+            main = build_dir / "main.cpp"  # torch writes the source there
+            if not (main.exists() and CPU_DECODE_SOURCE in main.read_text()):
+                print(f"minivllm: compiling the C++ CPU decode kernel once into {build_dir} (about 30 s)",
+                      file=sys.stderr)
+            module = load_inline("minivllm_paged_decode_cpu", CPU_DECODE_SOURCE,
+                                 functions=["paged_decode_attention"], extra_cflags=CPU_KERNEL_CFLAGS,
+                                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     except Exception as e:  # any failure leaves the plain-torch path, which computes the same
+        detail = " ".join(str(e).split())[-400:]  # the end of a build error holds the compiler's message
         warnings.warn(f"minivllm: the C++ CPU decode kernel could not be built or loaded ({type(e).__name__}: "
-                      f"{str(e)[:500]}); decode attention uses plain torch (paged_decode_attention_planned)",
-                      RuntimeWarning)
+                      f"...{detail}); {fallback}", RuntimeWarning, stacklevel=2)
         return None
     return module.paged_decode_attention
 

@@ -131,3 +131,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def require_cpu_kernel():
+    """Return chapter 05's C++ CPU decode kernel, or skip the calling test where it cannot be built
+    (it warns why). CI sets `MINIVLLM_REQUIRE_CPU_KERNEL=1` (`.ci/run`): there a missing kernel fails."""
+    import os
+
+    import pytest
+
+    from minivllm.paged_attention import cpu_decode_kernel
+
+    kernel = cpu_decode_kernel()
+    if kernel is None:
+        if os.environ.get("MINIVLLM_REQUIRE_CPU_KERNEL") == "1":
+            pytest.fail("the C++ CPU decode kernel did not build, and MINIVLLM_REQUIRE_CPU_KERNEL=1")
+        pytest.skip("the C++ CPU decode kernel cannot be built here (see its warning); plain torch is tested")
+    return kernel
