@@ -131,6 +131,7 @@ def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
     cpu_decode_kernel.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built or loaded"):
@@ -212,6 +213,7 @@ def test_build_lock_removes_a_leftover_and_serialises_builders(tmp_path):
 
 def test_no_compiler_is_said_plainly(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
     cpu_decode_kernel.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler `/nonexistent/c\\+\\+` found"):
@@ -232,6 +234,7 @@ def test_the_first_build_says_so_once(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
     monkeypatch.setattr(pa, "cpu_kernel_build_dir", lambda: tmp_path)
+    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
     said = []
     for _ in range(2):
         cpu_decode_kernel.cache_clear()
