@@ -8,6 +8,7 @@ import enum
 import itertools
 from typing import Iterator
 
+from .checks import is_int, require_int
 from .sampling_params import SamplingParams
 
 
@@ -55,10 +56,11 @@ class Sequence:
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("the prompt is empty: a sequence needs at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
-            raise ValueError("token ids must be non-negative ints")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        for i, t in enumerate(token_ids):
+            if not is_int(t) or t < 0:
+                raise ValueError(f"token ids must be ints >= 0; token {i} is {t!r}")
+        token_ids = [int(t) for t in token_ids]
+        block_size = require_int("block_size", block_size, minimum=1)
         self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = token_ids

