@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random transformers models (float64) and the `--impl` switch for grading."""
+"""Shared fixtures: tiny random transformers models (float64, from `minivllm.testing`) and the `--impl`
+switch for grading."""
 from __future__ import annotations
 
 import os
@@ -11,8 +12,7 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+from minivllm.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older imports)
 
 
 def pytest_addoption(parser):
@@ -26,23 +26,12 @@ def impl_name(request) -> str:
     return request.config.getoption("--impl")
 
 
-def make_tiny_model(tmp_path_factory, kind: str, tie: bool = False, seed: int = 0):
-    """Save a tiny random transformers model in float64; return (folder, the transformers model)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+def make_tiny_model(tmp_path_factory, kind: str, tie: bool = False, seed: int = 0, **overrides):
+    """Save a tiny random transformers model (`minivllm.testing`) in a fresh folder; return (folder, model)."""
+    from minivllm import testing
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
-    extra = {"head_dim": 32} if kind == "qwen3" else {}
-    config = cls(**TINY, tie_word_embeddings=tie, **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    if kind == "qwen2":  # transformers initialises biases to zero; make them count
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.02)
     folder = tmp_path_factory.mktemp(f"tiny-{kind}-{'tied' if tie else 'untied'}")
-    model.save_pretrained(folder)
-    return folder, model
+    return folder, testing.make_tiny_model(folder, kind, tie=tie, seed=seed, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -5,33 +5,22 @@ test_engine_bad_input.py (plain functions, no fixtures, so they do not collide w
 """
 from __future__ import annotations
 
-import random
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-TINY_ENGINE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+from minivllm.testing import TINY_SIZES, make_tiny_model, random_prompts  # noqa: F401  (re-exported)
+
+TINY_ENGINE = {**TINY_SIZES, "max_position_embeddings": 512}  # the engine tests' tiny models
 MAX_STEPS = 20_000  # no test run needs more; reaching it means the engine is stuck
 
 
-def make_model(folder: Path, kind: str, seed: int = 0):
-    """Save a tiny random float64 transformers model ("llama" or "qwen3") in `folder`; return it."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
-    extra = {"head_dim": 32} if kind == "qwen3" else {}
-    config = cls(**TINY_ENGINE, **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    model.save_pretrained(folder)
-    return model
-
-
-def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 128) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+def make_model(folder: Path, kind: str, seed: int = 0, **overrides):
+    """Save a tiny random float64 transformers model (`minivllm.testing`, with `TINY_ENGINE`'s sizes)
+    in `folder`; return it."""
+    fields = {"max_position_embeddings": TINY_ENGINE["max_position_embeddings"], **overrides}
+    return make_tiny_model(folder, kind, seed=seed, **fields)
 
 
 @torch.inference_mode()

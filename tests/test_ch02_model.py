@@ -1,4 +1,5 @@
-"""Chapter 02: our decoder against transformers (the oracle), the naive loops, the CLI, bad input."""
+"""Chapter 02: our decoder against transformers (the oracle), the naive loops, the sampler, bad input,
+the oneDNN-packed linear layers."""
 import json
 import shutil
 
@@ -129,14 +130,6 @@ def test_default_model_greedy_text_equals_transformers(default_pair):
             assert out == hf_greedy(hf, ids, 24, tok.eos_token_id)[: len(out)]
 
 
-@pytest.mark.slow
-def test_main_job_cli_answers_paris(capsys):
-    from minivllm.cli import main
-
-    assert main(["generate", "What is the capital of France?", "--max-tokens", "32"]) == 0
-    assert "Paris" in capsys.readouterr().out
-
-
 # --- bad input ---------------------------------------------------------------------------------
 
 def test_unsupported_architecture(tmp_path, tiny_llama):
@@ -186,37 +179,11 @@ def test_naive_loop_rejects_empty_and_too_long_prompts(tiny_llama):
         naive_generate(ours, [1] * 1020, SamplingParams(temperature=0, max_tokens=10))
 
 
-def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
-    from minivllm.cli import main
-
-    assert main(["generate", "hello", "--model", str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert main(["generate", "   "]) == 2
-    assert "empty" in capsys.readouterr().err
-    assert main(["generate", "hi", "--temperature", "-1"]) == 2
-    assert "temperature" in capsys.readouterr().err
-
-
-def test_python_dash_m_exits_with_status_2_on_bad_input(tmp_path):
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--model", str(tmp_path / "none")],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "minivllm", "generate", "hi", "--dtype", "int8"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "invalid choice" in r.stderr
-
-
 def test_llama_with_attention_bias_biases_o_proj_too(tmp_path):
     """transformers' Llama puts a bias on o_proj as well as q/k/v when attention_bias=True."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from minivllm.testing import make_tiny_model
 
-    from conftest import TINY
-
-    torch.manual_seed(4)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY, attention_bias=True)).to(torch.float64).eval()
+    hf = make_tiny_model(tmp_path, "llama", seed=4, attention_bias=True)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
@@ -253,7 +220,7 @@ def test_tiny_temperatures_are_greedy(tiny_llama):
 
 # --- oneDNN-packed linear layers (the engine's CPU fast path) ------------------------------------
 
-from minivllm.models.llama import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
+from minivllm.layers.linear import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_supported(torch.float32),
                                   reason="this PyTorch build has no oneDNN float32 linear")
@@ -316,3 +283,92 @@ def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
     f64 = LLM(str(folder), dtype="float64", num_kvcache_blocks=8).llm_engine.model_runner.model
     assert isinstance(f64.lm_head, torch.nn.Linear)
     assert ModelRunner.pack_cpu_linears is True
+
+
+# --- the sampler: 64-bit seeds, inverse transform sampling -----------------------------------------
+
+from minivllm.layers.sampler import CounterGenerator, make_generator, sample  # noqa: E402
+from minivllm.sampling_params import SEED_MAX, SEED_MIN  # noqa: E402
+
+
+def draws(seed, n=32, logits=None):
+    logits = torch.zeros(1000, dtype=torch.float64) if logits is None else logits
+    gen = make_generator(seed, "cpu")
+    return [sample(logits, 1.0, gen) for _ in range(n)]
+
+
+def test_seeds_that_agree_in_their_low_32_bits_give_different_samples():
+    """torch's CPU Generator keeps 32 bits of a seed: 1 and 1 + 2**32 would give one stream."""
+    seeds = [1, 1 + 2**32, 1 + 2**33, -1, SEED_MIN, SEED_MIN + 1, SEED_MAX, SEED_MAX - 1, 2**63, 2**63 - 1, 0]
+    streams = [tuple(draws(s)) for s in seeds]
+    assert len(set(streams)) == len(seeds)
+    for s, stream in zip(seeds, streams):
+        assert tuple(draws(s)) == stream  # the same seed: the same samples
+
+
+def test_seeded_engine_level_streams_are_distinct_in_naive_generate(tiny_llama):
+    ours = load_model(tiny_llama[0], dtype=torch.float64)
+    outs = {s: naive_generate(ours, [1, 2, 3], SamplingParams(temperature=2.0, max_tokens=24, seed=s, ignore_eos=True))
+            for s in (1, 1 + 2**32, -(2**63), 2**64 - 1)}
+    assert len(set(map(tuple, outs.values()))) == len(outs)
+
+
+def test_make_generator_refuses_bad_seeds():
+    for bad in (True, 1.0, "1", SEED_MIN - 1, SEED_MAX + 1, None):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            make_generator(bad, "cpu")
+
+
+def test_sample_refuses_a_torch_generator():
+    with pytest.raises(TypeError, match="make_generator"):
+        sample(torch.zeros(5), 1.0, torch.Generator().manual_seed(1))
+
+
+def test_sampling_follows_the_softmax_distribution():
+    """Inverse transform sampling: frequencies match softmax(logits / T) (chi-square, 4000 draws)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    for temperature in (0.5, 1.0, 2.0):
+        probs = torch.softmax(logits.double() / temperature, -1)
+        gen, n = make_generator(123, "cpu"), 4000
+        counts = torch.bincount(torch.tensor([sample(logits, temperature, gen) for _ in range(n)]), minlength=6)
+        assert counts[4] == 0  # probability 0 is never drawn
+        keep = probs > 0
+        expected = n * probs[keep]
+        chi2 = (((counts[keep] - expected) ** 2) / expected).sum().item()
+        assert chi2 < 20.5, (temperature, counts, expected)  # 5 degrees of freedom: p < 0.001
+
+
+def test_generator_draws_are_uniform_and_depend_only_on_seed_and_index():
+    gen = CounterGenerator(7)
+    us = torch.tensor([gen.random() for _ in range(20000)], dtype=torch.float64)
+    assert 0 <= us.min() and us.max() < 1
+    assert abs(us.mean().item() - 0.5) < 0.01 and abs(us.var().item() - 1 / 12) < 0.005
+    assert CounterGenerator(7).random() == us[0].item() and gen.counter == 20000
+
+
+def test_sample_extremes():
+    logits = torch.tensor([0.0, 100.0, 0.0])
+    assert draws(5, 10, logits) == [1] * 10  # near one-hot
+    assert sample(torch.tensor([3.0, 7.0]), 0.0) == 1  # greedy ignores the generator
+    one = torch.tensor([float("-inf")] * 4 + [0.0])
+    assert set(draws(9, 50, one)) == {4}
+
+
+# --- minivllm.testing ---------------------------------------------------------------------------
+
+def test_tiny_model_factory(tmp_path):
+    from minivllm import testing
+
+    state = torch.random.get_rng_state()
+    m1 = testing.make_tiny_model(tmp_path / "a", "qwen2", seed=3, num_hidden_layers=3)
+    m2 = testing.make_tiny_model(tmp_path / "b", "qwen2", seed=3, num_hidden_layers=3)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is untouched
+    assert m1.config.num_hidden_layers == 3 and m1.dtype == torch.float64
+    b1 = m1.model.layers[0].self_attn.q_proj.bias
+    assert torch.equal(b1, m2.model.layers[0].self_attn.q_proj.bias) and b1.abs().sum() > 0
+    assert (tmp_path / "a" / "config.json").exists()
+    with pytest.raises(ValueError, match="unknown tiny model kind"):
+        testing.tiny_config("gpt2")
+    prompts = testing.random_prompts(5, 2, 9, seed=1, vocab=50)
+    assert prompts == testing.random_prompts(5, 2, 9, seed=1, vocab=50) and len(prompts) == 5
+    assert all(2 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in prompts)

@@ -36,10 +36,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 # %% auto #0
-__all__ = ['STATS_DTYPE', 'MODEL_REGISTRY', 'SUPPORTED_DTYPES', 'ONEDNN_PACK_BATCH_HINT', 'RMSNorm', 'rope_theta_of',
-           'RotaryEmbedding', 'attention_reference', 'AttentionBackend', 'Attention', 'MLP', 'DecoderLayer',
-           'DecoderModel', 'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'load_config', 'load_weights',
-           'load_model', 'onednn_packing_supported', 'PackedLinear', 'pack_linear_layers']
+__all__ = ['STATS_DTYPE', 'MODEL_REGISTRY', 'SUPPORTED_DTYPES', 'RMSNorm', 'rope_theta_of', 'RotaryEmbedding',
+           'attention_reference', 'AttentionBackend', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
+           'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'load_config', 'load_weights', 'load_model']
 
 # %% ../../notebooks/02_model.ipynb #a9bdd8b7
 def rope_theta_of(config) -> float:
@@ -385,74 +384,3 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str = torch
     net.model.rotary_emb.reset_buffers()
     load_weights(net, path)
     return net.eval()
-
-# %% ../../notebooks/02_model.ipynb #81e8b3d2
-ONEDNN_PACK_BATCH_HINT = 64  # the batch size oneDNN tunes a packed layout for (of 1 and 64, 64 was faster)
-
-
-def onednn_packing_supported(dtype: torch.dtype) -> bool:
-    """Whether `PackedLinear` can run weights of `dtype` on this CPU: float32 whenever PyTorch was
-    built with oneDNN, bfloat16 where PyTorch's oneDNN supports it on this CPU (AVX-512 or newer; it
-    emulates bfloat16 where the CPU lacks bfloat16 instructions), nothing else."""
-    mkldnn = torch.ops.mkldnn
-    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and bool(mkldnn._is_mkldnn_bf16_supported())
-
-
-class PackedLinear(nn.Module):
-    """A CPU `nn.Linear` whose weight oneDNN has pre-packed once into its own blocked layout.
-
-    `forward(x)`: `[..., in_features]` -> `[..., out_features]`, same dtype, equal to `F.linear` up to
-    the summation order (float32: relative differences around 1e-6). The plain weight is not kept
-    (as in vLLM, which frees it), so pack after the model has its final device and dtype. A packed
-    model is for running only: no `.to()`, `state_dict()` (the packed weights are not in it),
-    `copy.deepcopy` or `torch.save` afterwards. Idea: vLLM's CPU backend, `dispatch_cpu_unquantized_gemm`.
-
-    Args:
-        linear: the layer to replace; CPU, a dtype `onednn_packing_supported` accepts.
-        batch_hint: the number of rows oneDNN chooses the packed layout for; any batch size works.
-    Raises:
-        ValueError: if the layer is not on CPU or its dtype cannot be packed; in `forward`, if `x`'s
-            dtype differs from the weight's.
-    """
-
-    @staticmethod
-    def can_pack(linear: nn.Linear) -> bool:
-        """Whether `linear` can be packed: on CPU, with a dtype `onednn_packing_supported` accepts."""
-        return linear.weight.device.type == "cpu" and onednn_packing_supported(linear.weight.dtype)
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = ONEDNN_PACK_BATCH_HINT):
-        super().__init__()
-        weight = linear.weight.detach()
-        if not self.can_pack(linear):
-            raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on {weight.device} here")
-        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, weight.dtype
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)  # opaque layout
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype:
-            raise ValueError(f"PackedLinear holds {self.dtype} weights; got a {x.dtype} input")
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def pack_linear_layers(model: nn.Module, batch_hint: int = ONEDNN_PACK_BATCH_HINT) -> int:
-    """Replace every CPU `nn.Linear` inside `model` by a `PackedLinear`, where its dtype allows.
-
-    A tied LM head gets its own packed copy; the embedding keeps the shared weight for look-ups.
-    Returns the number of layers replaced (0 for float64 or float16 models, or off CPU)."""
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and PackedLinear.can_pack(child):
-                setattr(module, name, PackedLinear(child, batch_hint))
-                replaced += 1
-    return replaced
