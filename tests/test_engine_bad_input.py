@@ -1,12 +1,15 @@
 """Bad input fails at submission with a clear ValueError; other requests go on; nothing hangs."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from engine_helpers import check_invariants, make_model, one_thread, run_engine
-from minivllm.engine import LLM, LLMEngine
+from minivllm.engine import LLMEngine
+from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -113,7 +116,10 @@ def test_abort_and_duplicate_ids(llm):
     (dict(max_model_len=10_000), "max_position_embeddings"),
     (dict(max_model_len=256, max_num_batched_tokens=100), "max_num_batched_tokens"),
     (dict(kv_cache_memory_bytes=10), "KV cache"),
-    (dict(kv_manager="nope"), "kv_manager"),
+    (dict(kv_manager="paged"), "kv_manager must be a class"),
+    (dict(attention_backend="torch"), "attention_backend must be a class"),
+    (dict(block_size=True), "block_size"),
+    (dict(enable_prefix_caching=1), "enable_prefix_caching"),
     (dict(dtype="float17"), "dtype"),
     (dict(seed=2 ** 64), "seed"),
     (dict(seed=1.5), "seed"),
@@ -134,7 +140,7 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tmp_p
     import torch
 
     from conftest import make_tiny_model
-    from minivllm import LLM, SamplingParams
+    from minivllm import SamplingParams
 
     folder, hf = make_tiny_model(tmp_path_factory, "llama")
     llm = LLM(str(folder), dtype="float64", num_kvcache_blocks=16, block_size=16)
@@ -162,7 +168,6 @@ def test_an_interrupted_step_leaves_no_unwritten_block_in_the_prefix_cache(tmp_p
 def test_auto_request_ids_skip_user_ids_and_int_ids_abort(tmp_path_factory):
     from conftest import make_tiny_model
     from minivllm import SamplingParams
-    from minivllm.engine import LLMEngine
 
     folder, _ = make_tiny_model(tmp_path_factory, "llama")
     engine = LLMEngine(model=str(folder), dtype="float64", num_kvcache_blocks=16)
@@ -205,3 +210,34 @@ def test_generate_refuses_bad_containers_and_foreign_requests(llm):
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == [rid] and len(outs[0].outputs[0].token_ids) == 4
     check_invariants(engine)
+
+
+@pytest.mark.parametrize("kwargs, asked", [
+    (dict(kv_cache_memory_bytes=200 * 2**30), "kv_cache_memory_bytes=214748364800"),
+    (dict(num_kvcache_blocks=10**9), "num_kvcache_blocks=1000000000"),
+])
+@pytest.mark.parametrize("front", ["LLM", "LLMEngine"])
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monkeypatch, kwargs, asked, front):
+    """200 GiB on a machine with 24 GiB, or 10**9 blocks: a ValueError naming the size asked for and
+    what is available, raised before the cache (or the block pool's bookkeeping) is allocated."""
+    import minivllm.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 24 * 2**30)
+    with pytest.raises(ValueError, match=r"asks for .* GiB \(" + asked + r"\) but only 24.00 GiB is available"):
+        (LLM(folder, dtype="float64", **kwargs) if front == "LLM" else LLMEngine(model=folder, dtype="float64", **kwargs))
+
+
+def test_available_memory_is_read_from_the_system():
+    from minivllm.engine import available_memory_bytes
+
+    cpu = available_memory_bytes(torch.device("cpu"))
+    assert 0 < cpu <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cache_that_fits_is_allocated(folder, monkeypatch):
+    import minivllm.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 10 * 2**20)
+    engine = LLMEngine(model=folder, dtype="float64", kv_cache_memory_bytes=2**20, max_model_len=256)
+    per_token = engine.model_runner.kv_cache.element_size() * engine.model_runner.kv_cache[:, :, 0, 0].numel()
+    assert engine.block_manager.num_blocks == 2**20 // per_token // 256

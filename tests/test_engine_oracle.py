@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
-from minivllm.engine import LLM, LLMEngine
+from minivllm.attention import ContiguousAttention
+from minivllm.engine import LLMEngine
+from minivllm.kv_cache_manager import ContiguousKVManager
+from minivllm.layers.linear import PackedLinear, onednn_packing_supported
+from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
-from minivllm.models.llama import PackedLinear, onednn_packing_supported
 
 NUM_PROMPTS = 32
 MAX_MODEL_LEN = 400
@@ -33,6 +36,11 @@ def oracle(request, tmp_path_factory):
     return folder, model, prompts, max_tokens, refs
 
 
+def default_engine(folder, **kwargs) -> LLMEngine:
+    """The engine `LLM` assembles from `minivllm.defaults` (paged blocks, prefix caching, best backend)."""
+    return LLM(folder, **kwargs).llm_engine
+
+
 def _params(max_tokens):
     return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
 
@@ -42,7 +50,8 @@ CONFIGS = {
     "prefix-caching-off": dict(enable_prefix_caching=False),
     "block-size-1": dict(block_size=1),
     "block-size-256": dict(block_size=256),
-    "contiguous-ch04": dict(kv_manager="contiguous", num_kvcache_blocks=6 * MAX_MODEL_LEN // 16),
+    "contiguous-ch04": dict(kv_manager=ContiguousKVManager, attention_backend=ContiguousAttention,
+                            num_kvcache_blocks=6 * MAX_MODEL_LEN // 16),
     "few-seqs-small-budget": dict(max_num_seqs=3, max_num_batched_tokens=MAX_MODEL_LEN),
 }
 
@@ -50,7 +59,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_greedy_equals_transformers(oracle, config):
     folder, _, prompts, max_tokens, refs = oracle
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, **CONFIGS[config])
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, **CONFIGS[config])
     outs = run_engine(engine, prompts, _params(max_tokens))
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens)"
@@ -62,8 +71,8 @@ def test_engine_greedy_equals_transformers(oracle, config):
 def test_repeated_preemption_keeps_outputs(oracle, caching):
     folder, _, prompts, max_tokens, refs = oracle
     # 84 blocks of 4 = 336 tokens: the longest sequence (322 tokens) fits alone, the batch does not
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=84,
-                       block_size=4, enable_prefix_caching=caching)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=84,
+                            block_size=4, enable_prefix_caching=caching)
     outs = run_engine(engine, prompts, _params([m + 12 for m in max_tokens]))
     assert engine.scheduler.num_preemptions >= 3, engine.scheduler.num_preemptions
     for out, ref, m in zip(outs, refs, max_tokens):
@@ -91,7 +100,7 @@ def test_identical_prompts_in_one_step(oracle):
     folder, model, prompts, _, _ = oracle
     batch = [prompts[0]] * 4 + [prompts[1]] * 3 + [prompts[0][:17]] * 2
     refs = {tuple(p): hf_greedy(model, p, 5) for p in batch}
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
     outs = run_engine(engine, batch, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(engine.stats) == 5 and engine.stats[0].num_seqs == len(batch)  # one prefill, four decodes
     for p, out in zip(batch, outs):
@@ -114,7 +123,7 @@ def test_stops_at_eos_like_transformers(oracle):
     # the model's EOS would almost never come up; declare the most frequent greedy token the EOS instead
     counts = torch.bincount(torch.tensor([t for p in prompts[:8] for t in hf_greedy(model, p, 8)]), minlength=128)
     eos = int(counts.argmax())
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
     engine.eos_token_ids = engine.scheduler.eos_token_ids = frozenset({eos})
     outs = run_engine(engine, prompts[:8], SamplingParams(temperature=0, max_tokens=8))
     reasons = set()
@@ -150,7 +159,7 @@ def test_attention_backend_plugs_in(oracle):
             return super().__call__(layer_idx, q, k, v)
 
     folder, _, prompts, max_tokens, refs = oracle
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, attention_backend=CountingAttention)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, attention_backend=CountingAttention)
     outs = run_engine(engine, prompts[:4], _params(max_tokens[:4]))
     assert [o.outputs[0].token_ids for o in outs] == refs[:4]
     assert True in calls and (False in calls or max(max_tokens[:4]) == 1)
@@ -207,7 +216,7 @@ def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
 
     folder, _, prompts, max_tokens, refs = oracle
     monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
     passes = []
     real = engine.model_runner.forward_logits
     monkeypatch.setattr(engine.model_runner, "forward_logits", lambda seqs, p: passes.append((len(seqs), p)) or real(seqs, p))
@@ -225,13 +234,12 @@ def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
 def test_microbatches_cut_in_order_under_the_limit():
     from types import SimpleNamespace
 
-    from minivllm.model_runner import ModelRunner
+    from minivllm.model_runner import split_prefill
 
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.prefill_microbatch_tokens = 100
     seqs = [SimpleNamespace(num_tokens=n + c, num_cached_tokens=c) for n, c in
             [(30, 0), (70, 16), (1, 0), (250, 32), (60, 0), (40, 5), (1, 0)]]
-    groups = runner.microbatches(seqs)
+    assert split_prefill(seqs, None) == [seqs]
+    groups = split_prefill(seqs, 100)
     assert [s for g in groups for s in g] == seqs
     assert [len(g) for g in groups] == [2, 1, 1, 2, 1]
     for g in groups:
@@ -250,27 +258,38 @@ def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monke
     outs = {}
     for limit in (None, 1):
         monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
-        engine = LLMEngine(model=folder, dtype="float32", max_model_len=MAX_MODEL_LEN)
+        engine = default_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN)
         assert isinstance(engine.model_runner.model.lm_head, PackedLinear)
         outs[limit] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, _params(max_tokens))]
     assert outs[None] == outs[1]
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "plain-torch"])
-def test_decode_by_kernel_or_plain_torch_equals_transformers(oracle, monkeypatch, use_kernel):
-    """Decode attention through chapter 05's C++ kernel and through the plain-torch buckets both give
-    transformers' tokens; the spy proves which path ran (the other oracle tests take the default)."""
-    import minivllm.paged_attention as pa
-    from engine_helpers import require_cpu_kernel
+@pytest.mark.parametrize("backend", ["cpu-kernel", "plain-torch", "contiguous"])
+def test_each_attention_backend_equals_transformers(oracle, backend):
+    """The engine runs exactly the attention backend it is given: chapter 05's C++ decode kernel,
+    its plain-torch paged attention, and this chapter's contiguous one all give transformers' tokens."""
+    from minivllm.block_manager import BlockManager
+    from minivllm.paged_attention import PagedAttention
 
-    if use_kernel:
+    if backend == "cpu-kernel":
+        from engine_helpers import require_cpu_kernel
+        from minivllm.kernels.cpu_decode import CPUPagedAttention
+
         require_cpu_kernel()
+    cls, manager = {"cpu-kernel": (CPUPagedAttention if backend == "cpu-kernel" else None, BlockManager),
+                    "plain-torch": (PagedAttention, BlockManager),
+                    "contiguous": (ContiguousAttention, ContiguousKVManager)}[backend]
     folder, _, prompts, max_tokens, refs = oracle
-    monkeypatch.setattr(pa.PagedAttention, "use_cpu_kernel", use_kernel)
-    planned_calls = []
-    real = pa.paged_decode_attention_planned
-    monkeypatch.setattr(pa, "paged_decode_attention_planned", lambda *a: planned_calls.append(1) or real(*a))
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, device="cpu")
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, device="cpu",
+                       kv_manager=manager, attention_backend=cls, num_kvcache_blocks=6 * MAX_MODEL_LEN // 16)
+    assert type(engine.model_runner.attn) is cls and type(engine.block_manager) is manager
     outs = run_engine(engine, prompts, _params(max_tokens))
     assert [o.outputs[0].token_ids for o in outs] == refs
-    assert bool(planned_calls) != use_kernel
+
+
+def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
+    from minivllm.scheduler import Scheduler
+
+    engine = LLMEngine(model=oracle[0], dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=100)
+    assert type(engine.block_manager) is ContiguousKVManager and engine.block_manager.block_size == MAX_MODEL_LEN
+    assert type(engine.model_runner.attn) is ContiguousAttention and type(engine.scheduler) is Scheduler

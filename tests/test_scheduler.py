@@ -9,7 +9,8 @@ from engine_helpers import check_invariants
 from minivllm.block_manager import BlockManager
 from minivllm.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import ContiguousKVManager, Scheduler
+from minivllm.kv_cache_manager import ContiguousKVManager, slot_mapping
+from minivllm.scheduler import Scheduler, check_stop
 from minivllm.sequence import Sequence, SequenceStatus
 
 
@@ -124,6 +125,37 @@ def test_contiguous_manager_reserves_one_region_per_sequence():
     assert batch == xs[:2] and [x.block_table for x in xs] == [[0], [1], []]
     with pytest.raises(ValueError):
         ContiguousKVManager(0, 32)
+
+
+def test_contiguous_manager_from_cache_size_and_discard_unwritten():
+    m = ContiguousKVManager.from_cache_size(1000, 16, 300)  # one region of max_model_len per sequence
+    assert (m.num_blocks, m.block_size) == (3, 300)
+    x = seq(5, block_size=300)
+    m.allocate(x)
+    m.discard_unwritten([x])  # nothing to forget: the region stays with its sequence
+    assert x.block_table == [0] and m.num_free_blocks == 2
+    with pytest.raises(ValueError, match="299 tokens holds no region of max_model_len=300"):
+        ContiguousKVManager.from_cache_size(299, 16, 300)
+
+
+def test_slot_mapping_is_block_then_offset():
+    assert slot_mapping([5, 2], 4, 0, 8) == [20, 21, 22, 23, 8, 9, 10, 11]
+    assert slot_mapping([5, 2], 4, 3, 6) == [23, 8, 9]
+    assert slot_mapping([7], 100, 99, 100) == [799]
+
+
+def test_check_stop_reasons():
+    from minivllm.sequence import SequenceStatus as S
+
+    x = seq(3, max_tokens=2)
+    x.append_token(0)
+    assert check_stop(x, frozenset({0}), 100) == S.FINISHED_STOPPED
+    y = seq(3, max_tokens=2, ignore_eos=True)
+    y.append_token(0)
+    assert check_stop(y, frozenset({0}), 100) is None
+    y.append_token(0)
+    assert check_stop(y, frozenset({0}), 100) == S.FINISHED_LENGTH_CAPPED
+    assert check_stop(seq(5, max_tokens=9), frozenset(), 5) == S.FINISHED_LENGTH_CAPPED  # max_seq_len
 
 
 # --- property-based: random add / step / abort against the invariants ------------------------------
