@@ -1,36 +1,32 @@
 """Chapter 01 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch01_ex1) — rebuild the block helpers of `Sequence`:
-`num_blocks`, `last_block_num_tokens` and `block(i)`. Chapter 05's block manager relies on them.
-Graded against minivllm's own `Sequence`: `pytest -m ch01_ex1 --impl=exercises`.
+Exercise 1 (ch01_ex1) — decide when a sequence stops: write `check_stop`, which the engine calls right
+after appending each generated token. Graded by its contract on random token streams:
+`pytest -m ch01_ex1 --impl=exercises`.
 """
-from minivllm.sequence import Sequence
+from minivllm.sequence import Sequence, SequenceStatus
 
 
-class BlockSequence(Sequence):
-    """A `Sequence` whose block helpers you write yourself."""
+def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> bool:
+    """Finish `seq` if its last token ends it; return True when it is finished.
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks needed to hold all `num_tokens` tokens (the last block may be partial)."""
-        # TODO: ceil(num_tokens / block_size), with integer arithmetic only
-        ### BEGIN SOLUTION
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-        ### END SOLUTION
+    Call it right after `seq.append_token(...)`. The rules, checked in this order:
 
-    @property
-    def last_block_num_tokens(self) -> int:
-        """Tokens in the last block: between 1 and block_size."""
-        # TODO: use num_tokens, num_blocks and block_size
-        ### BEGIN SOLUTION
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
-        ### END SOLUTION
+    1. the last token is in `eos_token_ids` and `seq.sampling_params.ignore_eos` is False:
+       set `seq.status = SequenceStatus.FINISHED_STOPPED` (finish reason "stop");
+    2. the completion has `seq.sampling_params.max_tokens` tokens, or the whole sequence (prompt and
+       completion) has `max_model_len` tokens: set `SequenceStatus.FINISHED_LENGTH_CAPPED` ("length").
 
-    def block(self, i: int) -> list[int]:
-        """Token ids of logical block i. Raises IndexError when i is not in range(num_blocks)."""
-        # TODO: slice token_ids; raise IndexError for a bad i (negative too)
-        ### BEGIN SOLUTION
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block {i} out of range for {self.num_blocks} blocks")
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
-        ### END SOLUTION
+    Otherwise leave the sequence unchanged (status included) and return False. Never add or remove tokens.
+    """
+    # TODO: read seq.last_token, seq.num_completion_tokens, seq.num_tokens and seq.sampling_params
+    ### BEGIN SOLUTION
+    params = seq.sampling_params
+    if seq.last_token in eos_token_ids and not params.ignore_eos:
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    else:
+        return False
+    return True
+    ### END SOLUTION

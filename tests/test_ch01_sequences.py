@@ -32,7 +32,7 @@ def test_sequence_prompt_completion_split_and_status():
         seq.append_token(t)
     assert seq.prompt_token_ids == [5, 6, 7] and seq.completion_token_ids == [8, 9]
     assert (seq.num_tokens, seq.num_prompt_tokens, seq.num_completion_tokens, seq.last_token) == (5, 3, 2, 9)
-    assert (seq.num_blocks, seq.last_block_num_tokens, seq.block(2)) == (3, 1, [9])
+    assert (seq.num_blocks, seq.block(2)) == (3, [9])
     for status, reason in [(SequenceStatus.FINISHED_STOPPED, "stop"), (SequenceStatus.FINISHED_LENGTH_CAPPED, "length"),
                            (SequenceStatus.FINISHED_ABORTED, "abort")]:
         seq.status = status
