@@ -1,50 +1,88 @@
 # GENERATED from solutions/ch05_paged_attention.py by scripts/make_exercises.py: your work goes here.
 """Chapter 05 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch05_ex1) — rebuild the paged `BlockManager`'s `allocate`, `deallocate`, `can_append`
-and `may_append`. Graded by a property-based differential test against minivllm's `BlockManager` and
-by running the engine with your class (`LLM(..., kv_manager=MyBlockManager)`):
+Exercise 1 (ch05_ex1) — a block manager of your own, with vLLM's admission watermark: the KV-manager
+interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch,
+in any free order you like. Graded by its contract: invariants under random operation sequences
+(hypothesis), the watermark rule, and the engine's outputs with your class equal to transformers':
 `pytest -m ch05_ex1 --impl=exercises`.
 
-Exercise 2 (ch05_ex2) — rebuild `paged_decode_attention`: one query per sequence over its K/V, read
-through its block table. Graded against `attention_reference` on random block tables:
+Exercise 2 (ch05_ex2) — sliding-window decode attention over the paged cache: each sequence's query
+sees only its last `window` tokens. Graded against `attention_reference` on random block tables:
 `pytest -m ch05_ex2 --impl=exercises`.
 """
+from __future__ import annotations
+
 import torch
 
-from minivllm.block_manager import BlockManager
 from minivllm.sequence import Sequence
 
 
-class MyBlockManager(BlockManager):
-    """A `BlockManager` whose block-table methods you write yourself. Use `self._allocate_block()`
-    (takes the least recently freed block, ref_count 1) and `self._free_block` (for a block at ref_count 0)."""
+class MyBlockManager:
+    """A paged KV-cache manager with an admission watermark (vLLM V0's `watermark`).
+
+    Args:
+        num_blocks: blocks in the cache (>= 1). block_size: token slots per block (>= 1).
+        watermark_blocks: free blocks a new prefill must leave (>= 0); decode steps may use them.
+    You own the bookkeeping: `self.free_ids` (free block ids, any order you keep) and
+    `self.ref_counts[block_id]` (how many block tables hold the block). A sequence's block table is
+    `seq.block_table`; it needs `seq.num_blocks` blocks to hold its `seq.num_tokens` tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 1):
+        if num_blocks < 1 or block_size < 1 or watermark_blocks < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1, watermark_blocks >= 0; got "
+                             f"{num_blocks}, {block_size}, {watermark_blocks}")
+        self.num_blocks, self.block_size, self.watermark_blocks = num_blocks, block_size, watermark_blocks
+        self.free_ids: list[int] = list(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @classmethod
+    def from_cache_size(cls, num_tokens: int, block_size: int, max_model_len: int) -> MyBlockManager:
+        return cls(num_tokens // block_size, block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def discard_unwritten(self, seqs: list[Sequence]) -> None:
+        """Nothing to undo: no block's content is recorded."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """True if `seq`'s blocks are free and at least `watermark_blocks` stay free afterwards."""
+        # TODO: compare the free blocks left after allocating seq.num_blocks with the watermark
+        raise NotImplementedError()
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` (no blocks yet) one block per `block_size` tokens; set `num_cached_tokens = 0`."""
-        # TODO: append seq.num_blocks freshly allocated block ids to seq.block_table
+        """Give `seq` (no blocks yet) `seq.num_blocks` free blocks; set `seq.num_cached_tokens = 0`."""
+        # TODO: take free ids, set their ref counts to 1, append them to seq.block_table
         raise NotImplementedError()
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop one reference to each block of `seq` (last block first); free blocks nobody holds."""
-        # TODO: decrement ref counts in reverse order, free at zero, empty the table, reset num_cached_tokens
+        """Drop `seq`'s reference to each of its blocks (free those nobody holds); empty its table."""
+        # TODO: decrement ref counts, free ids at zero, empty the table, reset num_cached_tokens
         raise NotImplementedError()
 
     def can_append(self, seq: Sequence) -> bool:
         """True if `seq` can take a decode step: a free block when its newest token starts a block."""
-        # TODO: the newest token needs a new block when the table is shorter than seq.num_blocks
+        # TODO: the newest token needs a block when the table is shorter than seq.num_blocks (no watermark)
         raise NotImplementedError()
 
     def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: append a new block if the newest token starts one."""
+        """Before a decode step: give `seq` one more block if its newest token starts one."""
         # TODO: allocate and append one block when needed
         raise NotImplementedError()
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[num_seqs, num_heads, head_dim]`; caches `[num_blocks, block_size, num_kv_heads, head_dim]`;
-    block_tables `[num_seqs, max_blocks]` padded with -1; context_lens `[num_seqs]`.
-    Returns `[num_seqs, num_heads, head_dim]` (softmax in at least float32)."""
-    # TODO: gather each sequence's blocks, mask slots past its context_len, softmax, weight V (GQA!)
+def paged_decode_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  window: int) -> torch.Tensor:
+    """Decode attention where sequence `i`'s query sees only its last `min(window, context_lens[i])` tokens.
+
+    q `[num_seqs, num_heads, head_dim]`; caches `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    block_tables `[num_seqs, max_blocks]` int64 padded with -1; context_lens `[num_seqs]` int64 >= 1;
+    window >= 1. Returns `[num_seqs, num_heads, head_dim]`, dtype of q. Read only the blocks the
+    window touches.
+    """
+    # TODO: for each sequence, find the window's first token and block, gather those blocks, attend (GQA!)
     raise NotImplementedError()

@@ -129,7 +129,7 @@ def require_cpu_kernel():
 
     import pytest
 
-    from minivllm.paged_attention import cpu_decode_kernel
+    from minivllm.kernels.cpu_decode import cpu_decode_kernel
 
     kernel = cpu_decode_kernel()
     if kernel is None:

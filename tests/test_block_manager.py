@@ -1,17 +1,25 @@
-"""BlockManager (chapter 05), paged attention (chapter 05) and prefix caching (chapter 06)."""
+"""Chapter 05: the BlockManager (plain Python, a lazy block pool), paged attention in plain torch and
+the decode planner. (Prefix caching, chapter 06's subclass, is tested with chapter 06.)"""
 from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections import OrderedDict
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.block_manager import BlockManager
-from minivllm.model_runner import AttentionMetadata
+from minivllm.attention import AttentionMetadata
+from minivllm.block_manager import Block, BlockList, BlockManager, FreeBlockQueue
+from minivllm.decode_planner import paged_decode_attention_planned, plan_decode
+from minivllm.kv_cache_manager import slot_mapping
 from minivllm.models.llama import attention_reference
-from minivllm.paged_attention import (PagedAttention, gather_kv, paged_decode_attention,
-                                      paged_decode_attention_planned, plan_decode, prefill_attention)
-from minivllm.prefix_caching import NO_HASH, PrefixCachingBlockManager, compute_hash
+from minivllm.paged_attention import PagedAttention, gather_kv, paged_decode_attention, prefill_attention
 from minivllm.sequence import Sequence
 
 
@@ -25,7 +33,7 @@ def test_allocate_append_deallocate():
     assert bm.can_allocate(a)
     bm.allocate(a)
     assert a.block_table == [0, 1] and bm.num_free_blocks == 4
-    assert bm.slot_mapping(a) == [0, 1, 2, 3, 4, 5]
+    assert slot_mapping(a.block_table, 4, 0, a.num_tokens) == [0, 1, 2, 3, 4, 5]
     a.append_token(9)  # token 7 goes into block 1: no new block
     assert not bm.needs_new_block(a) and bm.can_append(a)
     bm.may_append(a)
@@ -48,71 +56,175 @@ def test_cannot_allocate_or_append_without_free_blocks():
     bm.may_append(a)
     a.append_token(5)
     assert not bm.can_append(a)
-    with pytest.raises(ValueError):
-        BlockManager(0, 16)
 
 
-def test_hash_is_chained():
-    h1 = compute_hash([1, 2, 3])
-    assert h1 == compute_hash([1, 2, 3]) and h1 >= 0
-    assert compute_hash([4, 5], h1) != compute_hash([4, 5]) != compute_hash([4, 6], h1)
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "16", None])
+def test_bad_sizes_are_refused_with_a_value_error_naming_them(bad):
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(bad, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, bad)
 
 
-def test_prefix_caching_shares_full_blocks_and_counts_cached_tokens():
-    bm = PrefixCachingBlockManager(num_blocks=10, block_size=4)
-    a = seq(range(10), 4)
-    b = seq(list(range(8)) + [50, 51], 4)
-    c = seq(list(range(4)) + [60] * 4, 4)
-    for x in (a, b, c):
-        bm.allocate(x)
-    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
-    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1]
-    assert c.num_cached_tokens == 4
-    assert bm.blocks[a.block_table[0]].ref_count == 3 and bm.blocks[a.block_table[2]].hash == NO_HASH
-    for x in (a, b, c):
-        bm.deallocate(x)
-    assert bm.num_free_blocks == 10
-
-
-def test_freed_blocks_stay_cached_until_reused_least_recently_freed_first():
-    bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
-    a = seq([1, 2, 3, 4, 5], 2)  # blocks 0, 1 full and hashed; block 2 partial
+def test_kv_manager_interface():
+    """`from_cache_size` (the engine's constructor) and `discard_unwritten` (nothing to undo)."""
+    bm = BlockManager.from_cache_size(1000, 16, max_model_len=4096)
+    assert (bm.num_blocks, bm.block_size, bm.num_free_blocks) == (62, 16, 62)
+    a = seq(range(20), 16)
     bm.allocate(a)
-    bm.deallocate(a)  # freed tail first: queue is [3, 2, 1, 0]
-    assert list(bm.free_block_ids) == [3, 2, 1, 0]
-    b = seq([1, 2, 3, 4, 9], 2)
-    bm.allocate(b)
-    assert b.block_table[:2] == [0, 1] and b.num_cached_tokens == 4
-    bm.deallocate(b)
-    c = seq([7, 7, 7, 7, 7, 7, 7], 2)  # needs all 4 blocks: the cached ones are overwritten last
-    bm.allocate(c)
-    assert c.block_table == [2, 3, 1, 0] and c.num_cached_tokens == 0  # b freed [3, 1, 0] after 2
-    assert all(bm.blocks[i].hash == NO_HASH or bm.blocks[i].token_ids == [7, 7] for i in range(4))
-    assert set(bm.hash_to_block_id.values()) <= {2, 3, 1}
+    bm.discard_unwritten([a])
+    assert a.block_table == [0, 1] and bm.num_free_blocks == 60
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager.from_cache_size(15, 16, 4096)  # not one block
 
 
-def test_fully_cached_prompt_recomputes_its_last_block():
-    bm = PrefixCachingBlockManager(num_blocks=8, block_size=4)
-    a = seq(range(8), 4)
+def test_block_manager_imports_no_engine_attention_or_torch():
+    code = ("import sys, minivllm.block_manager; "
+            "print(sorted(m for m in sys.modules if m.startswith(('minivllm.', 'torch'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for forbidden in ("minivllm.engine", "minivllm.attention", "minivllm.paged_attention", "minivllm.llm",
+                      "minivllm.scheduler", "minivllm.model_runner", "minivllm.kernels"):
+        assert f"'{forbidden}'" not in loaded, loaded
+
+
+def test_a_billion_blocks_cost_nothing():
+    """`BlockManager(10**9, 16)` is built at once, in little memory, and works like any other."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    bm = BlockManager(10**9, 16)
+    seconds = time.perf_counter() - t0
+    a = seq(range(100), 16)
     bm.allocate(a)
-    b = seq(range(8), 4)
-    bm.allocate(b)
-    assert b.num_cached_tokens == 4 and b.block_table[0] == a.block_table[0]
-    assert b.block_table[1] != a.block_table[1]
-    assert bm.hash_to_block_id[bm.blocks[b.block_table[1]].hash] == b.block_table[1]
+    nbytes = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 0.5 and nbytes < 1_000_000, (seconds, nbytes)
+    assert len(bm.blocks) == 10**9 and bm.num_free_blocks == 10**9 - 7
+    assert a.block_table == list(range(7)) and bm.blocks[10**9 - 1].ref_count == 0
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 10**9
+    with pytest.raises(IndexError):
+        bm.blocks[10**9]
 
 
-def test_decode_fills_and_hashes_blocks():
-    bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
+def test_a_subclass_chooses_its_block_class_and_hooks_allocation():
+    """Chapter 06's extension points: `block_cls`, `_allocate_block`, `_free_block`, `free_block_ids.remove`."""
+
+    class TaggedBlock(Block):
+        def __init__(self, block_id):
+            super().__init__(block_id)
+            self.tag = None
+
+    class Tagging(BlockManager):
+        block_cls = TaggedBlock
+        events: list
+
+        def _allocate_block(self):
+            block = super()._allocate_block()
+            self.events.append(("take", block.block_id))
+            return block
+
+        def _free_block(self, block):
+            super()._free_block(block)
+            self.events.append(("give", block.block_id))
+
+    bm = Tagging(4, 2)
+    bm.events = []
     a = seq([1, 2, 3], 2)
     bm.allocate(a)
-    a.append_token(4)  # the step that writes token 4 fills block 1
-    bm.may_append(a)
-    h0 = compute_hash([1, 2])
-    assert bm.blocks[a.block_table[1]].hash == compute_hash([3, 4], h0)
-    b = seq([1, 2, 3, 4, 5], 2)  # a follow-up turn finds both blocks
-    bm.allocate(b)
-    assert b.num_cached_tokens == 4 and b.block_table[:2] == a.block_table
+    assert all(isinstance(bm.blocks[i], TaggedBlock) for i in a.block_table)
+    bm.deallocate(a)
+    assert bm.events == [("take", 0), ("take", 1), ("give", 1), ("give", 0)]
+    assert list(bm.free_block_ids) == [2, 3, 1, 0]
+    bm.free_block_ids.remove(1)  # taken out of the middle (a cached block found again)
+    del bm.free_block_ids[0]
+    assert list(bm.free_block_ids) == [2, 3] and 1 not in bm.free_block_ids and 3 in bm.free_block_ids
+    with pytest.raises(KeyError):
+        bm.free_block_ids.remove(3)  # never used: not removable
+
+
+class EagerBlockManager:
+    """The eager pool this chapter replaced (a `Block` per id and an `OrderedDict` of all free ids up
+    front): the reference the lazy pool must match, id for id."""
+
+    def __init__(self, num_blocks, block_size):
+        self.block_size, self.ref = block_size, [0] * num_blocks
+        self.free = OrderedDict.fromkeys(range(num_blocks))
+
+    def allocate(self, s):
+        for _ in range(s.num_blocks):
+            s.block_table.append(self._take())
+
+    def _take(self):
+        block_id, _ = self.free.popitem(last=False)
+        self.ref[block_id] = 1
+        return block_id
+
+    def may_append(self, s):
+        if len(s.block_table) < s.num_blocks:
+            s.block_table.append(self._take())
+
+    def deallocate(self, s):
+        for block_id in reversed(s.block_table):
+            self.ref[block_id] -= 1
+            if self.ref[block_id] == 0:
+                self.free[block_id] = None
+        s.block_table = []
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 30), block_size=st.integers(1, 5))
+def test_lazy_pool_equals_the_eager_pool(seed, num_blocks, block_size):
+    """Random allocate / grow / free sequences: same block tables, same free queue, same counts."""
+    rng = random.Random(seed)
+    lazy, eager = BlockManager(num_blocks, block_size), EagerBlockManager(num_blocks, block_size)
+    live = []  # (lazy's sequence, eager's sequence)
+    for _ in range(60):
+        r = rng.random()
+        if r < 0.35:
+            tokens = [1] * rng.randint(1, 3 * block_size)
+            pair = seq(tokens, block_size), seq(tokens, block_size)
+            if lazy.can_allocate(pair[0]):
+                assert len(eager.free) >= pair[1].num_blocks
+                lazy.allocate(pair[0])
+                eager.allocate(pair[1])
+                live.append(pair)
+        elif r < 0.75 and live:
+            a, b = live[rng.randrange(len(live))]
+            a.append_token(2)
+            b.append_token(2)
+            if lazy.can_append(a):
+                lazy.may_append(a)
+                eager.may_append(b)
+            else:
+                live.remove((a, b))
+                lazy.deallocate(a)
+                eager.deallocate(b)
+        elif live:
+            a, b = live.pop(rng.randrange(len(live)))
+            lazy.deallocate(a)
+            eager.deallocate(b)
+        assert all(a.block_table == b.block_table for a, b in live)
+        assert list(lazy.free_block_ids) == list(eager.free) and lazy.num_free_blocks == len(eager.free)
+        assert lazy.used_block_ids == {i for a, _ in live for i in a.block_table}
+        assert all(lazy.blocks[i].ref_count == eager.ref[i] for i in range(num_blocks))
+
+
+def test_block_list_and_free_queue_on_their_own():
+    made = []
+    blocks = BlockList(5, lambda i: made.append(i) or Block(i))
+    assert len(blocks) == 5 and made == []
+    assert blocks[3] is blocks[3] and made == [3]
+    assert [b.block_id for b in blocks] == [0, 1, 2, 3, 4]
+    for bad in (-1, 5):
+        with pytest.raises(IndexError):
+            blocks[bad]
+    queue = FreeBlockQueue(3)
+    assert [queue.popleft() for _ in range(3)] == [0, 1, 2] and len(queue) == 0
+    with pytest.raises(IndexError, match="no free block"):
+        queue.popleft()
+    queue.append(1)
+    queue.append(0)
+    assert list(queue) == [1, 0] and queue.popleft() == 1
 
 
 @settings(max_examples=30, deadline=None)

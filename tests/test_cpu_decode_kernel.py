@@ -1,5 +1,6 @@
-"""Chapter 05's C++ CPU decode kernel: equal to the plain-torch paged decode, refuses bad input, and
-the engine falls back to plain torch where it does not build.
+"""Chapter 05's C++ CPU decode kernel (`minivllm.kernels.cpu_decode`): equal to the plain-torch paged
+decode, refuses bad input, is built once per source, flags, Python, torch and CPU and then loaded
+directly (no build tool runs again), and the backend falls back to plain torch where it is not built.
 
 The kernel is compiled on first use (about half a minute; the library is cached on disk). Tests that
 need it skip where it cannot be built (a warning says why), except under `MINIVLLM_REQUIRE_CPU_KERNEL=1`,
@@ -8,14 +9,21 @@ which CI sets: there they fail.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import minivllm.paged_attention as pa
+import minivllm.kernels.cpu_decode as cd
 from engine_helpers import require_cpu_kernel
-from minivllm.paged_attention import (_build_lock, cpu_decode_kernel, cpu_kernel_build_dir, paged_decode_attention,
-                                      paged_decode_attention_cpu, paged_decode_attention_planned, plan_decode)
+from minivllm.attention import AttentionMetadata
+from minivllm.decode_planner import paged_decode_attention_planned, plan_decode
+from minivllm.kernels.cpu_decode import (CPUPagedAttention, _build_lock, cpu_decode_kernel, cpu_kernel_build_dir,
+                                         paged_decode_attention_cpu)
+from minivllm.paged_attention import PagedAttention, paged_decode_attention
 
 
 @pytest.fixture
@@ -122,26 +130,35 @@ def test_kernel_refuses_bad_input_with_a_clear_error():
     torch.testing.assert_close(call(), paged_decode_attention(q, k_cache, v_cache, plain(tables), lens, 0.25))
 
 
-def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch):
-    """Where the kernel cannot be built, `cpu_decode_kernel` warns and returns None, the direct call
-    raises, and `PagedAttention` decodes with plain torch."""
-    import torch.utils.cpp_extension as cpp
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """An empty kernel cache in `tmp_path`, the kernel switched on, `cpu_decode_kernel` forgotten."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
     cpu_decode_kernel.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="could not be built or loaded"):
-            assert cpu_decode_kernel() is None
-        with pytest.raises(RuntimeError, match="not available"):
-            paged_decode_attention_cpu(*random_batch(4, 2, 16, 4, torch.float64), 0.25)
-        kv_cache = torch.zeros(2, 1, 8, 4, 2, 16, dtype=torch.float64)
-        assert pa.PagedAttention(kv_cache, 0.25).decode_kernel(torch.zeros(1, 4, 16, dtype=torch.float64)) is None
-    finally:
-        cpu_decode_kernel.cache_clear()
+    yield tmp_path
+    cpu_decode_kernel.cache_clear()
+
+
+def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch, fresh_kernel):
+    """Where the kernel cannot be built, `cpu_decode_kernel` warns and returns None, the direct call
+    raises, `is_available` is False and `CPUPagedAttention` decodes with plain torch."""
+    def no_compiler(build_dir):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cd, "build_kernel", no_compiler)
+    with pytest.warns(RuntimeWarning, match="could not be built or loaded"):
+        assert cpu_decode_kernel() is None
+    batch = random_batch(4, 2, 16, 4, torch.float64)
+    with pytest.raises(RuntimeError, match="not available"):
+        paged_decode_attention_cpu(*batch, 0.25)
+    assert not CPUPagedAttention.is_available("cpu", torch.float64)
+    q, k_cache, v_cache, tables, lens = batch
+    backend = CPUPagedAttention(torch.stack([k_cache, v_cache])[:, None], 0.25)
+    md = AttentionMetadata(False, torch.arange(len(lens) + 1), lens, torch.zeros(len(lens), dtype=torch.int64),
+                           plain(tables))
+    ref = paged_decode_attention(q, k_cache, v_cache, plain(tables), lens, 0.25)
+    torch.testing.assert_close(backend.decode(q, k_cache, v_cache, md), ref, atol=1e-12, rtol=0)
 
 
 def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
@@ -149,33 +166,126 @@ def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
     cpu_decode_kernel.cache_clear()
     try:
         assert cpu_decode_kernel() is None
+        assert not CPUPagedAttention.is_available("cpu", torch.float32)
     finally:
         cpu_decode_kernel.cache_clear()
 
 
 @needs_kernel
 def test_backend_uses_the_kernel_only_for_cpu_float32_and_float64(monkeypatch):
-    kv_cache = torch.zeros(2, 1, 8, 4, 2, 16)
-    backend = pa.PagedAttention(kv_cache, 0.25)
-    assert backend.decode_kernel(torch.zeros(1, 4, 16)) is cpu_decode_kernel()
-    assert backend.decode_kernel(torch.zeros(1, 4, 16, dtype=torch.float64)) is cpu_decode_kernel()
-    assert backend.decode_kernel(torch.zeros(1, 4, 16, dtype=torch.bfloat16)) is None
-    assert backend.decode_kernel(torch.zeros(1, 4, 16, device="meta")) is None
-    monkeypatch.setattr(pa.PagedAttention, "use_cpu_kernel", False)
-    assert backend.decode_kernel(torch.zeros(1, 4, 16)) is None
+    assert CPUPagedAttention.is_available("cpu", torch.float32)
+    assert CPUPagedAttention.is_available(torch.device("cpu"), torch.float64)
+    assert not CPUPagedAttention.is_available("cpu", torch.bfloat16)
+    assert not CPUPagedAttention.is_available("meta", torch.float32)
+    calls = []
+    real = cpu_decode_kernel()
+    monkeypatch.setattr(cd, "cpu_decode_kernel", lambda: (lambda *a: calls.append(a[0].dtype) or real(*a)))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, dtype)
+        backend = CPUPagedAttention(torch.stack([k_cache, v_cache])[:, None], 0.25)
+        md = AttentionMetadata(False, torch.arange(8), lens, torch.zeros(7, dtype=torch.int64), plain(tables))
+        plain_backend = PagedAttention(backend.kv_cache, 0.25)
+        tol = 1e-12 if dtype == torch.float64 else 2e-2 if dtype == torch.bfloat16 else 2e-6
+        torch.testing.assert_close(backend.decode(q, k_cache, v_cache, md),
+                                   plain_backend.decode(q, k_cache, v_cache, md), atol=tol, rtol=0)
+    assert calls == [torch.float32, torch.float64]  # bfloat16 went to plain torch
 
 
-def test_build_folder_is_per_python_torch_and_cpu_under_the_minivllm_cache(monkeypatch, tmp_path):
+def test_build_folder_is_per_source_flags_python_torch_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     folder = cpu_kernel_build_dir()
-    assert folder.parent == tmp_path / "kernels"
-    assert torch.__version__ in folder.name and "-cpu" in folder.name
-    folders = set()
+    assert folder.parent == tmp_path / "kernels" and torch.__version__ in folder.name
+    assert cpu_kernel_build_dir() == folder  # the same inputs, the same folder
+    folders = {folder}
     for flags in ("flags : fpu sse2 avx2\n", "flags : fpu sse2 avx2 avx512f\n", "Features : fp asimd sve\n"):
         (tmp_path / "cpuinfo").write_text("processor : 0\n" + flags)
-        monkeypatch.setattr(pa, "CPUINFO", str(tmp_path / "cpuinfo"))
+        monkeypatch.setattr(cd, "CPUINFO", str(tmp_path / "cpuinfo"))
         folders.add(cpu_kernel_build_dir())
-    assert len(folders) == 3  # another instruction set, another folder
+    other_source = tmp_path / "other.cpp"
+    other_source.write_text(cd.KERNEL_SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cd, "KERNEL_SOURCE", other_source)
+    folders.add(cpu_kernel_build_dir())
+    monkeypatch.setattr(cd, "CPU_KERNEL_CFLAGS", [*cd.CPU_KERNEL_CFLAGS, "-DSOMETHING"])
+    folders.add(cpu_kernel_build_dir())
+    assert len(folders) == 6  # another instruction set, source or flag: another folder
+
+
+def test_the_source_ships_in_the_package():
+    assert cd.KERNEL_SOURCE.is_file() and cd.KERNEL_SOURCE.parent.name == "kernels"
+    text = cd.KERNEL_SOURCE.read_text()
+    assert "torch::Tensor paged_decode_attention(" in text and "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in text
+
+
+def test_built_once_then_loaded_without_building(monkeypatch, fresh_kernel, capsys):
+    """Fault of the old loader: torch's builder ran `ninja` at every load, and two ninjas read each
+    other's build logs as stale, so the kernel was compiled again. Now: one build per folder, marked
+    complete; later loads import the library and never call the builder, with or without a compiler."""
+    built, loaded = [], []
+
+    def fake_build(build_dir):
+        built.append(build_dir)
+        (build_dir / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}").write_bytes(b"library")
+        return build_dir / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"
+
+    def fake_load(path):
+        loaded.append(path)
+        return SimpleNamespace(paged_decode_attention="the kernel")
+
+    monkeypatch.setattr(cd, "build_kernel", fake_build)
+    monkeypatch.setattr(cd, "load_kernel_library", fake_load)
+    folder = cpu_kernel_build_dir()
+    said = []
+    for cxx in ("c++", "c++", "/nonexistent/c++"):  # once built, no compiler is needed
+        monkeypatch.setenv("CXX", cxx)
+        cpu_decode_kernel.cache_clear()
+        assert cpu_decode_kernel() == "the kernel"
+        said.append("compiling the C++ CPU decode kernel once" in capsys.readouterr().err)
+    assert built == [folder] and said == [True, False, False]
+    assert loaded == [folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"] * 3 and (folder / cd.BUILT).exists()
+
+
+def test_an_unfinished_build_is_built_again(monkeypatch, fresh_kernel):
+    """A library without the completion mark (a build killed while linking) is not loaded."""
+    folder = cpu_kernel_build_dir()
+    folder.mkdir(parents=True)
+    (folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}").write_bytes(b"half a library")
+    built = []
+    monkeypatch.setattr(cd, "build_kernel", lambda d: built.append(d))
+    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
+    assert cpu_decode_kernel() == "ok" and built == [folder]
+
+
+def test_no_compiler_is_said_plainly(monkeypatch, fresh_kernel):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler `/nonexistent/c\\+\\+` found"):
+        assert cpu_decode_kernel() is None
+
+
+@needs_kernel
+def test_a_fresh_process_with_another_ninja_or_none_does_not_compile(tmp_path):
+    """The whole fault, end to end: the kernel is built (by the fixture); a new process whose `PATH`
+    holds a different `ninja` (one that records being run) or none at all loads it without building:
+    no notice on stderr, the library file untouched, no ninja run."""
+    folder = cpu_kernel_build_dir()
+    library = folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"
+    before = library.stat().st_mtime_ns
+    other = tmp_path / "other-ninja"
+    other.mkdir()
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path}/ninja-ran\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = ("import torch.utils.cpp_extension as c\n"
+            "c.load = c.load_inline = None  # any call to torch's builder would fail\n"
+            "from minivllm.kernels.cpu_decode import cpu_decode_kernel\n"
+            "assert cpu_decode_kernel() is not None\n")
+    for path in (str(other), str(empty)):
+        env = {**os.environ, "PATH": path}
+        env.pop("MINIVLLM_CPU_KERNEL", None)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert "minivllm:" not in run.stderr, run.stderr  # no build notice, no warning
+    assert library.stat().st_mtime_ns == before and not (tmp_path / "ninja-ran").exists()
 
 
 def test_torch_still_names_its_build_lock_lock():
@@ -211,36 +321,19 @@ def test_build_lock_removes_a_leftover_and_serialises_builders(tmp_path):
     assert events in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
 
 
-def test_no_compiler_is_said_plainly(monkeypatch):
-    monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
-    cpu_decode_kernel.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler `/nonexistent/c\\+\\+` found"):
-            assert cpu_decode_kernel() is None
-    finally:
-        cpu_decode_kernel.cache_clear()
-
-
-def test_the_first_build_says_so_once(monkeypatch, tmp_path, capsys):
-    """Without compiling for real: torch's builder is replaced by a stand-in that writes main.cpp."""
-    from types import SimpleNamespace
-
+def test_building_leaves_the_flags_and_the_folder_as_they_were(monkeypatch, fresh_kernel):
+    """torch's builder appends to the flag lists it is given; the loader passes copies, so the build
+    folder computed after a build is the one built into."""
     import torch.utils.cpp_extension as cpp
 
-    def fake_load_inline(name, cpp_sources, build_directory, **kwargs):
-        (tmp_path / "main.cpp").write_text("#include <torch/extension.h>\n" + cpp_sources)
-        return SimpleNamespace(paged_decode_attention="the kernel")
+    def appending_load(name, sources, extra_cflags, extra_ldflags, build_directory, **kwargs):
+        extra_cflags.append("-DADDED")
+        extra_ldflags.append("-lADDED")
+        Path(build_directory, f"{name}{cd.LIBRARY_SUFFIX}").write_bytes(b"library")
 
-    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
-    monkeypatch.setattr(pa, "cpu_kernel_build_dir", lambda: tmp_path)
-    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
-    said = []
-    for _ in range(2):
-        cpu_decode_kernel.cache_clear()
-        try:
-            assert cpu_decode_kernel() == "the kernel"
-        finally:
-            cpu_decode_kernel.cache_clear()
-        said.append("compiling the C++ CPU decode kernel once" in capsys.readouterr().err)
-    assert said == [True, False]
+    monkeypatch.setattr(cpp, "load", appending_load)
+    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
+    folder = cpu_kernel_build_dir()
+    assert cpu_decode_kernel() == "ok"
+    assert "-DADDED" not in cd.CPU_KERNEL_CFLAGS and "-lADDED" not in cd.CPU_KERNEL_LDFLAGS
+    assert cpu_kernel_build_dir() == folder and (folder / cd.BUILT).exists()
