@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast export exercises notebooks check-export clean
+.PHONY: setup demo lab test test-fast export exercises notebooks check-export clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,15 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) -m minivllm generate "What is the capital of France?"
 
-## the whole test suite, chapter notebooks included (what CI runs)
+## the whole test suite: the package's import layers (import-linter, contract in pyproject.toml),
+## then every test and chapter notebook (what CI runs)
 test: setup
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --nbmake tests notebooks
+
+## read and run the chapters in JupyterLab (installed by the set-up with the `notebooks` extra)
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
 
 ## tests without the notebooks, for a quick loop
 test-fast: setup

@@ -1,7 +1,34 @@
-"""`python -m minivllm ...`: see minivllm/cli.py (exported from notebooks/02_model.ipynb)."""
+"""`python -m minivllm ...` (and the `minivllm` command): the command line, assembled from the chapters.
+
+Written by hand, like `__init__.py` and `defaults.py`: each chapter that adds a command adds its
+`add_cli(subparsers)` line here. A subcommand's parser sets `func(args) -> exit status`.
+"""
+from __future__ import annotations
+
+import argparse
 import sys
 
-from minivllm.cli import main
+from minivllm import bench, cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m minivllm` parser: `generate` and `convert` (chapter 04), `bench` (chapter 09)."""
+    parser = argparse.ArgumentParser(prog="python -m minivllm", description="minivllm: a small vLLM-style engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    cli.add_cli(subparsers)
+    bench.add_cli(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Returns the exit status: 2 for bad input, with one `error: ...` line on stderr."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,41 @@
+"""The default assembly: which KV-cache manager and attention backend `LLM()` builds the engine from.
+
+Written by hand, like `__init__.py`: it is the book's table of contents for the engine. Chapter 04's
+`LLMEngine` uses exactly the pieces it is given; this small table, above all of them, says which
+pieces `LLM` gives it. Each chapter that adds a piece adds its row here (the chapter shows the row).
+The first row whose condition holds wins, so better pieces go first. Chapter 04's own pieces (the
+contiguous reservation and `ContiguousAttention`) are `LLMEngine`'s defaults and need no row.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineArgs
+from .kernels.cpu_decode import CPUPagedAttention
+from .paged_attention import PagedAttention
+from .prefix_caching import PrefixCachingBlockManager
+
+# (chapter and name, condition on the engine's settings, KV-cache manager class)
+KV_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("06 prefix caching", lambda args: args.enable_prefix_caching, PrefixCachingBlockManager),
+    ("05 paged blocks", lambda args: True, BlockManager),
+]
+
+# (chapter and name, condition on (device, dtype), attention backend class)
+ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool], type]] = [
+    ("05 C++ decode kernel for CPUs", CPUPagedAttention.is_available, CPUPagedAttention),
+    ("05 paged attention in plain torch", lambda device, dtype: True, PagedAttention),
+]
+
+
+def kv_manager_for(args: EngineArgs) -> type:
+    """The KV-cache manager class of the first row of `KV_MANAGERS` whose condition holds for `args`."""
+    return next(cls for _, holds, cls in KV_MANAGERS if holds(args))
+
+
+def attention_backend_for(device: torch.device, dtype: torch.dtype) -> type:
+    """The attention backend class of the first row of `ATTENTION_BACKENDS` that fits `device` and `dtype`."""
+    return next(cls for _, fits, cls in ATTENTION_BACKENDS if fits(device, dtype))
