@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .layers.sampler import make_generator, sample
 from .models.llama import LlamaForCausalLM
-from .naive import sample
 from .sampling_params import SamplingParams
 
 PAD_POSITION = 0  # the position a padding slot gets: any valid position works, it is masked out
@@ -32,20 +32,12 @@ class PaddedBatch:
     positions: torch.Tensor
     pad_lens: torch.Tensor
 
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def max_prompt_len(self) -> int:
-        return self.input_ids.shape[1]
+    batch_size = property(lambda self: self.input_ids.shape[0])
+    max_prompt_len = property(lambda self: self.input_ids.shape[1])
 
 
 def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | torch.device = "cpu") -> PaddedBatch:
     """Left-pad token-id prompts to the longest one (transformers' `padding_side="left"`).
-
-    Left padding puts every row's newest token in the same column, so a decode step writes one
-    column of the KV cache for the whole batch and reads the logits of the last column.
 
     Args:
         prompts: `batch_size` non-empty lists of token ids.
@@ -70,7 +62,7 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
 
 # %% auto #0
 __all__ = ['PAD_POSITION', 'PADDING', 'PROMPT', 'OUTPUT', 'IDLE', 'SLOT_NAMES', 'PaddedBatch', 'pad_batch', 'padded_attention',
-           'StaticBatchKVCache', 'StaticBatchResult', 'slot_grid', 'slot_fractions', 'static_generate']
+           'StaticBatchKVCache', 'StaticBatchResult', 'static_generate', 'slot_grid', 'slot_fractions']
 
 # %% ../notebooks/03_batching.ipynb #e52b972c
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens: torch.Tensor,
@@ -79,7 +71,8 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens
 
     Args:
         q: `[batch_size, Tq, num_heads, head_dim]`, the last Tq columns of each row.
-        k, v: `[batch_size, Tk, num_kv_heads, head_dim]`, columns `0 .. Tk-1`, `Tk >= Tq`.
+        k, v: `[batch_size, Tk, num_kv_heads, head_dim]`, columns `0 .. Tk-1`, `Tk >= Tq`;
+            num_heads is a multiple of num_kv_heads (grouped-query attention).
         pad_lens: `[batch_size]` int64; columns `< pad_lens[b]` of row b are padding.
         scale: multiplies q·k.
     Returns:
@@ -100,17 +93,14 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
-
+# %% ../notebooks/03_batching.ipynb #e1a6c893
 class StaticBatchKVCache:
     """Attention backend for a left-padded batch: one contiguous KV buffer per layer,
-    `[batch_size, max_len, num_kv_heads, head_dim]`, reserved up front.
+    `[batch_size, max_len, num_kv_heads, head_dim]`, reserved on the layer's first call.
 
-    The model sees a flat list of `N = batch_size * T` tokens (T = the padded prompt length at the
-    prefill, 1 at each decode step); this backend reshapes `q`, `k`, `v` back to `[batch_size, T, ...]`,
-    writes `k`/`v` into the next T columns of every row, and attends over all columns written so far
-    with a mask: a query sees a key if the key is not padding and not in its future. A padding query
-    would see nothing (a softmax over no keys is NaN), so it is allowed to see itself; its output is
-    garbage that nobody reads.
+    Each call reshapes the flat `q`, `k`, `v` (`[batch_size * T, heads, head_dim]`) to
+    `[batch_size, T, ...]`, writes `k`/`v` into the next T columns of every row, and returns
+    `padded_attention` over all columns written so far, flat again: `[batch_size * T, num_heads, head_dim]`.
 
     Args:
         scale: attention scale, `head_dim ** -0.5`.
@@ -153,10 +143,10 @@ class StaticBatchKVCache:
         """Bytes reserved by the cache so far."""
         return sum(t.numel() * t.element_size() for t in [*self.k_cache.values(), *self.v_cache.values()])
 
-# %% ../notebooks/03_batching.ipynb #e1a6c893
+# %% ../notebooks/03_batching.ipynb #21805a2a
 @dataclass
 class StaticBatchResult:
-    """What `static_generate` returns: the outputs and where each computed slot went.
+    """What `static_generate` returns: the outputs and what is needed to account for the slots.
 
     Attributes:
         outputs: per request, its generated token ids (EOS included when it stopped the request).
@@ -164,8 +154,6 @@ class StaticBatchResult:
         prompt_lens: per request, prompt tokens.
         num_steps: forward passes run (1 prefill + decode steps).
         step_times: seconds per forward pass (prefill first).
-    A slot is one (row, column) pair the model computed: `batch_size * (max_prompt_len + num_steps - 1)`
-    in all (the last sampled token is never fed back).
     """
 
     outputs: list[list[int]]
@@ -175,26 +163,72 @@ class StaticBatchResult:
     step_times: list[float] = field(default_factory=list)
 
     @property
-    def batch_size(self) -> int:
-        return len(self.outputs)
-
-    @property
-    def max_prompt_len(self) -> int:
-        return max(self.prompt_lens)
-
-    def slot_grid(self) -> torch.Tensor:
-        """The computed slots of this batch: see `slot_grid`."""
-        return slot_grid(self.prompt_lens, [len(out) for out in self.outputs])
-
-    def slot_fractions(self) -> dict[str, float]:
-        """Fraction of computed slots that were padding, prompt, output or idle (they sum to 1)."""
-        return slot_fractions(self.slot_grid())
-
-    def idle_rows_per_step(self) -> list[int]:
-        """For each decode step (1 .. num_steps-1), how many rows had already finished."""
-        return [sum(len(out) <= s for out in self.outputs) for s in range(1, self.num_steps)]
+    def output_lens(self) -> list[int]:
+        return [len(out) for out in self.outputs]
 
 
+def _per_request(sampling_params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:
+    """One SamplingParams per request. Raises ValueError for a list of the wrong length."""
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if len(sampling_params) != n:
+        raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+    return list(sampling_params)
+
+# %% ../notebooks/03_batching.ipynb #a6b6f8dd
+@torch.inference_mode()
+def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
+                    sampling_params: SamplingParams | list[SamplingParams],
+                    eos_token_id: int | None = None, pad_token_id: int = 0) -> StaticBatchResult:
+    """Generate for a whole batch at once, the way servers did before continuous batching (Orca).
+
+    The prompts are left-padded and prefilled together, then every decode step runs all rows until
+    the *last* one finishes; a row that finished early is computed anyway and its tokens thrown away.
+
+    Args:
+        model: our decoder. prompts: token-id lists, each non-empty.
+        sampling_params: one for all requests or one per request (temperature, max_tokens,
+            ignore_eos, seed; a seeded request draws exactly what `naive_generate` draws for it).
+        eos_token_id: a request stops after producing it (unless `ignore_eos`).
+        pad_token_id: the id in padding slots.
+    Returns:
+        A `StaticBatchResult`: the outputs in input order, lengths and step times.
+    Raises:
+        ValueError: no or empty prompts, a sampling_params list of the wrong length, or padded
+            prompt + max_tokens beyond the model's `max_position_embeddings`.
+    """
+    sampling_params = _per_request(sampling_params, len(prompts))
+    device = model.lm_head.weight.device
+    batch = pad_batch(prompts, pad_token_id, device)
+    max_tokens = max(p.max_tokens for p in sampling_params)
+    max_len, limit = batch.max_prompt_len + max_tokens, model.config.max_position_embeddings
+    if max_len > limit:
+        raise ValueError(f"padded prompt ({batch.max_prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                         f"the model's max_position_embeddings={limit}")
+    cache = StaticBatchKVCache(model.model.layers[0].self_attn.scale, batch.pad_lens, max_len)
+    generators = [None if p.seed is None else make_generator(p.seed, device) for p in sampling_params]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    ids, positions = batch.input_ids, batch.positions  # [batch_size, T]
+    step_times = []
+    while not all(done):
+        t0 = time.perf_counter()
+        hidden = model(ids.reshape(-1), positions.reshape(-1), cache)  # [batch_size * T, hidden]
+        logits = model.compute_logits(hidden.view(batch.batch_size, -1, hidden.shape[-1])[:, -1])
+        next_ids = [pad_token_id] * len(prompts)  # an idle row is fed padding: computed, then thrown away
+        for b, params in enumerate(sampling_params):
+            if done[b]:
+                continue
+            next_ids[b] = token = sample(logits[b], params.temperature, generators[b])
+            outputs[b].append(token)
+            done[b] = len(outputs[b]) == params.max_tokens or (token == eos_token_id and not params.ignore_eos)
+        step_times.append(time.perf_counter() - t0)
+        ids = torch.tensor(next_ids, device=device)[:, None]
+        positions = positions[:, -1:] + 1
+    return StaticBatchResult(outputs, batch.pad_lens.tolist(), [len(p) for p in prompts],
+                             len(step_times), step_times)
+
+# %% ../notebooks/03_batching.ipynb #9b372e55
 PADDING, PROMPT, OUTPUT, IDLE = 0, 1, 2, 3
 SLOT_NAMES = {PADDING: "padding", PROMPT: "prompt", OUTPUT: "output", IDLE: "idle"}
 
@@ -223,70 +257,5 @@ def slot_grid(prompt_lens: list[int], output_lens: list[int]) -> torch.Tensor:
 
 
 def slot_fractions(grid: torch.Tensor) -> dict[str, float]:
-    """Fraction of the slots of a `slot_grid` in each state, keyed by `SLOT_NAMES`' names."""
+    """Fraction of the slots of a `slot_grid` in each state, keyed by `SLOT_NAMES`' names (sum: 1)."""
     return {name: float((grid == code).double().mean()) for code, name in SLOT_NAMES.items()}
-
-
-@torch.inference_mode()
-def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
-                    sampling_params: SamplingParams | list[SamplingParams],
-                    eos_token_id: int | None = None, pad_token_id: int = 0) -> StaticBatchResult:
-    """Generate for a whole batch at once, the way servers did before continuous batching.
-
-    The batch is fixed when it starts: the prompts are left-padded and prefilled together, then
-    every decode step runs all `batch_size` rows until the *last* one finishes. A row that finished
-    early keeps its slot and is computed anyway; its tokens are thrown away. (Orca — Yu et al.,
-    OSDI 2022 — names this waste and fixes it with iteration-level scheduling: chapter 04.)
-
-    Args:
-        model: our decoder.
-        prompts: token-id lists, each non-empty.
-        sampling_params: one for all requests or one per request (temperature, max_tokens,
-            ignore_eos, seed).
-        eos_token_id: a request stops after producing it (unless `ignore_eos`).
-        pad_token_id: the id in padding slots.
-    Returns:
-        A `StaticBatchResult`: the outputs in input order, and the slot accounting.
-    Raises:
-        ValueError: no or empty prompts, a sampling_params list of the wrong length, or padded
-            prompt + max_tokens beyond the model's `max_position_embeddings`.
-    """
-    if isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-    device = model.lm_head.weight.device
-    batch = pad_batch(prompts, pad_token_id, device)
-    max_tokens = max(p.max_tokens for p in sampling_params)
-    max_len = batch.max_prompt_len + max_tokens
-    if max_len > model.config.max_position_embeddings:
-        raise ValueError(f"padded prompt ({batch.max_prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                         f"the model's max_position_embeddings={model.config.max_position_embeddings}")
-    scale = model.model.layers[0].self_attn.scale
-    cache = StaticBatchKVCache(scale, batch.pad_lens, max_len)
-    generators = [torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
-                  for p in sampling_params]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    ids, positions = batch.input_ids, batch.positions  # [batch_size, T]
-    step_times = []
-    while not all(done):
-        t0 = time.perf_counter()
-        hidden = model(ids.reshape(-1), positions.reshape(-1), cache)  # [batch_size * T, hidden]
-        last = hidden.view(batch.batch_size, -1, hidden.shape[-1])[:, -1]  # each row's last column
-        logits = model.compute_logits(last)  # [batch_size, vocab_size]
-        next_ids = []
-        for b, params in enumerate(sampling_params):
-            if done[b]:  # an idle slot: computed, then thrown away
-                next_ids.append(pad_token_id)
-                continue
-            token = sample(logits[b], params.temperature, generators[b])
-            next_ids.append(token)
-            outputs[b].append(token)
-            if len(outputs[b]) == params.max_tokens or (token == eos_token_id and not params.ignore_eos):
-                done[b] = True
-        step_times.append(time.perf_counter() - t0)
-        ids = torch.tensor(next_ids, device=device)[:, None]
-        positions = positions[:, -1:] + 1
-    return StaticBatchResult(outputs, batch.pad_lens.tolist(), [len(p) for p in prompts],
-                             len(step_times), step_times)

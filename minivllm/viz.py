@@ -40,7 +40,7 @@ def draw_engine_map(highlight: tuple[str, ...] = (), ax=None):
     return ax
 
 # %% auto #0
-__all__ = ['ENGINE_PARTS', 'draw_engine_map', 'draw_tokens', 'draw_blocks']
+__all__ = ['ENGINE_PARTS', 'draw_engine_map', 'draw_tokens', 'draw_blocks', 'draw_category_grid']
 
 # %% ../notebooks/01_sequences.ipynb #264b9751
 def _token_label(piece: str) -> str:
@@ -114,4 +114,34 @@ def draw_blocks(pieces: list[str], block_size: int, ax=None):
     ax.set_xlim(-1.6, block_size)
     ax.set_ylim(-num_blocks + 0.9, 0.9)
     ax.axis("off")
+    return ax
+
+# %% ../notebooks/01_sequences.ipynb #fbd7546d
+def draw_category_grid(grid, names: list[str], colours: list[str], ax=None):
+    """Draw a `[rows, columns]` grid of integer codes `0 .. len(names) - 1` as coloured cells.
+
+    Args:
+        grid: a 2-D array or CPU tensor of codes; code i is drawn in `colours[i]` and named `names[i]`.
+        names, colours: one per code, same length.
+        ax: a matplotlib Axes (a new figure when None).
+    Returns:
+        The matplotlib Axes, with a legend outside on the right.
+    Raises:
+        ValueError: `names` and `colours` differ in length, or `grid` is not 2-D.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    data = np.asarray(grid)
+    if len(names) != len(colours) or data.ndim != 2:
+        raise ValueError(f"need a 2-D grid and one colour per name, got {data.ndim}-D, "
+                         f"{len(names)} names, {len(colours)} colours")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 3))
+    ax.imshow(data, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(colours) - 0.5, aspect="auto",
+              interpolation="nearest")
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in zip(names, colours)], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8)
     return ax

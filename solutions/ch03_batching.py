@@ -1,34 +1,35 @@
 """Chapter 03 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch03_ex1) — rebuild the attention of a left-padded batch: graded against minivllm's
-`padded_attention` on random shapes and paddings, and by plugging it into `static_generate`, whose
-greedy tokens must still equal one-at-a-time decoding: `pytest -m ch03_ex1 --impl=exercises`.
+Exercise 1 (ch03_ex1) — batch without padding: attention over prompts laid end to end in one flat
+token list (FlashAttention's varlen layout). Graded by its contract: equal to torch's
+`scaled_dot_product_attention` on each sequence alone, and, plugged into the tiny model's prefill,
+equal to transformers' logits for each prompt: `pytest -m ch03_ex1 --impl=exercises`.
 """
 import torch
 
 
-def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens: torch.Tensor,
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Causal attention over a left-padded batch.
+    """Causal attention over several sequences packed into one flat token list, without padding.
 
-    Shapes: q `[batch_size, Tq, num_heads, head_dim]` holds the last Tq columns of each row;
-    k, v `[batch_size, Tk, num_kv_heads, head_dim]` hold columns 0 .. Tk-1 (Tk >= Tq); num_heads is a
-    multiple of num_kv_heads. Columns `< pad_lens[b]` of row b are padding. A query at column c sees
-    key column j if `j <= c` and j is not padding; a padding query (which would see nothing, and a
-    softmax over nothing is NaN) sees only its own column. Returns `[batch_size, Tq, num_heads,
-    head_dim]` in q's dtype; run the softmax in at least float32.
+    Shapes: q `[N, num_heads, head_dim]`; k, v `[N, num_kv_heads, head_dim]`; num_heads is a multiple
+    of num_kv_heads (query head h uses K/V head `h // (num_heads // num_kv_heads)`). `cu_seqlens` is
+    `[num_seqs + 1]` int64, `0 = cu_seqlens[0] < cu_seqlens[1] < ... < cu_seqlens[-1] = N`: sequence s
+    holds tokens `cu_seqlens[s] .. cu_seqlens[s + 1] - 1`. Token i of a sequence attends to tokens
+    j <= i of the *same* sequence, with weights softmax(scale * q·k). Returns `[N, num_heads, head_dim]`
+    in q's dtype; run the softmax in at least float32.
     """
-    # TODO: repeat K/V heads, scores = q.k * scale per row, build the [batch, Tq, Tk] mask, softmax, sum of v
+    # TODO: find each token's sequence, build the [N, N] mask (same sequence and not in the future), attend
     ### BEGIN SOLUTION
-    tq, tk = q.shape[1], k.shape[1]
-    groups = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(groups, dim=2)
-    v = v.repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    q_col = torch.arange(tk - tq, tk, device=q.device)[:, None]
-    k_col = torch.arange(tk, device=q.device)[None, :]
-    allowed = ((k_col <= q_col)[None] & (k_col >= pad_lens[:, None])[:, None, :]) | (k_col == q_col)[None]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    n = q.shape[0]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens.to(q.device))  # [N]
+    idx = torch.arange(n, device=q.device)
+    allowed = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] <= idx[:, None])  # [N, N]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return torch.einsum("hqk,khd->qhd", probs, v)
     ### END SOLUTION

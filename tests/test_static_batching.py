@@ -114,3 +114,21 @@ def test_slot_accounting():
                              [PADDING, PADDING, PROMPT, OUTPUT, OUTPUT, OUTPUT]]
     fractions = slot_fractions(grid)
     assert fractions == pytest.approx({"padding": 2 / 12, "prompt": 4 / 12, "output": 3 / 12, "idle": 3 / 12})
+
+
+def test_seeds_beyond_32_bits_give_their_own_streams(tiny_llama):
+    folder, _ = tiny_llama
+    model = load_model(folder, dtype=torch.float64)
+    prompts = _prompts(128)[:2]
+    runs = [static_generate(model, prompts, SamplingParams(temperature=1.0, max_tokens=12, seed=seed)).outputs
+            for seed in (1, 1 + 2**32, 1)]
+    assert runs[0] == runs[2] and runs[0] != runs[1]
+
+
+def test_result_lengths_and_reserved_cache():
+    result_lens = slot_grid([4, 2], [3, 1]).shape
+    assert result_lens == (2, 4 + 3 - 1)
+    cache = StaticBatchKVCache(0.5, torch.tensor([0, 2]), max_len=7)
+    k = torch.zeros(2 * 4, 1, 8)
+    cache(0, k, k, k)
+    assert cache.num_bytes == 2 * (2 * 7 * 1 * 8 * 4)  # K and V, the whole rectangle reserved at once
