@@ -11,23 +11,8 @@ from .checks import require_int
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
 
-
-def check_stop(seq: Sequence, eos_token_ids: frozenset[int], max_seq_len: int) -> SequenceStatus | None:
-    """The finish rule, after a token was appended (vLLM's `check_stop`).
-
-    Returns:
-        FINISHED_STOPPED when the last token is an end-of-sequence token (unless `ignore_eos`);
-        FINISHED_LENGTH_CAPPED at `max_tokens` completion tokens or `max_seq_len` tokens in all;
-        None when the sequence goes on.
-    """
-    if seq.last_token in eos_token_ids and not seq.sampling_params.ignore_eos:
-        return SequenceStatus.FINISHED_STOPPED
-    if seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= max_seq_len:
-        return SequenceStatus.FINISHED_LENGTH_CAPPED
-    return None
-
 # %% auto #0
-__all__ = ['check_stop', 'SchedulerBase', 'Scheduler']
+__all__ = ['SchedulerBase', 'Scheduler']
 
 # %% ../notebooks/04_scheduler.ipynb #501a5751
 class SchedulerBase:
@@ -134,8 +119,11 @@ class Scheduler(SchedulerBase):
         """Append each sampled token (one per sequence of the step) and retire the finished ones."""
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.append_token(token_id)
-            status = check_stop(seq, self.eos_token_ids, self.max_seq_len)
-            if status is not None:
-                seq.status = status
+            if token_id in self.eos_token_ids and not seq.sampling_params.ignore_eos:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            elif (seq.num_completion_tokens >= seq.sampling_params.max_tokens
+                  or seq.num_tokens >= self.max_seq_len):
+                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            if seq.is_finished:
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)

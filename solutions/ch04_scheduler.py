@@ -1,34 +1,41 @@
 """Chapter 04 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch04_ex1) — rebuild `Scheduler.schedule`: prefill first (within `max_num_seqs` running
-sequences, the `max_num_batched_tokens` budget and what the KV-cache manager can allocate), else
-decode every running sequence, preempting the most recently admitted one when a sequence cannot get
-room. Graded against minivllm's `Scheduler` and by plugging your class into the engine
-(`LLM(..., scheduler_cls=MyScheduler)`), whose outputs must not change:
-`pytest -m ch04_ex1 --impl=exercises`.
+Exercise 1 (ch04_ex1) — another scheduling policy: shortest prompt first. The chapter's `Scheduler`
+admits waiting sequences first come, first served, so a short request can wait behind a long one at
+the head of the queue. Write `MyScheduler.schedule` so that a prefill step admits the waiting
+sequences in order of increasing `num_tokens` (ties: their order in `waiting`), under the same limits
+— at most `max_num_seqs` running, at most `max_num_batched_tokens` tokens in the step, and only what
+the KV-cache manager `can_allocate` — stopping at the first that does not fit. When nothing is
+admitted, decode every running sequence, preempting the most recently admitted one when a sequence
+cannot get room (as the chapter's `Scheduler` does). Graded by the contract on random operation
+sequences (no admitted prompt longer than one left waiting; a prefill whenever the shortest waiting
+sequence fits; the limits and the KV-cache invariants hold; nothing hangs) and by plugging your class
+into the engine (`LLM(..., scheduler_cls=MyScheduler)`), whose greedy tokens must equal
+transformers': `pytest -m ch04_ex1 --impl=exercises`.
 """
 from minivllm.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
 
 class MyScheduler(Scheduler):
-    """A `Scheduler` whose `schedule` you write yourself (use `self.block_manager`, `self.waiting`,
-    `self.running`, `self.max_num_seqs`, `self.max_num_batched_tokens` and `self.preempt`)."""
+    """A `Scheduler` that admits the shortest waiting prompts first (use `self.block_manager`,
+    `self.waiting`, `self.running`, `self.max_num_seqs`, `self.max_num_batched_tokens`, `self.preempt`)."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return `(seqs, is_prefill)`; see the chapter's three rules."""
-        # TODO: admit waiting sequences (prefill); if none, decode the running ones with preemption
+        """Return `(seqs, is_prefill)`: the sequences to run this step and whether it is a prefill."""
+        # TODO: admit waiting sequences shortest first (prefill); if none, decode the running ones
         ### BEGIN SOLUTION
         scheduled, num_batched_tokens = [], 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if (num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
+        for seq in sorted(self.waiting, key=lambda s: s.num_tokens):  # sorted() is stable: ties keep queue order
+            if (len(self.running) >= self.max_num_seqs
+                    or num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
                     or not self.block_manager.can_allocate(seq)):
                 break
             self.block_manager.allocate(seq)
             num_batched_tokens += seq.num_tokens - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            self.running.append(seq)
             scheduled.append(seq)
         if scheduled:
             return scheduled, True

@@ -170,7 +170,7 @@ def test_auto_request_ids_skip_user_ids_and_int_ids_abort(tmp_path_factory):
     from minivllm import SamplingParams
 
     folder, _ = make_tiny_model(tmp_path_factory, "llama")
-    engine = LLMEngine(model=str(folder), dtype="float64", num_kvcache_blocks=16)
+    engine = LLMEngine(model=str(folder), dtype="float64", num_kvcache_blocks=16, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=3)
     assert engine.add_request("0", [5, 6], params) == "0"
     assert engine.add_request(None, [1, 2], params) != "0"

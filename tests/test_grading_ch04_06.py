@@ -98,19 +98,106 @@ def _trace(scheduler_cls, manager_cls, ops, block_size, num_blocks, max_num_seqs
     return trace
 
 
+def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_len=24):
+    """Drive a scheduler through `ops`, checking the shortest-prompt-first contract at every step."""
+    sched = scheduler_cls(manager, max_num_seqs, budget, max_model_len, {0})
+    bm, seqs = sched.block_manager, []
+    for op in ops:
+        if op[0] == "add":
+            seq = Sequence(op[1], SamplingParams(max_tokens=op[2]), block_size=bm.block_size, seq_id=len(seqs))
+            seqs.append(seq)
+            if seq.num_blocks <= bm.num_blocks and seq.num_tokens < max_model_len:
+                sched.add(seq)
+        elif op[0] == "step":
+            waiting, running = list(sched.waiting), list(sched.running)
+            shortest = min(waiting, key=lambda s: s.num_tokens) if waiting else None  # the first of the shortest
+            fits = (shortest is not None and len(running) < max_num_seqs and shortest.num_tokens <= budget
+                    and bm.can_allocate(shortest))
+            batch, is_prefill = sched.schedule()
+            assert batch or sched.is_finished(), "nothing scheduled although sequences wait or run"
+            if fits:
+                assert is_prefill, "the shortest waiting sequence fits, so this must be a prefill step"
+            if is_prefill:
+                assert batch and all(s in waiting for s in batch) and len(set(map(id, batch))) == len(batch)
+                left = [s for s in waiting if s not in batch]
+                assert not left or max(s.num_tokens for s in batch) <= min(s.num_tokens for s in left), \
+                    "a longer prompt was admitted while a shorter one waits"
+                assert sum(s.num_tokens - s.num_cached_tokens for s in batch) <= budget
+                assert list(sched.waiting) == left and list(sched.running)[:len(running)] == running
+            else:
+                assert all(s in running for s in batch) and set(map(id, sched.running)) == set(map(id, batch))
+                assert list(sched.waiting)[len(sched.waiting) - len(waiting):] == waiting
+            assert len(sched.running) <= max_num_seqs
+            sched.postprocess(batch, (op[1] * 10)[:len(batch)])
+        elif seqs:
+            sched.abort(seqs[op[1] % len(seqs)])
+        check_invariants(sched)
+    for _ in range(2000):  # drain: nothing hangs
+        if sched.is_finished():
+            break
+        batch, _ = sched.schedule()
+        assert batch
+        sched.postprocess(batch, [1] * len(batch))
+        check_invariants(sched)
+    assert sched.is_finished() and bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.ch04
 @pytest.mark.ch04_ex1
 @settings(max_examples=150, deadline=None)
-@given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4))
-def test_ch04_ex1_schedule_matches(ch04, ops, block_size, num_blocks, max_num_seqs):
-    args = (ops, block_size, num_blocks, max_num_seqs)
-    assert _trace(ch04.MyScheduler, BlockManager, *args) == _trace(Scheduler, BlockManager, *args)
+@given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
+       manager=st.sampled_from(["paged", "prefix", "contiguous"]))
+def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max_num_seqs, manager):
+    """Random adds, steps and aborts: shortest prompts admitted first, limits and invariants kept."""
+    from minivllm.kv_cache_manager import ContiguousKVManager
+
+    bm = {"paged": lambda: BlockManager(num_blocks, block_size),
+          "prefix": lambda: PrefixCachingBlockManager(num_blocks, block_size),
+          "contiguous": lambda: ContiguousKVManager(num_blocks, 24)}[manager]()
+    _ch04_drive(ch04.MyScheduler, bm, ops, max_num_seqs)
 
 
 @pytest.mark.ch04
 @pytest.mark.ch04_ex1
-def test_ch04_ex1_engine_unchanged(ch04, engine_case):
-    _engine_unchanged(engine_case, scheduler_cls=ch04.MyScheduler)
+def test_ch04_ex1_admits_the_short_ones_first(ch04):
+    """Prompts of 9, 2, 5 and 3 tokens, a budget of 10 tokens: 2, 3 and 5 go first, then 9."""
+    sched = ch04.MyScheduler(BlockManager(64, 4), 8, 10, 64, {0})
+    seqs = [Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=1), block_size=4) for n in (9, 2, 5, 3)]
+    for s in seqs:
+        sched.add(s)
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and sorted(s.num_tokens for s in batch) == [2, 3, 5]
+    sched.postprocess(batch, [1] * 3)  # max_tokens=1: all three finish
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and batch == [seqs[0]]
+
+
+@pytest.fixture(scope="module")
+def ch04_oracle(engine_case):
+    """transformers' greedy tokens for `engine_case`'s prompts (not minivllm's)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs, prompts, params, _ = engine_case
+    hf = AutoModelForCausalLM.from_pretrained(kwargs["model"], dtype=torch.float64).eval()
+    return [hf_greedy(hf, p, params.max_tokens) for p in prompts]
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex1
+@pytest.mark.parametrize("manager", ["paged", "contiguous"])
+def test_ch04_ex1_engine_equals_transformers(ch04, engine_case, ch04_oracle, manager):
+    from minivllm.attention import ContiguousAttention
+    from minivllm.kv_cache_manager import ContiguousKVManager
+
+    kwargs, prompts, params, _ = engine_case
+    if manager == "contiguous":  # 3 regions of 128 tokens: short prompts overtake long ones
+        kwargs = {**kwargs, "kv_manager": ContiguousKVManager, "attention_backend": ContiguousAttention,
+                  "num_kvcache_blocks": 3 * 128 // kwargs["block_size"]}
+    engine = LLMEngine(**kwargs, scheduler_cls=ch04.MyScheduler)
+    assert [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)] == ch04_oracle
+    if manager == "paged":
+        assert engine.scheduler.num_preemptions > 0
+    check_invariants(engine)
 
 
 def _ch05_manager_ops(rng, n=60) -> list[tuple]:

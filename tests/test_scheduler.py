@@ -10,7 +10,7 @@ from minivllm.block_manager import BlockManager
 from minivllm.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.kv_cache_manager import ContiguousKVManager, slot_mapping
-from minivllm.scheduler import Scheduler, check_stop
+from minivllm.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
 
@@ -142,20 +142,6 @@ def test_slot_mapping_is_block_then_offset():
     assert slot_mapping([5, 2], 4, 0, 8) == [20, 21, 22, 23, 8, 9, 10, 11]
     assert slot_mapping([5, 2], 4, 3, 6) == [23, 8, 9]
     assert slot_mapping([7], 100, 99, 100) == [799]
-
-
-def test_check_stop_reasons():
-    from minivllm.sequence import SequenceStatus as S
-
-    x = seq(3, max_tokens=2)
-    x.append_token(0)
-    assert check_stop(x, frozenset({0}), 100) == S.FINISHED_STOPPED
-    y = seq(3, max_tokens=2, ignore_eos=True)
-    y.append_token(0)
-    assert check_stop(y, frozenset({0}), 100) is None
-    y.append_token(0)
-    assert check_stop(y, frozenset({0}), 100) == S.FINISHED_LENGTH_CAPPED
-    assert check_stop(seq(5, max_tokens=9), frozenset(), 5) == S.FINISHED_LENGTH_CAPPED  # max_seq_len
 
 
 # --- property-based: random add / step / abort against the invariants ------------------------------
