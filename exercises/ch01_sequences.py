@@ -1,8 +1,8 @@
 # GENERATED from solutions/ch01_sequences.py by scripts/make_exercises.py: your work goes here.
 """Chapter 01 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch01_ex1) — decide when a sequence stops: write `check_stop`, which the engine calls right
-after appending each generated token. Graded by its contract on random token streams:
+Exercise 1 (ch01_ex1) — decide when a sequence stops: write `check_stop`, the decision an engine makes
+right after appending each generated token. Graded by its contract on random token streams:
 `pytest -m ch01_ex1 --impl=exercises`.
 """
 from minivllm.sequence import Sequence, SequenceStatus
