@@ -200,6 +200,7 @@ class CPUPagedAttention(PagedAttention):
         return torch.device(device).type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
 
     def decode(self, q, k_cache, v_cache, md):
+        """As `PagedAttention.decode`, through the C++ kernel where it applies."""
         if q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES and (kernel := cpu_decode_kernel()) is not None:
             return kernel(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
         return super().decode(q, k_cache, v_cache, md)
