@@ -2,7 +2,7 @@
 decode, refuses bad input, is built once per source, flags, Python, torch and CPU and then loaded
 directly (no build tool runs again), and the backend falls back to plain torch where it is not built.
 
-The kernel is compiled on first use (about half a minute; the library is cached on disk). Tests that
+The kernel is compiled on first use (tens of seconds; the library is cached on disk). Tests that
 need it skip where it cannot be built (a warning says why), except under `MINIVLLM_REQUIRE_CPU_KERNEL=1`,
 which CI sets: there they fail.
 """

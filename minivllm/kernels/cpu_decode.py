@@ -130,7 +130,7 @@ def _build_once(build_dir: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
         if not (build_dir / BUILT).exists():  # another process may have finished while we waited
-            print(f"minivllm: compiling the C++ CPU decode kernel once into {build_dir} (about 30 s)",
+            print(f"minivllm: compiling the C++ CPU decode kernel once into {build_dir} (under a minute on an idle machine)",
                   file=sys.stderr)
             build_kernel(build_dir)
             (build_dir / BUILT).touch()
