@@ -8,6 +8,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+# The headline workload: what `python -m minivllm bench` runs without workload flags.
+DEFAULT_NUM_REQUESTS = 64
+DEFAULT_INPUT_LEN = (16, 512)  # prompt tokens, uniform in [min, max]
+DEFAULT_OUTPUT_LEN = (16, 256)  # output tokens, uniform in [min, max], EOS ignored
+
 
 @dataclass
 class Workload:
@@ -35,14 +40,19 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+# %% auto #0
+__all__ = ['DEFAULT_NUM_REQUESTS', 'DEFAULT_INPUT_LEN', 'DEFAULT_OUTPUT_LEN', 'WARMUP_PROMPT_LEN', 'WARMUP_OUTPUT_LEN',
+           'DEFAULT_HF_BATCH_SIZE', 'CPU_ISA_FLAGS', 'ENGINE_FLAGS', 'Workload', 'make_workload', 'RunResult', 'timed',
+           'warm_up_engine', 'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment', 'agreement',
+           'benchmark', 'format_report', 'run', 'add_cli']
 
+# %% ../notebooks/09_benchmark.ipynb #46981727
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
                   shared_prefix: float = 0.0, seed: int = 0) -> Workload:
     """Draw a workload: prompt and output lengths uniform in the inclusive ranges, random token ids.
 
     With `shared_prefix = f > 0`, the first `round(f * len)` tokens of every prompt are the start
-    of one common random sequence (a system prompt, a few-shot preamble, a shared document), the rest
-    is the request's own.
+    of one common random sequence, the rest is the request's own.
 
     Args:
         num_requests: >= 1.
@@ -75,18 +85,11 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
                 shared_prefix=shared_prefix, seed=seed)
     return Workload(prompts, output_lens, prefix_lens, spec)
 
-# %% auto #0
-__all__ = ['WARMUP_PROMPT_LEN', 'WARMUP_OUTPUT_LEN', 'DEFAULT_HF_BATCH_SIZE', 'ENGINE_FLAGS', 'Workload', 'make_workload',
-           'RunResult', 'run_engine', 'run_hf', 'environment', 'agreement', 'benchmark', 'format_report', 'add_cli',
-           'run']
-
 # %% ../notebooks/09_benchmark.ipynb #aeb5f6cc
 import gc
 import time
 
 import torch
-
-WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 4  # one tiny request before timing: first-call overheads
 
 
 @dataclass
@@ -98,7 +101,7 @@ class RunResult:
         seconds: wall time of the generation calls (model loading and warm-up excluded).
         output_tokens: per request, the token ids it produced (the first `output_lens[i]` for HF).
         num_cached_tokens: per request, prompt tokens served from the prefix cache (engine only).
-        extra: run details (HF batch size, engine args).
+        extra: run details (HF batch size, engine args, `warmup_s`: the warm-up's seconds).
     """
 
     name: str
@@ -117,9 +120,36 @@ class RunResult:
         return self.num_output_tokens / self.seconds
 
 
+def timed(fn, *args, **kwargs):
+    """`(fn(*args, **kwargs), wall seconds)`: the one clock of a benchmark run."""
+    t0 = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - t0
+
+# %% ../notebooks/09_benchmark.ipynb #224f75db
+from .llm import LLM
+from .sampling_params import SamplingParams
+
+WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 4  # the dummy request: one prefill step, three decode steps
+
+
+def warm_up_engine(llm: LLM) -> float:
+    """Run one short dummy request through `llm` (prefill and decode); return its wall time in seconds.
+
+    The first forward passes of a process pay one-time costs a benchmark must not time: the C++
+    decode kernel is compiled (once per machine) or loaded, oneDNN picks its kernels, torch's
+    allocator grows.
+    """
+    t0 = time.perf_counter()
+    prompt = {"prompt_token_ids": list(range(1, WARMUP_PROMPT_LEN + 1))}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def run_engine(model: str | None, workload: Workload, dtype: str = "float32", use_tqdm: bool = False,
                **engine_args) -> RunResult:
-    """Time `minivllm.engine.LLM.generate` on the workload (greedy, `ignore_eos`).
+    """Warm up, then time `LLM.generate` on the workload (greedy, `ignore_eos`).
 
     Args:
         model: a local model folder (None: the default model).
@@ -128,13 +158,9 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
         use_tqdm: show the engine's progress bar.
         **engine_args: passed to `LLM` (`max_num_seqs`, `block_size`, `enable_prefix_caching`, ...).
     Raises:
-        ImportError: chapter 04's engine is missing.
         ValueError: a request of the workload cannot fit in one sequence of this engine.
         RuntimeError: a request did not produce exactly its output length.
     """
-    from minivllm.engine import LLM
-    from minivllm.sampling_params import SamplingParams
-
     llm = LLM(model, dtype=dtype, **engine_args)
     limit = llm.llm_engine.scheduler.max_seq_len
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
@@ -142,36 +168,70 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
         raise ValueError(f"the workload's longest request needs {longest} tokens (prompt + output) but this "
                          f"engine holds at most {limit} per sequence (max_model_len, KV cache size): lower "
                          "--input-len/--output-len or raise --max-model-len/--num-kvcache-blocks")
-    warm = [{"prompt_token_ids": list(range(1, WARMUP_PROMPT_LEN + 1))}]
-    llm.generate(warm, SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
+    warmup_s = warm_up_engine(llm)
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompts]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    seconds = time.perf_counter() - t0
+    outputs, seconds = timed(llm.generate, prompts, params, use_tqdm=use_tqdm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     bad = [i for i, (t, n) in enumerate(zip(tokens, workload.output_lens)) if len(t) != n]
     if bad:
-        i = bad[0]
-        raise RuntimeError(f"engine: request {i} produced {len(tokens[i])} tokens, expected "
-                           f"{workload.output_lens[i]} ({len(bad)} requests wrong)")
+        raise RuntimeError(f"engine: request {bad[0]} produced {len(tokens[bad[0]])} tokens, expected "
+                           f"{workload.output_lens[bad[0]]} ({len(bad)} requests wrong)")
     name = "engine" if engine_args.get("enable_prefix_caching", True) else "engine (no prefix caching)"
-    result = RunResult(name, seconds, tokens, [o.num_cached_tokens for o in outputs], dict(engine_args))
+    result = RunResult(name, seconds, tokens, [o.num_cached_tokens for o in outputs],
+                       dict(engine_args, warmup_s=warmup_s))
     del llm, outputs
     gc.collect()
     return result
 
+# %% ../notebooks/09_benchmark.ipynb #897cb028
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from .model_files import resolve_model
 
 DEFAULT_HF_BATCH_SIZE = 32  # transformers' static batches: its best on the headline workload (see the chapter)
 
 
+def load_hf(model: str | None, dtype: str, device: str) -> AutoModelForCausalLM:
+    """transformers' model in `dtype` on `device`, with EOS switched off so every request runs to its length."""
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar is not part of the report
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=getattr(torch, dtype))
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    hf = hf.to(device).eval()
+    if hf.generation_config.pad_token_id is None:
+        hf.generation_config.pad_token_id = 0
+    hf.generation_config.eos_token_id = None  # None in a generate() call falls back to this config
+    return hf
+
+
+def hf_generate(hf: AutoModelForCausalLM, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
+    """One left-padded greedy `generate` call: the new tokens, `[len(prompts), max_new_tokens]` int64 on CPU."""
+    pad_id, device = hf.generation_config.pad_token_id, hf.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                          max_new_tokens=max_new_tokens, do_sample=False)
+    return out[:, width:].cpu()  # .cpu() waits for a GPU to finish
+
+# %% ../notebooks/09_benchmark.ipynb #fc1eb8e0
 def run_hf(model: str | None, workload: Workload, dtype: str = "float32", batch_size: int = DEFAULT_HF_BATCH_SIZE,
            device: str | None = None) -> RunResult:
-    """Time transformers' batched `generate` on the workload: what you would write without an engine.
+    """Warm up, then time transformers' batched `generate` on the workload: what you would write without
+    an engine.
 
-    Requests are taken in order, `batch_size` at a time, left-padded, greedy, with
-    `max_new_tokens` = the longest output of the batch and EOS ignored; each request is credited
-    only with its own output length (the rest is static batching's waste, see chapter 03).
+    Requests are taken in order, `batch_size` at a time, left-padded, greedy, with `max_new_tokens` =
+    the longest output of the batch and EOS ignored; each request is credited only with its own
+    output length (the rest is static batching's waste, see chapter 03).
 
     Args:
         model: a local model folder (None: the default model).
@@ -182,82 +242,88 @@ def run_hf(model: str | None, workload: Workload, dtype: str = "float32", batch_
     Raises:
         ValueError: `batch_size` < 1.
     """
-    from transformers import AutoModelForCausalLM
-
-    from minivllm.model_files import resolve_model
-
     if batch_size < 1:
         raise ValueError(f"hf batch_size must be >= 1, got {batch_size}")
-    path = resolve_model(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from transformers.utils import logging as hf_logging
-
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its "Loading weights" bar is not part of the report
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
-    pad_id = hf.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = 0
-    # None values in a generate() call fall back to the model's config, so switch EOS off *there*
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = pad_id
-
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(prompts), width), dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                              max_new_tokens=max_new_tokens, do_sample=False)
-        return out[:, width:]
-
-    generate([list(range(1, WARMUP_PROMPT_LEN + 1))], WARMUP_OUTPUT_LEN)
-    tokens: list[list[int]] = []
+    hf = load_hf(model, dtype, device)
     t0 = time.perf_counter()
-    for start in range(0, len(workload.prompts), batch_size):
-        lens = workload.output_lens[start:start + batch_size]
-        new = generate(workload.prompts[start:start + batch_size], max(lens)).cpu()  # .cpu() waits for the GPU
-        tokens += [new[i, :n].tolist() for i, n in enumerate(lens)]
-    seconds = time.perf_counter() - t0
+    hf_generate(hf, [list(range(1, WARMUP_PROMPT_LEN + 1))], WARMUP_OUTPUT_LEN)  # the dummy request
+    warmup_s = time.perf_counter() - t0
+
+    def all_batches() -> list[list[int]]:
+        tokens = []
+        for start in range(0, len(workload.prompts), batch_size):
+            lens = workload.output_lens[start:start + batch_size]
+            new = hf_generate(hf, workload.prompts[start:start + batch_size], max(lens))
+            tokens += [new[i, :n].tolist() for i, n in enumerate(lens)]
+        return tokens
+
+    tokens, seconds = timed(all_batches)
     del hf
     gc.collect()
-    return RunResult("hf", seconds, tokens, extra=dict(batch_size=batch_size, device=str(device)))
+    return RunResult("hf", seconds, tokens, extra=dict(batch_size=batch_size, device=str(device),
+                                                         warmup_s=warmup_s))
 
-# %% ../notebooks/09_benchmark.ipynb #4960b7a1
-import argparse
+# %% ../notebooks/09_benchmark.ipynb #eddf543a
 import datetime
-import json
 import os
 import platform
-import shlex
-import sys
+import subprocess
+
+import transformers
+
+import minivllm
+
+CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")  # from /proc/cpuinfo
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first value of each field of Linux's /proc/cpuinfo ({} elsewhere)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name: Linux's /proc/cpuinfo "model name" (x86: with its family, model and stepping
+    numbers) or its Arm implementer/part codes, macOS's `machdep.cpu.brand_string`, else `platform`'s guess."""
+    info = _cpuinfo()
+    name = info.get("model name")
+    if name:
+        ids = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info)
+        return f"{name} ({ids})" if ids else name
+    if "CPU part" in info:
+        return f"{platform.machine()} (CPU implementer {info.get('CPU implementer', '?')}, part {info['CPU part']})"
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return platform.processor() or platform.machine()
 
 
 def environment() -> dict:
-    """Versions, threads and hardware, for the JSON record."""
-    import transformers
-
-    import minivllm
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """Versions, threads, hardware (`cpu`: `cpu_model()`) and the date, for a JSON record."""
+    info = _cpuinfo()
+    flags = set((info.get("flags") or info.get("Features") or "").split())  # x86 / Arm
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return dict(versions=dict(minivllm=minivllm.__version__, torch=torch.__version__,
                               transformers=transformers.__version__, python=platform.python_version()),
                 threads=torch.get_num_threads(),
-                hardware=dict(cpu=cpu, cpu_count=os.cpu_count(), gpu=gpu, platform=platform.platform()),
+                hardware=dict(cpu=cpu_model(), cpu_isa=[f for f in CPU_ISA_FLAGS if f in flags],
+                              cpu_count=os.cpu_count(), gpu=gpu, platform=platform.platform()),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+# %% ../notebooks/09_benchmark.ipynb #4960b7a1
+from .models.llama import SUPPORTED_DTYPES
 
 
 def agreement(a: RunResult, b: RunResult) -> float:
@@ -266,76 +332,72 @@ def agreement(a: RunResult, b: RunResult) -> float:
     return sum(x == y for x, y in zip(a.output_tokens, b.output_tokens)) / len(a.output_tokens)
 
 
-def benchmark(model: str | None = None, num_requests: int = 64, input_len: tuple[int, int] = (16, 512),
-              output_len: tuple[int, int] = (16, 256), shared_prefix: float = 0.0, seed: int = 0,
-              dtype: str = "float32", threads: int | None = None, compare_hf: bool = False,
-              hf_batch_size: int = DEFAULT_HF_BATCH_SIZE, use_tqdm: bool = False, **engine_args) -> dict:
-    """Run the benchmark and return its record (what `--json` prints).
-
-    The workload goes through the engine; with `shared_prefix > 0` and prefix caching on, through the
-    engine again with prefix caching off (the gain); with `compare_hf`, through transformers' batched
-    `generate` — same process, model, dtype and threads.
+def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS,
+              input_len: tuple[int, int] = DEFAULT_INPUT_LEN, output_len: tuple[int, int] = DEFAULT_OUTPUT_LEN,
+              shared_prefix: float = 0.0, seed: int = 0, dtype: str = "float32", threads: int | None = None,
+              compare_hf: bool = False, hf_batch_size: int = DEFAULT_HF_BATCH_SIZE, use_tqdm: bool = False,
+              **engine_args) -> dict:
+    """Run the benchmark and return its record (what `--json` prints). The workload goes through the
+    engine; with `shared_prefix > 0` and prefix caching on, again with prefix caching off (the gain);
+    with `compare_hf`, through transformers' batched `generate` — same process, model, dtype, threads.
 
     Args:
         model: a local model folder (None: the default model).
         num_requests, input_len, output_len, shared_prefix, seed: the workload (`make_workload`).
-        dtype: "float32" (default), "float64", "bfloat16", "float16".
-        threads: torch intra-op threads (None: leave torch's default).
-        compare_hf: also time transformers.
-        hf_batch_size: requests per transformers `generate` call.
+        dtype: "float32" (default), "float64", "bfloat16", "float16". threads: torch threads (None: as is).
+        compare_hf: also time transformers. hf_batch_size: requests per transformers `generate` call.
         use_tqdm: show the engine's progress bar.
-        **engine_args: passed to `minivllm.engine.LLM`; `device` also places the transformers model.
+        **engine_args: passed to `LLM`; `device` also places the transformers model.
     Returns:
-        A dict with `engine_tok_s`, `hf_tok_s` and `ratio` (None without `compare_hf`), the timings and
-        token counts, `prompt_tokens_total`/`prompt_tokens_computed`, the workload, versions, threads
-        and hardware. Throughputs are output tokens per second of wall time.
+        A dict: `engine_tok_s`, `hf_tok_s`, `ratio` (None without `compare_hf`), the timings (seconds)
+        and warm-ups, token counts, `prompt_tokens_total`/`prompt_tokens_computed`, the workload, and
+        `environment()`. Throughputs are output tokens per second of wall time.
     Raises:
-        ValueError: a bad workload parameter or dtype.
+        ValueError: a bad workload parameter, dtype or thread count.
     """
-    from transformers import AutoConfig
-
-    from minivllm.model_files import resolve_model
-
-    from minivllm.models.llama import SUPPORTED_DTYPES
-
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(SUPPORTED_DTYPES)}")
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    path = resolve_model(model)
-    vocab_size = AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
+    path = str(resolve_model(model))
+    vocab_size = transformers.AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
     workload = make_workload(num_requests, input_len, output_len, vocab_size, shared_prefix, seed)
-    engine = run_engine(str(path), workload, dtype, use_tqdm=use_tqdm, **engine_args)
-    computed = workload.num_prompt_tokens - sum(engine.num_cached_tokens)
+    engine = run_engine(path, workload, dtype, use_tqdm=use_tqdm, **engine_args)
     record = dict(model=str(model or "default"), dtype=dtype, workload=workload.spec,
-                  prompt_tokens_total=workload.num_prompt_tokens, prompt_tokens_computed=computed,
-                  prompt_tokens_shared=sum(workload.shared_prefix_lens),
-                  output_tokens=workload.num_output_tokens, engine_args=engine_args,
-                  engine_s=engine.seconds, engine_tok_s=engine.tok_s,
-                  hf_s=None, hf_tok_s=None, ratio=None, hf_batch_size=None, hf_match_fraction=None)
+                  prompt_tokens_total=workload.num_prompt_tokens,
+                  prompt_tokens_computed=workload.num_prompt_tokens - sum(engine.num_cached_tokens),
+                  prompt_tokens_shared=sum(workload.shared_prefix_lens), output_tokens=workload.num_output_tokens,
+                  engine_args=engine_args, engine_s=engine.seconds, engine_tok_s=engine.tok_s,
+                  engine_warmup_s=engine.extra["warmup_s"], hf_s=None, hf_tok_s=None, ratio=None,
+                  hf_batch_size=None, hf_match_fraction=None)
     if shared_prefix > 0 and engine_args.get("enable_prefix_caching", True):
-        off = run_engine(str(path), workload, dtype, use_tqdm=use_tqdm,
-                         **{**engine_args, "enable_prefix_caching": False})
-        record.update(engine_no_prefix_caching_tok_s=off.tok_s,
-                      prefix_caching_speedup=engine.tok_s / off.tok_s)
+        off = run_engine(path, workload, dtype, use_tqdm=use_tqdm, **{**engine_args, "enable_prefix_caching": False})
+        record.update(engine_no_prefix_caching_tok_s=off.tok_s, prefix_caching_speedup=engine.tok_s / off.tok_s)
     if compare_hf:
-        hf = run_hf(str(path), workload, dtype, hf_batch_size, engine_args.get("device"))
-        record.update(hf_s=hf.seconds, hf_tok_s=hf.tok_s, ratio=engine.tok_s / hf.tok_s,
-                      hf_batch_size=hf_batch_size, hf_match_fraction=agreement(engine, hf))
+        hf = run_hf(path, workload, dtype, hf_batch_size, engine_args.get("device"))
+        record.update(hf_s=hf.seconds, hf_tok_s=hf.tok_s, ratio=engine.tok_s / hf.tok_s, hf_batch_size=hf_batch_size,
+                      hf_warmup_s=hf.extra["warmup_s"], hf_match_fraction=agreement(engine, hf))
     record.update(environment())
     return record
 
+# %% ../notebooks/09_benchmark.ipynb #72b6b8e3
+import argparse
+import json
+import shlex
+import sys
+
 
 def format_report(r: dict) -> str:
-    """The human-readable summary `python -m minivllm bench` prints."""
+    """The summary `python -m minivllm bench` prints (without `--json`)."""
     w = r["workload"]
-    lines = [f"model {r['model']} ({r['dtype']}), torch threads: {r['threads']}, {r['hardware']['cpu']}",
+    warm = f" after a {r['engine_warmup_s']:.1f} s warm-up" if r.get("engine_warmup_s") is not None else ""
+    lines = [f"CPU: {r['hardware']['cpu']}; torch threads: {r['threads']}; model {r['model']} ({r['dtype']})",
              f"workload: {w['num_requests']} requests, prompts {w['input_len'][0]}-{w['input_len'][1]} tokens "
              f"({r['prompt_tokens_total']} in all), outputs {w['output_len'][0]}-{w['output_len'][1]} tokens "
              f"({r['output_tokens']} in all), shared prefix {w['shared_prefix']:g}, seed {w['seed']}",
-             f"engine: {r['engine_tok_s']:8.1f} output tok/s ({r['engine_s']:.1f} s); prompt tokens computed "
+             f"engine: {r['engine_tok_s']:8.1f} output tok/s ({r['engine_s']:.1f} s{warm}); prompt tokens computed "
              f"{r['prompt_tokens_computed']} of {r['prompt_tokens_total']}"]
     if "prefix_caching_speedup" in r:
         lines.append(f"engine without prefix caching: {r['engine_no_prefix_caching_tok_s']:8.1f} output tok/s; "
@@ -349,42 +411,14 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def add_cli(subparsers) -> None:
-    """Add the `bench` subcommand to `python -m minivllm` (found through `cli.CLI_EXTENSIONS`)."""
-    b = subparsers.add_parser("bench", help="benchmark the engine (and transformers) on a seeded workload",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("--model", default=None, help="local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16")
-    b.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
-    b.add_argument("--input-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"),
-                   help="prompt tokens, uniform in [MIN, MAX]")
-    b.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
-                   help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
-    b.add_argument("--shared-prefix", type=float, default=0.0, metavar="FRACTION",
-                   help="fraction of each prompt that is a prefix common to all prompts")
-    b.add_argument("--seed", type=int, default=0, help="workload seed")
-    b.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
-    b.add_argument("--hf-batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE, help="requests per HF generate call")
-    b.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
-    b.add_argument("--device", default=None, help="cpu, cuda, ... for both contenders (None: CUDA if available)")
-    b.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
-    b.add_argument("--progress", action="store_true", help="show the engine's progress bar")
-    e = b.add_argument_group("engine arguments (minivllm.engine.LLM; None: the engine's default)")
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--num-kvcache-blocks", type=int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
-    b.set_defaults(func=run)
-
-
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
                 "device")
 
 
 def run(args: argparse.Namespace) -> int:
-    """`python -m minivllm bench`: run `benchmark` with the parsed flags and print the report."""
+    """`python -m minivllm bench`: say which CPU, run `benchmark` with the parsed flags, print the report."""
+    threads = args.threads or torch.get_num_threads()
+    print(f"minivllm bench on {cpu_model()} with {threads} torch threads", file=sys.stderr)
     engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
@@ -395,3 +429,33 @@ def run(args: argparse.Namespace) -> int:
         record["command"] = "python -m minivllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(json.dumps(record) if args.json else format_report(record))
     return 0
+
+# %% ../notebooks/09_benchmark.ipynb #d746a4cf
+def add_cli(subparsers) -> None:
+    """Add the `bench` subcommand (its `func` is `run`) to `python -m minivllm`'s subparsers."""
+    b = subparsers.add_parser("bench", help="benchmark the engine (and transformers) on a seeded workload",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--model", default=None, help="local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--dtype", default="float32", help="float32, float64, bfloat16, float16")
+    b.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests in the workload")
+    b.add_argument("--input-len", type=int, nargs=2, default=list(DEFAULT_INPUT_LEN), metavar=("MIN", "MAX"),
+                   help="prompt tokens, uniform in [MIN, MAX]")
+    b.add_argument("--output-len", type=int, nargs=2, default=list(DEFAULT_OUTPUT_LEN), metavar=("MIN", "MAX"),
+                   help="output tokens, uniform in [MIN, MAX] (EOS ignored)")
+    b.add_argument("--shared-prefix", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of each prompt that is a prefix common to all prompts")
+    b.add_argument("--seed", type=int, default=0, help="workload seed")
+    b.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
+    b.add_argument("--hf-batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE, help="requests per HF generate call")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
+    b.add_argument("--device", default=None, help="cpu, cuda, ... for both contenders (None: CUDA if available)")
+    b.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
+    b.add_argument("--progress", action="store_true", help="show the engine's progress bar")
+    e = b.add_argument_group("engine arguments (passed to minivllm.llm.LLM; None: the engine's default)")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--num-kvcache-blocks", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
+    b.set_defaults(func=run)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Rerun every recorded run in results/ that chapter 09 and the README read, on this machine.
+# Run it on a quiet machine (nothing else busy: other programs are the largest source of noise on a
+# CPU). Each command warms up before its clock starts, so a first compile of the C++ kernel is not
+# timed. About 15-20 minutes on 2 cores; each command prints the CPU it runs on.
+#
+#   scripts/record_results.sh            # or PY=python scripts/record_results.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+
+record() {  # record FILE COMMAND...: write the command's JSON line to FILE only if it succeeds
+    local out=$1
+    shift
+    echo "== $* > $out" >&2
+    "$@" > "$out.tmp"
+    mv "$out.tmp" "$out"
+}
+
+HEADLINE=(--num-requests 64 --input-len 16 512 --output-len 16 256)
+record results/cpu_bench_headline.json "$PY" -m minivllm bench "${HEADLINE[@]}" --compare hf --json
+record results/cpu_bench_headline_hf16.json "$PY" -m minivllm bench "${HEADLINE[@]}" --compare hf --hf-batch-size 16 --json
+record results/cpu_bench_headline_hf64.json "$PY" -m minivllm bench "${HEADLINE[@]}" --compare hf --hf-batch-size 64 --json
+record results/cpu_bench_shared_prefix.json "$PY" -m minivllm bench "${HEADLINE[@]}" --shared-prefix 0.9 --json
+"$PY" scripts/profile_engine.py --out results/cpu_profile_headline.json
