@@ -337,3 +337,14 @@ def test_building_leaves_the_flags_and_the_folder_as_they_were(monkeypatch, fres
     assert cpu_decode_kernel() == "ok"
     assert "-DADDED" not in cd.CPU_KERNEL_CFLAGS and "-lADDED" not in cd.CPU_KERNEL_LDFLAGS
     assert cpu_kernel_build_dir() == folder and (folder / cd.BUILT).exists()
+
+
+def test_a_missing_library_is_built_again(monkeypatch, fresh_kernel):
+    """A complete mark without its library (someone deleted the file) means: build again."""
+    folder = cpu_kernel_build_dir()
+    folder.mkdir(parents=True)
+    (folder / cd.BUILT).touch()
+    built = []
+    monkeypatch.setattr(cd, "build_kernel", lambda d: built.append(d) or cd.library_path(d).write_bytes(b"lib"))
+    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
+    assert cpu_decode_kernel() == "ok" and built == [folder] and cd.is_built(folder)

@@ -59,8 +59,8 @@ def cpu_kernel_build_dir() -> Path:
 
 # %% auto #0
 __all__ = ['KERNEL_NAME', 'KERNEL_SOURCE', 'CPU_KERNEL_DTYPES', 'CPU_KERNEL_CFLAGS', 'CPU_KERNEL_LDFLAGS', 'CPUINFO',
-           'LIBRARY_SUFFIX', 'BUILT', 'cpu_identity', 'cpu_kernel_build_dir', 'build_kernel', 'load_kernel_library',
-           'cpu_decode_kernel', 'paged_decode_attention_cpu', 'CPUPagedAttention']
+           'LIBRARY_SUFFIX', 'BUILT', 'cpu_identity', 'cpu_kernel_build_dir', 'build_kernel', 'library_path',
+           'is_built', 'load_kernel_library', 'cpu_decode_kernel', 'paged_decode_attention_cpu', 'CPUPagedAttention']
 
 # %% ../../notebooks/05_paged_attention.ipynb #fbcd2622
 @contextlib.contextmanager
@@ -112,7 +112,16 @@ def build_kernel(build_dir: Path) -> Path:
     with _ninja_on_path():
         load(KERNEL_NAME, [str(KERNEL_SOURCE)], extra_cflags=list(CPU_KERNEL_CFLAGS),  # copies: torch's
              extra_ldflags=list(CPU_KERNEL_LDFLAGS), build_directory=str(build_dir))  # builder appends to them
+    return library_path(build_dir)
+
+
+def library_path(build_dir: Path) -> Path:
     return build_dir / f"{KERNEL_NAME}{LIBRARY_SUFFIX}"
+
+
+def is_built(build_dir: Path) -> bool:
+    """Whether `build_dir` holds a complete build: the library and the mark written after it."""
+    return (build_dir / BUILT).exists() and library_path(build_dir).exists()
 
 
 def load_kernel_library(path: Path):
@@ -129,9 +138,9 @@ def _build_once(build_dir: Path) -> None:
     """Build into `build_dir` unless it is complete, one process at a time; say so on stderr."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with _build_lock(build_dir):
-        if not (build_dir / BUILT).exists():  # another process may have finished while we waited
-            print(f"minivllm: compiling the C++ CPU decode kernel once into {build_dir} (under a minute on an idle machine)",
-                  file=sys.stderr)
+        if not is_built(build_dir):  # another process may have finished while we waited
+            print(f"minivllm: compiling the C++ CPU decode kernel once into {build_dir} "
+                  "(under a minute on an idle machine)", file=sys.stderr)
             build_kernel(build_dir)
             (build_dir / BUILT).touch()
 
@@ -151,14 +160,14 @@ def cpu_decode_kernel():
     fallback = "decode attention uses plain torch instead (slower, same results)"
     try:
         build_dir = cpu_kernel_build_dir()
-        if not (build_dir / BUILT).exists():
+        if not is_built(build_dir):
             compiler = os.environ.get("CXX", "c++")
             if shutil.which(compiler) is None:
                 warnings.warn(f"minivllm: no C++ compiler `{compiler}` found (install g++, or set CXX) for the "
                               f"CPU decode kernel; {fallback}", RuntimeWarning, stacklevel=2)
                 return None
             _build_once(build_dir)
-        module = load_kernel_library(build_dir / f"{KERNEL_NAME}{LIBRARY_SUFFIX}")
+        module = load_kernel_library(library_path(build_dir))
     except Exception as e:  # any failure leaves the plain-torch path, which computes the same
         detail = " ".join(str(e).split())[-400:]  # the end of a build error holds the compiler's message
         warnings.warn(f"minivllm: the C++ CPU decode kernel could not be built or loaded ({type(e).__name__}: "
