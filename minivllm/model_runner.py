@@ -15,8 +15,8 @@ from .models.llama import LlamaForCausalLM
 from .sequence import Sequence
 
 # A prefill step runs its sequences in forward passes of at most this many new tokens on CPU. The
-# tokens are the same; the 64 prompts of chapter 09's benchmark prefilled in 20.7 s with 2,048,
-# 21.8 s with 4,096, 22.5 s with 1,024 and 23.3 s with no limit (best of 3 each).
+# tokens are the same; smaller activations are faster there, and of the sizes tried on chapter 09's
+# benchmark prompts (1,024, 2,048, 4,096 and no limit) this one prefilled fastest.
 PREFILL_MICROBATCH_TOKENS = 2048
 
 
