@@ -372,3 +372,84 @@ def test_tiny_model_factory(tmp_path):
     prompts = testing.random_prompts(5, 2, 9, seed=1, vocab=50)
     assert prompts == testing.random_prompts(5, 2, 9, seed=1, vocab=50) and len(prompts) == 5
     assert all(2 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in prompts)
+
+
+# --- sliding-window configs: decided per layer, as transformers does ------------------------------
+
+QWQ_LIKE = dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)  # = num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_sliding_window_on_no_layer_loads_and_equals_transformers(tmp_path, kind):
+    """QwQ-32B's shape: use_sliding_window true, max_window_layers == num_hidden_layers: every layer
+    attends over the whole sequence in transformers, so the model loads and its logits match (the
+    40-token input is far longer than the 8-token window, so a window applied anywhere would show)."""
+    from minivllm.testing import make_tiny_model
+
+    hf = make_tiny_model(tmp_path, kind, **QWQ_LIKE)
+    assert set(hf.config.layer_types) == {"full_attention"}
+    ours = load_model(tmp_path, dtype=torch.float64)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (our_logits(ours, ids) - hf(ids[None]).logits[0]).abs().max() < 1e-9
+
+
+def test_a_window_that_no_position_can_exceed_loads(tmp_path):
+    from minivllm.testing import make_tiny_model
+
+    hf = make_tiny_model(tmp_path, "qwen2", **{**QWQ_LIKE, "max_window_layers": 0, "sliding_window": 1024})
+    assert set(hf.config.layer_types) == {"sliding_attention"}
+    ours = load_model(tmp_path, dtype=torch.float64)
+    ids = torch.arange(60)
+    with torch.no_grad():
+        assert (our_logits(ours, ids) - hf(ids[None]).logits[0]).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1])
+def test_a_window_applied_on_some_layer_is_refused(tmp_path, max_window_layers):
+    from minivllm.testing import make_tiny_model
+
+    hf = make_tiny_model(tmp_path, "qwen2", **{**QWQ_LIKE, "max_window_layers": max_window_layers})
+    windowed = [i for i, t in enumerate(hf.config.layer_types) if t == "sliding_attention"]
+    assert windowed == list(range(max_window_layers, 2))
+    with pytest.raises(ValueError, match=rf"sliding-window attention is not supported: layers \{windowed}\ of 2 "
+                                         r"see only the last sliding_window=8 tokens"):
+        load_model(tmp_path, dtype=torch.float64)
+
+
+def test_layer_types_in_the_config_decide(tmp_path, tiny_llama):
+    """An explicit `layer_types` wins over max_window_layers (transformers reads it per layer)."""
+    from minivllm.models.llama import sliding_window_layers
+    from minivllm.testing import make_tiny_model, tiny_config
+
+    make_tiny_model(tmp_path, "qwen2", **QWQ_LIKE, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"layers \[0\] of 2"):
+        load_model(tmp_path, dtype=torch.float64)
+    off = tiny_config("qwen2", sliding_window=8, max_window_layers=0)  # use_sliding_window False
+    assert sliding_window_layers(off) == []
+
+    class Old:  # a config from before transformers had layer_types: Qwen2's rule
+        num_hidden_layers, max_position_embeddings = 4, 64
+        use_sliding_window, sliding_window, max_window_layers = True, 8, 3
+
+    assert sliding_window_layers(Old()) == [3]
+    Old.max_window_layers = 4
+    assert sliding_window_layers(Old()) == []
+    Old.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
+    with pytest.raises(ValueError, match="unsupported layer_types"):
+        sliding_window_layers(Old())
+
+
+def test_rms_norm_is_bit_identical_to_transformers_in_bfloat16_and_float64():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from minivllm.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        x = (torch.randn(16, 96, generator=g, dtype=torch.float64) * 3).to(dtype)
+        ours, ref = RMSNorm(96, 1e-6).to(dtype), LlamaRMSNorm(96, 1e-6).to(dtype)
+        with torch.no_grad():
+            ours.weight.copy_(torch.randn(96, generator=g))
+            ref.weight.copy_(ours.weight)
+            assert torch.equal(ours(x), ref(x)), dtype

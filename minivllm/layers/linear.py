@@ -20,7 +20,10 @@ def onednn_packing_supported(dtype: torch.dtype) -> bool:
         return True
     return dtype == torch.bfloat16 and bool(mkldnn._is_mkldnn_bf16_supported())
 
+# %% auto #0
+__all__ = ['ONEDNN_PACK_BATCH_HINT', 'onednn_packing_supported', 'PackedLinear', 'pack_linear_layers']
 
+# %% ../../notebooks/02_model.ipynb #57ad985b
 class PackedLinear(nn.Module):
     """A CPU `nn.Linear` whose weight oneDNN has pre-packed once into its own blocked layout.
 
@@ -75,6 +78,3 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = ONEDNN_PACK_BATCH_HIN
                 setattr(module, name, PackedLinear(child, batch_hint))
                 replaced += 1
     return replaced
-
-# %% auto #0
-__all__ = ['ONEDNN_PACK_BATCH_HINT', 'onednn_packing_supported', 'PackedLinear', 'pack_linear_layers']
