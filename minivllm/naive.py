@@ -30,8 +30,8 @@ __all__ = ['CausalAttention', 'ContiguousKVCache', 'iter_generate', 'naive_gener
 # %% ../notebooks/02_model.ipynb #93449e6f
 class ContiguousKVCache:
     """Attention backend with a per-sequence KV cache: one contiguous buffer per layer, reserved for
-    `max_len` tokens up front (what transformers and early servers do; chapter 05 shows what that
-    reservation costs).
+    `max_len` tokens up front (like transformers' `StaticCache`; chapter 05's paged cache reserves
+    memory block by block instead).
 
     Each call appends this call's `k`/`v` after the tokens already cached for that layer and attends
     over all of them.
