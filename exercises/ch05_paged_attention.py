@@ -54,7 +54,7 @@ class MyBlockManager:
         raise NotImplementedError()
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` (no blocks yet) `seq.num_blocks` free blocks; set `seq.num_cached_tokens = 0`."""
+        """Give `seq` (no blocks yet) `seq.num_blocks` free blocks; its `num_cached_tokens` becomes 0."""
         # TODO: take free ids, set their ref counts to 1, append them to seq.block_table
         raise NotImplementedError()
 

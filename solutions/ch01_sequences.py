@@ -13,9 +13,9 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> bo
     Call it right after `seq.append_token(...)`. The rules, checked in this order:
 
     1. the last token is in `eos_token_ids` and `seq.sampling_params.ignore_eos` is False:
-       set `seq.status = SequenceStatus.FINISHED_STOPPED` (finish reason "stop");
+       the status becomes `FINISHED_STOPPED` (finish reason "stop");
     2. the completion has `seq.sampling_params.max_tokens` tokens, or the whole sequence (prompt and
-       completion) has `max_model_len` tokens: set `SequenceStatus.FINISHED_LENGTH_CAPPED` ("length").
+       completion) has `max_model_len` tokens: the status becomes `FINISHED_LENGTH_CAPPED` ("length").
 
     Otherwise leave the sequence unchanged (status included) and return False. Never add or remove tokens.
     """
