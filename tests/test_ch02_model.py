@@ -376,14 +376,15 @@ def test_tiny_model_factory(tmp_path):
 
 # --- sliding-window configs: decided per layer, as transformers does ------------------------------
 
-QWQ_LIKE = dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)  # = num_hidden_layers
+QWQ_LIKE = dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)  # 2 = num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_sliding_window_on_no_layer_loads_and_equals_transformers(tmp_path, kind):
-    """QwQ-32B's shape: use_sliding_window true, max_window_layers == num_hidden_layers: every layer
-    attends over the whole sequence in transformers, so the model loads and its logits match (the
-    40-token input is far longer than the 8-token window, so a window applied anywhere would show)."""
+    """use_sliding_window true with max_window_layers == num_hidden_layers (QwQ-32B's config has
+    max_window_layers equal to its 64 layers): every layer attends over the whole sequence in
+    transformers, so the model loads and its logits match (the 40-token input is far longer than the
+    8-token window, so a window applied anywhere would show)."""
     from minivllm.testing import make_tiny_model
 
     hf = make_tiny_model(tmp_path, kind, **QWQ_LIKE)
@@ -453,3 +454,43 @@ def test_rms_norm_is_bit_identical_to_transformers_in_bfloat16_and_float64():
             ours.weight.copy_(torch.randn(96, generator=g))
             ref.weight.copy_(ours.weight)
             assert torch.equal(ours(x), ref(x)), dtype
+
+
+# --- the chapter 02 graders can fail -------------------------------------------------------------
+
+def test_ch02_graders_reject_near_miss_answers():
+    """Answers that are right in float64 or without a window must fail: Llama's cast order for
+    Gemma's norm (wrong in 16-bit types), rotate-half for interleaved RoPE, attention that ignores
+    the window."""
+    from types import SimpleNamespace
+
+    import test_grading as grading
+    from adapters import load
+    from minivllm.models.llama import attention_reference
+
+    def llama_order(x, weight, eps):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (1.0 + weight) * h.to(x.dtype)
+
+    def rotate_half(x, cos, sin):
+        cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def no_window(q, k, v, scale, causal=True, sliding_window=None):
+        return attention_reference(q, k, v, scale, causal)
+
+    cases = [(grading.test_ch02_ex1_gemma_rms_norm_bit_identical_to_transformers, {"gemma_rms_norm": llama_order},
+              dict(n=4, hidden=64, eps=1e-6, dtype=torch.bfloat16, seed=0)),
+             (grading.test_ch02_ex1_interleaved_rope_matches_gptj, {"apply_rope_interleaved": rotate_half},
+              dict(n=4, heads=2, half=8, seed=0)),
+             (grading.test_ch02_ex2_attention_matches_torch, {"attention": no_window},
+              dict(tq=6, extra=6, kv_heads=1, groups=2, window=3, causal=True, seed=0))]
+    for test, answer, example in cases:  # the graders' bodies on one example each (no hypothesis search)
+        with pytest.raises(AssertionError):
+            test.hypothesis.inner_test(ch02=SimpleNamespace(**answer), **example)
+    solutions = SimpleNamespace(**{name: getattr(load("ch02_model", "solutions"), name)
+                                   for name in ("gemma_rms_norm", "apply_rope_interleaved", "attention")})
+    for test, _, example in cases:  # and the worked answers pass the same examples
+        test.hypothesis.inner_test(ch02=solutions, **example)
