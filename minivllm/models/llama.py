@@ -249,9 +249,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """`input_ids`, `positions`: `[N]` int64 -> hidden states `[N, hidden_size]` (model dtype)."""
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., hidden_size]` hidden states -> `[..., vocab_size]` logits in the model dtype."""
         return self.lm_head(hidden)
 
 # %% ../../notebooks/02_model.ipynb #6bf62007
