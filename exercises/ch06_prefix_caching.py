@@ -1,23 +1,26 @@
 # GENERATED from solutions/ch06_prefix_caching.py by scripts/make_exercises.py: your work goes here.
 """Chapter 06 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch06_ex1) — rebuild `PrefixCachingBlockManager.allocate`: walk the prompt's blocks,
-reuse cached full blocks while the chained hash (and the tokens) match, never for the block holding
-the last token, and allocate fresh blocks after the first miss (registering the full ones). Graded by
-a property-based differential test against minivllm's manager (same block tables, same
-`num_cached_tokens`) and by running the engine with your class:
-`pytest -m ch06_ex1 --impl=exercises`.
+Exercise 1 (ch06_ex1) — token-granular prefix caching: write `MyPrefixCachingBlockManager.allocate`
+with the chapter's third rule for the last token. Every full block of the prompt may be found in the
+cache (keep the check of tokens *and* parent), and a prompt that is entirely cached recomputes only
+its last token: `num_cached_tokens = num_tokens - 1` (vLLM does this when a whole prompt's K/V came
+from a remote connector). Graded by its contract, not by the chapter's code: the cache invariants
+under random operation sequences, `num_cached_tokens` exactly as large as the rule allows for
+requests that follow each other on a cache that keeps everything, and the engine's greedy outputs
+against transformers on prompts sent more than once: `pytest -m ch06_ex1 --impl=exercises`.
 """
-from minivllm.prefix_caching import NO_HASH, PrefixCachingBlockManager, compute_hash
+from minivllm.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
 
 class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
     """Helpers you may use: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`,
-    `self._take_cached_block(block_id)` (adds a reference, leaves the free queue if needed),
-    `self._allocate_block()` and `self._register(block, hash, token_ids)`."""
+    `self._is_hit(block_id, token_ids, parent)` (tokens and parent match), `self._revive(block_id)`
+    (one more reference to a cached block), `self._allocate_block()` (a fresh block) and
+    `self._cache(block_id, hash, token_ids, parent)` (make a full block findable)."""
 
     def allocate(self, seq: Sequence) -> None:
         """Fill `seq.block_table` (empty on entry) and set `seq.num_cached_tokens`."""
-        # TODO: chain hashes over full blocks; hit while hash and tokens match and the block is not the last
+        # TODO: share every cached full block of the prompt; a fully cached prompt counts num_tokens - 1
         raise NotImplementedError()

@@ -20,6 +20,7 @@ from minivllm.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler
 from minivllm.sequence import Sequence
+from test_prefix_caching import check_cache  # the prefix cache's invariants
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
@@ -315,17 +316,79 @@ def test_ch05_ex2_window_decode_matches_reference(ch05, lens, block_size, groups
         torch.testing.assert_close(got[i], attention_reference(q[i:i + 1], k, v, 0.35)[0], atol=1e-12, rtol=0)
 
 
+# --- ch06_ex1: token-granular prefix caching, graded by its contract --------------------------------
+def _ch06_expected(prompt: list[int], written: set[tuple[int, ...]], block_size: int) -> int:
+    """The rule: every full block whose whole prefix was written before is found; a prompt found
+    entirely recomputes only its last token."""
+    m = 0
+    while (m + 1) * block_size <= len(prompt) and tuple(prompt[:(m + 1) * block_size]) in written:
+        m += 1
+    return min(m * block_size, len(prompt) - 1)
+
+
+@pytest.mark.ch06
+@pytest.mark.ch06_ex1
+@settings(max_examples=200, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(1, 2), min_size=1, max_size=12), min_size=1, max_size=12),
+       block_size=st.integers(1, 4))
+def test_ch06_ex1_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
+    """Requests one after another on a cache that keeps everything: `num_cached_tokens` is exactly
+    what the rule allows, the shared blocks are the earlier requests' blocks, and all is freed after."""
+    bm = ch06.MyPrefixCachingBlockManager(num_blocks=len(prompts) * 12 + 1, block_size=block_size)
+    written: set[tuple[int, ...]] = set()
+    for tokens in prompts + prompts:  # every prompt twice: whole prompts come back
+        seq = Sequence(tokens, block_size=block_size)
+        bm.allocate(seq)
+        assert seq.num_cached_tokens == _ch06_expected(tokens, written, block_size), (tokens, sorted(written))
+        assert len(seq.block_table) == seq.num_blocks and len(set(seq.block_table)) == seq.num_blocks
+        check_cache(bm, [seq])
+        written.update(tuple(tokens[:k]) for k in range(block_size, len(tokens) + 1, block_size))
+        bm.deallocate(seq)
+        assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.ch06
 @pytest.mark.ch06_ex1
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4))
-def test_ch06_ex1_cached_block_tables_match(ch06, ops, block_size, num_blocks, max_num_seqs):
-    args = (ops, block_size, num_blocks, max_num_seqs)
-    got = _trace(Scheduler, ch06.MyPrefixCachingBlockManager, *args)
-    assert got == _trace(Scheduler, PrefixCachingBlockManager, *args)
+def test_ch06_ex1_invariants_under_random_operations(ch06, ops, block_size, num_blocks, max_num_seqs):
+    """Adds, steps (with preemption) and aborts: reference counts, the hash table and the parent
+    chains stay consistent (`check_invariants`, `check_cache`), whatever the block tables are."""
+    sched = Scheduler(ch06.MyPrefixCachingBlockManager(num_blocks, block_size), max_num_seqs, 24, 24, {0})
+    seqs = []
+    for op in ops:
+        if op[0] == "add":
+            seq = Sequence(op[1], SamplingParams(max_tokens=op[2]), block_size=block_size, seq_id=len(seqs))
+            seqs.append(seq)
+            if seq.num_blocks <= num_blocks:
+                sched.add(seq)
+        elif op[0] == "step":
+            batch, _ = sched.schedule()
+            sched.postprocess(batch, (op[1] * 10)[:len(batch)])
+        elif seqs:
+            sched.abort(seqs[op[1] % len(seqs)])
+        check_invariants(sched)
+        check_cache(sched.block_manager, sched.running)
+        for seq in sched.running:
+            assert seq.num_cached_tokens < seq.num_tokens
 
 
 @pytest.mark.ch06
 @pytest.mark.ch06_ex1
-def test_ch06_ex1_engine_unchanged(ch06, engine_case):
-    _engine_unchanged(engine_case, kv_manager=ch06.MyPrefixCachingBlockManager)
+def test_ch06_ex1_engine_equals_transformers(ch06, tmp_path):
+    """Prompts of whole blocks sent again (alone and together) and prompts sharing prefixes, on a
+    cache small enough to preempt: greedy tokens equal transformers'; repeats recompute one token."""
+    model = make_model(tmp_path, "llama")
+    prompts = random_prompts(6, 1, 40, seed=7, vocab=4) + [list(range(1, 17)), list(range(1, 33))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    refs = {tuple(p): hf_greedy(model, p, 6) for p in prompts}
+    engine = LLMEngine(model=tmp_path, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
+                       kv_manager=ch06.MyPrefixCachingBlockManager, attention_backend=PagedAttention)
+    first = run_engine(engine, prompts[-2:], params)
+    again = run_engine(engine, prompts[-2:], params)  # whole blocks, found entirely
+    both = run_engine(engine, prompts + prompts[-2:], params)  # repeats in one step; preemption
+    for p, out in zip(prompts[-2:] * 2 + prompts + prompts[-2:], first + again + both):
+        assert out.outputs[0].token_ids == refs[tuple(p)], p
+    assert [o.num_cached_tokens for o in again] == [15, 31]
+    assert engine.scheduler.num_preemptions > 0
+    check_invariants(engine)
