@@ -281,3 +281,32 @@ def test_multi_turn_reuses_the_completion_and_equals_transformers(tiny):
     # 30 + 9 tokens were computed; the K/V of the first 38 are stored (the 9th output token's is not)
     assert out2.num_cached_tokens == 36
     check_invariants(llm.llm_engine)
+
+
+def test_a_failed_step_leaves_nothing_cached_that_was_not_written(tiny, monkeypatch):
+    """The model fails in the middle of a prefill: the blocks that step was to write leave the cache
+    (`discard_unwritten`), so the same prompt afterwards is computed again, and equals transformers."""
+    folder, model = tiny
+    engine = LLMEngine(model=folder, dtype="float64", block_size=4, max_model_len=128, num_kvcache_blocks=32,
+                       kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = list(range(3, 30))
+    run_engine(engine, [prompt[:9]], params)  # caches two prompt blocks and one completion block
+    bm = engine.block_manager
+    written = dict(bm.hash_to_block_id)
+    real_run = engine.model_runner.run
+
+    def failing_run(seqs, is_prefill):
+        raise RuntimeError("the device failed in the middle of the step")
+
+    monkeypatch.setattr(engine.model_runner, "run", failing_run)
+    request_id = engine.add_request(None, prompt, params)
+    with pytest.raises(RuntimeError, match="device failed"):
+        engine.step()
+    assert bm.hash_to_block_id == written  # the failed step's own blocks are not findable
+    engine.abort_request(request_id)
+    check_invariants(engine)
+    monkeypatch.setattr(engine.model_runner, "run", real_run)
+    out = run_engine(engine, [prompt], params)[0]
+    assert out.num_cached_tokens == 8 and out.outputs[0].token_ids == hf_greedy(model, prompt, 5)
+    check_cache(bm)
