@@ -11,12 +11,11 @@ from pathlib import Path
 import torch
 
 from .checks import require_bool, require_int, require_number
+from .models.llama import SUPPORTED_DTYPES as DTYPES  # the dtypes our decoder runs in
 from .sampling_params import SEED_MAX, SEED_MIN
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, like vLLM's CPU backend's VLLM_CPU_KVCACHE_SPACE knob
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -57,8 +56,8 @@ def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
                          f"{args.max_model_len}: a long prompt could never be scheduled")
 
 # %% auto #0
-__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'DTYPES', 'resolve_device', 'resolve_dtype',
-           'resolve_lengths', 'EngineArgs']
+__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
+           'EngineArgs']
 
 # %% ../notebooks/04_scheduler.ipynb #38eb584e
 @dataclass
