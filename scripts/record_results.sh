@@ -13,7 +13,9 @@ record() {  # record FILE COMMAND...: write the command's JSON line to FILE only
     local out=$1
     shift
     echo "== $* > $out" >&2
-    "$@" > "$out.tmp"
+    "$@" > "$out.tmp" || return 1
+    "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$out.tmp" \
+        || { echo "not one JSON line: $out.tmp" >&2; return 1; }
     mv "$out.tmp" "$out"
 }
 
