@@ -2,7 +2,7 @@
 # Rerun every recorded run in results/ that chapter 09 and the README read, on this machine.
 # Run it on a quiet machine (nothing else busy: other programs are the largest source of noise on a
 # CPU). Each command warms up before its clock starts, so a first compile of the C++ kernel is not
-# timed. About 15-20 minutes on 2 cores; each command prints the CPU it runs on.
+# timed. About 35 minutes on the 2 cores of the recorded runs; each command prints the CPU it runs on.
 #
 #   scripts/record_results.sh            # or PY=python scripts/record_results.sh
 set -euo pipefail
