@@ -19,8 +19,18 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """`device` as a `torch.device`; None means CUDA when there is one, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """`device` as a `torch.device`; None means CUDA when there is one, else the CPU.
+
+    Raises:
+        ValueError: a name torch does not know, or a CUDA device this machine does not have.
+    """
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA devices here")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -37,7 +47,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(DTYPES)}")
 
+# %% auto #0
+__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
+           'EngineArgs']
 
+# %% ../notebooks/04_scheduler.ipynb #c88ab384
 def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
     """Fill `max_model_len` (the model's limit) and `max_num_batched_tokens` when None, and check them.
 
@@ -54,10 +68,6 @@ def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
     if args.max_num_batched_tokens < args.max_model_len:
         raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_model_len="
                          f"{args.max_model_len}: a long prompt could never be scheduled")
-
-# %% auto #0
-__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
-           'EngineArgs']
 
 # %% ../notebooks/04_scheduler.ipynb #38eb584e
 @dataclass
@@ -100,15 +110,17 @@ class EngineArgs:
     seed: int = 0
 
     def check(self) -> None:
-        """Raise ValueError naming the first setting out of range (nothing is loaded yet)."""
-        require_int("block_size", self.block_size, minimum=1)
-        require_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        """Raise ValueError naming the first setting out of range (nothing is loaded yet). Numbers
+        given as NumPy scalars become Python ints and floats (NumPy's int64 would overflow silently)."""
+        self.block_size = require_int("block_size", self.block_size, minimum=1)
+        self.max_num_seqs = require_int("max_num_seqs", self.max_num_seqs, minimum=1)
         for name in ("num_kvcache_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None:
-                require_int(name, getattr(self, name), minimum=1)
+                setattr(self, name, require_int(name, getattr(self, name), minimum=1))
         require_bool("enable_prefix_caching", self.enable_prefix_caching)
-        require_number("gpu_memory_utilization", self.gpu_memory_utilization, minimum=1e-3, maximum=1)
-        require_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
+        self.gpu_memory_utilization = require_number("gpu_memory_utilization", self.gpu_memory_utilization,
+                                                     minimum=1e-3, maximum=1)
+        self.seed = require_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
         for name in ("kv_manager", "attention_backend", "scheduler_cls"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), type):
                 raise ValueError(f"{name} must be a class or None, got {getattr(self, name)!r}")

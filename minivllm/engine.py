@@ -44,8 +44,8 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 # %% auto #0
-__all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats', 'EngineCore',
-           'LLMEngine']
+__all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats',
+           'undo_failed_step', 'EngineCore', 'LLMEngine']
 
 # %% ../notebooks/04_scheduler.ipynb #31967d26
 def kv_cache_num_tokens(args: EngineArgs, model, device: torch.device) -> int:
@@ -105,6 +105,15 @@ class StepStats:
     num_free_blocks: int
     seconds: float
 
+
+def undo_failed_step(scheduler, seqs: list[Sequence], is_prefill: bool) -> None:
+    """The model failed in a step: the KV manager forgets the K/V it may have half written, and a
+    prefill step's sequences go back to the front of `waiting`, in order, to be prefilled again."""
+    scheduler.block_manager.discard_unwritten(seqs)
+    for seq in reversed(seqs) if is_prefill else ():
+        scheduler.running.remove(seq)
+        scheduler.preempt(seq)
+
 # %% ../notebooks/04_scheduler.ipynb #e668b479
 class EngineCore:
     """The inner loop over checked requests: schedule, run, append tokens (vLLM V1's `EngineCore`).
@@ -151,13 +160,13 @@ class EngineCore:
         if not seqs:
             return []
         num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
-        for s in seqs if is_prefill else ():
-            self.num_cached_tokens.setdefault(s.request_id, min(s.num_cached_tokens, s.num_prompt_tokens))
         try:
             token_ids = self.model_runner.run(seqs, is_prefill)
         except BaseException:
-            sched.block_manager.discard_unwritten(seqs)  # their K/V may be half written
+            undo_failed_step(sched, seqs, is_prefill)  # their K/V may be half written
             raise
+        for s in seqs if is_prefill else ():
+            self.num_cached_tokens.setdefault(s.request_id, min(s.num_cached_tokens, s.num_prompt_tokens))
         sched.postprocess(seqs, token_ids)
         for seq in (s for s in seqs if s.is_finished):
             self.finish(seq)

@@ -241,3 +241,24 @@ def test_a_cache_that_fits_is_allocated(folder, monkeypatch):
     engine = LLMEngine(model=folder, dtype="float64", kv_cache_memory_bytes=2**20, max_model_len=256)
     per_token = engine.model_runner.kv_cache.element_size() * engine.model_runner.kv_cache[:, :, 0, 0].numel()
     assert engine.block_manager.num_blocks == 2**20 // per_token // 256
+
+
+def test_numpy_engine_args_are_python_numbers(folder):
+    """Engine settings given as NumPy scalars are checked and used as Python numbers: a NumPy seed
+    seeds the engine, and a NumPy block count cannot overflow int64 into a small cache."""
+    args = dict(dtype="float64", max_model_len=np.int64(64), num_kvcache_blocks=np.int64(16), block_size=np.int32(4),
+                max_num_seqs=np.int64(2), seed=np.int64(3), gpu_memory_utilization=np.float32(0.5))
+    engine = LLM(folder, **args).llm_engine
+    assert engine.block_manager.num_blocks == 16 and type(engine.args.seed) is int
+    assert all(type(getattr(engine.args, k)) is (float if k == "gpu_memory_utilization" else int)
+               for k in args if k != "dtype")
+    with pytest.raises(ValueError, match="KV cache asks for"):  # 16 * 2**60 * bytes per token: no wrap-around
+        LLM(folder, dtype="float64", num_kvcache_blocks=np.int64(2**60), block_size=16)
+
+
+@pytest.mark.parametrize("device, message", [("foo", "unknown device 'foo'"), (3.5, "unknown device")]
+                         + ([] if torch.cuda.is_available() else [("cuda", "CUDA devices")]))
+def test_bad_device_is_a_value_error(folder, device, message):
+    for front in (lambda: LLM(folder, device=device), lambda: LLMEngine(model=folder, device=device)):
+        with pytest.raises(ValueError, match=message):
+            front()

@@ -310,3 +310,32 @@ def test_a_failed_step_leaves_nothing_cached_that_was_not_written(tiny, monkeypa
     out = run_engine(engine, [prompt], params)[0]
     assert out.num_cached_tokens == 8 and out.outputs[0].token_ids == hf_greedy(model, prompt, 5)
     check_cache(bm)
+
+
+@pytest.mark.parametrize("manager", ["prefix caching", "contiguous"])
+def test_stepping_on_after_a_failed_prefill_prefills_again(tiny, monkeypatch, manager):
+    """The model fails in a prefill step and the caller steps on without aborting: the step's
+    sequences were sent back to `waiting`, so they are prefilled again (not decoded over K/V that was
+    never written) and equal transformers; with the same prompt twice, the second one found no block
+    the failed step was to write."""
+    folder, model = tiny
+    kwargs = dict(kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention) if manager == "prefix caching" else {}
+    engine = LLMEngine(model=folder, dtype="float64", block_size=4, max_model_len=128, num_kvcache_blocks=32, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = list(range(3, 30))
+    real_run = engine.model_runner.run
+    monkeypatch.setattr(engine.model_runner, "run", lambda seqs, is_prefill: 1 / 0)
+    ids = [engine.add_request(None, prompt, params), engine.add_request(None, prompt, params)]
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ids and not engine.scheduler.running
+    check_invariants(engine)
+    monkeypatch.setattr(engine.model_runner, "run", real_run)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        check_invariants(engine)
+    want = hf_greedy(model, prompt, 5)
+    assert [done[i].outputs[0].token_ids for i in ids] == [want, want]
+    if manager == "prefix caching":
+        assert [done[i].num_cached_tokens for i in ids] == [0, 24]
