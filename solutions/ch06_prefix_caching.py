@@ -15,8 +15,8 @@ from minivllm.sequence import Sequence
 
 class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
     """Helpers you may use: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`,
-    `self._is_hit(block_id, token_ids, parent)` (tokens and parent match), `self._revive(block_id)`
-    (one more reference to a cached block), `self._allocate_block()` (a fresh block) and
+    `self._is_hit(block_id, token_ids, parent)` (tokens and parent match), `self._revive`
+    (one more reference to the cached block of an id), `self._allocate_block()` (a fresh block) and
     `self._cache(block_id, hash, token_ids, parent)` (make a full block findable)."""
 
     def allocate(self, seq: Sequence) -> None:
