@@ -5,6 +5,7 @@
 notebooks/04_scheduler.ipynb). After vLLM V1's `Processor` and its detokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 from .checks import is_int
@@ -106,13 +107,15 @@ class Processor:
         Args:
             prompt: text, a list of token ids, or `{"prompt_token_ids": [...]}` (optionally with "prompt").
         Raises:
-            ValueError: `sampling_params` is not a `SamplingParams`; the prompt is empty, is text but there
+            ValueError: `sampling_params` is not a `SamplingParams` or a field of it is out of range (the
+                sequence keeps a checked copy); the prompt is empty, is text but there
                 is no tokenizer, holds ids outside `[0, vocab_size)`, has `max_model_len` tokens or more,
                 or needs more blocks than the whole KV cache.
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params = dataclasses.replace(sampling_params)  # checked again: a field may have been set since
         text, raw = split_prompt(prompt, self.tokenizer)
         try:
             raw = list(raw)

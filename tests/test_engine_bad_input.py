@@ -262,3 +262,22 @@ def test_bad_device_is_a_value_error(folder, device, message):
     for front in (lambda: LLM(folder, device=device), lambda: LLMEngine(model=folder, device=device)):
         with pytest.raises(ValueError, match=message):
             front()
+
+
+def test_sampling_params_changed_after_construction_are_checked_again(llm):
+    """A `SamplingParams` field set after construction is checked at submission (NaN would sample
+    garbage), and the request keeps its own copy: changing the caller's object later changes nothing."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([[1, 2]], params, use_tqdm=False)
+    params.temperature, params.max_tokens = 0, 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.llm_engine.add_request(None, [1, 2], params)
+    params.max_tokens = 3
+    rid = llm.llm_engine.add_request(None, [1, 2], params)
+    params.max_tokens = 1
+    outs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outs += [o for o in llm.llm_engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [rid] and len(outs[0].outputs[0].token_ids) == 3
