@@ -148,7 +148,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(oracle):
 
 
 def test_attention_backend_plugs_in(oracle):
-    """The engine takes its attention backend from its arguments (chapter 07's kernels plug in here)."""
+    """The engine takes its attention backend from its arguments (any class with the backend interface plugs in)."""
     from minivllm.paged_attention import PagedAttention
 
     calls = []
