@@ -2,12 +2,11 @@
 
 Exercise 1 (ch04_ex1) — another scheduling policy: shortest prompt first. The chapter's `Scheduler`
 admits waiting sequences first come, first served, so a short request can wait behind a long one at
-the head of the queue. Write `MyScheduler.schedule` so that a prefill step admits the waiting
+the head of the queue. Write `MyScheduler.admit_shortest_first` so that a prefill step admits the waiting
 sequences in order of increasing `num_tokens` (ties: their order in `waiting`), under the same limits
 — at most `max_num_seqs` running, at most `max_num_batched_tokens` tokens in the step, and only what
 the KV-cache manager `can_allocate` — stopping at the first that does not fit. When nothing is
-admitted, decode every running sequence, preempting the most recently admitted one when a sequence
-cannot get room (as the chapter's `Scheduler` does). Graded by the contract on random operation
+admitted, the given `decode_running` decodes every running sequence as the chapter's `Scheduler` does. Graded by the contract on random operation
 sequences (no admitted prompt longer than one left waiting; a prefill whenever the shortest waiting
 sequence fits; the limits and the KV-cache invariants hold; nothing hangs) and by plugging your class
 into the engine (`LLM(..., scheduler_cls=MyScheduler)`), whose greedy tokens must equal
@@ -18,27 +17,49 @@ from minivllm.sequence import Sequence, SequenceStatus
 
 
 class MyScheduler(Scheduler):
-    """A `Scheduler` that admits the shortest waiting prompts first (use `self.block_manager`,
-    `self.waiting`, `self.running`, `self.max_num_seqs`, `self.max_num_batched_tokens`, `self.preempt`)."""
+    """A `Scheduler` that admits the shortest waiting prompts first. `schedule`, `_admit` and
+    `decode_running` are given; you write the admission policy, `admit_shortest_first`."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Return `(seqs, is_prefill)`: the sequences to run this step and whether it is a prefill."""
-        # TODO: admit waiting sequences shortest first (prefill); if none, decode the running ones
+        admitted = self.admit_shortest_first()
+        if admitted:
+            return admitted, True
+        return self.decode_running(), False
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give a waiting `seq` its blocks and move it from `waiting` to `running`."""
+        self.block_manager.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+
+    def admit_shortest_first(self) -> list[Sequence]:
+        """Admit waiting sequences (with `self._admit`) in order of increasing `num_tokens`, ties in
+        queue order, while the limits allow: at most `self.max_num_seqs` running, at most
+        `self.max_num_batched_tokens` tokens computed in the step (a sequence counts its tokens minus
+        its `num_cached_tokens`, known only after `_admit`; the check before admitting uses all its
+        tokens), and only what `self.block_manager.can_allocate`. Stop at the first that does not fit.
+        Return the admitted sequences in the order admitted (empty if none)."""
+        # TODO: walk the waiting sequences shortest first; admit each that fits, stop at the first that does not
         ### BEGIN SOLUTION
-        scheduled, num_batched_tokens = [], 0
-        for seq in sorted(self.waiting, key=lambda s: s.num_tokens):  # sorted() is stable: ties keep queue order
-            if (len(self.running) >= self.max_num_seqs
-                    or num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
-                    or not self.block_manager.can_allocate(seq)):
+        newly_running, budget_used = [], 0
+        for candidate in sorted(self.waiting, key=lambda s: s.num_tokens):  # sorted() is stable
+            fits = (len(self.running) < self.max_num_seqs
+                    and budget_used + candidate.num_tokens <= self.max_num_batched_tokens
+                    and self.block_manager.can_allocate(candidate))
+            if not fits:
                 break
-            self.block_manager.allocate(seq)
-            num_batched_tokens += seq.num_tokens - seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            scheduled.append(seq)
-        if scheduled:
-            return scheduled, True
+            self._admit(candidate)
+            budget_used += candidate.num_tokens - candidate.num_cached_tokens
+            newly_running.append(candidate)
+        return newly_running
+        ### END SOLUTION
+
+    def decode_running(self) -> list[Sequence]:
+        """Given (the chapter's decode half): room for one more token for every running sequence,
+        preempting the most recently admitted one when a sequence cannot get it."""
+        scheduled = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
@@ -51,5 +72,4 @@ class MyScheduler(Scheduler):
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        return scheduled, False
-        ### END SOLUTION
+        return scheduled
