@@ -1,7 +1,7 @@
 """Chapter 06 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch06_ex1) — token-granular prefix caching: write `MyPrefixCachingBlockManager.allocate`
-with the chapter's third rule for the last token. Every full block of the prompt may be found in the
+Exercise 1 (ch06_ex1) — token-granular prefix caching: write `MyPrefixCachingBlockManager.cached_prefix`,
+the lookup behind the chapter's third rule for the last token (the given `allocate` uses it). Every full block of the prompt may be found in the
 cache (keep the check of tokens *and* parent), and a prompt that is entirely cached recomputes only
 its last token: `num_cached_tokens = num_tokens - 1` (vLLM does this when a whole prompt's K/V came
 from a remote connector). Graded by its contract, not by the chapter's code: the cache invariants
@@ -14,33 +14,54 @@ from minivllm.sequence import Sequence
 
 
 class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
-    """Helpers you may use: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`,
-    `self._is_hit(block_id, token_ids, parent)` (tokens and parent match), `self._revive`
-    (one more reference to the cached block of an id), `self._allocate_block()` (a fresh block) and
-    `self._cache(block_id, hash, token_ids, parent)` (make a full block findable)."""
+    """Token-granular prefix caching. You write the lookup, `cached_prefix`; the given `allocate` uses
+    it. Helpers: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`, `seq.block(i)` and
+    `self._is_hit(block_id, token_ids, parent)` (the cached block `block_id`, -1 for none, holds
+    these tokens right after block `parent`)."""
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The block ids of the longest run of `seq`'s leading full blocks that the cache holds.
+
+        Block `i` (a full block of `block_size` tokens) is found when `self.hash_to_block_id` maps its
+        chained hash (block 0: `compute_hash(tokens)`; block i: `compute_hash(tokens, hash of block
+        i - 1)`) to a block that `self._is_hit` accepts with `parent` = the block found for block
+        `i - 1` (`NO_PARENT` for block 0). The run stops at the first block not found or not full.
+        Every full block may be found, the one holding the prompt's last token included.
+        """
+        # TODO: walk the full blocks, chaining hashes and parents, until the first miss
+        ### BEGIN SOLUTION
+        found, chained, previous = [], NO_HASH, NO_PARENT
+        for index in range(seq.num_blocks):
+            block_tokens = seq.block(index)
+            if len(block_tokens) < self.block_size:
+                break
+            chained = compute_hash(block_tokens, chained)
+            candidate = self.hash_to_block_id.get(chained, -1)
+            if not self._is_hit(candidate, block_tokens, previous):
+                break
+            found.append(candidate)
+            previous = candidate
+        return found
+        ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Fill `seq.block_table` (empty on entry) and set `seq.num_cached_tokens`."""
-        # TODO: share every cached full block of the prompt; a fully cached prompt counts num_tokens - 1
-        ### BEGIN SOLUTION
-        assert not seq.block_table
-        seq.num_cached_tokens = 0
-        h, parent, hit = NO_HASH, NO_PARENT, True
+        """Given: share the blocks `cached_prefix` found, take fresh blocks for the rest (making the
+        full ones findable), and set `seq.num_cached_tokens`: a fully cached prompt still computes its
+        last token (its logits choose the next token), so at most `num_tokens - 1`."""
+        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        hits = self.cached_prefix(seq)
+        h, parent = NO_HASH, NO_PARENT
         for i in range(seq.num_blocks):
             tokens = seq.block(i)
             full = len(tokens) == self.block_size
             h = compute_hash(tokens, h) if full else NO_HASH
-            block_id = self.hash_to_block_id.get(h, -1)
-            hit = hit and full and self._is_hit(block_id, tokens, parent)
-            if hit:
+            if i < len(hits):
+                block_id = hits[i]
                 self._revive(block_id)
-                seq.num_cached_tokens += self.block_size
             else:
                 block_id = self._allocate_block().block_id
                 if full:
                     self._cache(block_id, h, tokens, parent)
             seq.block_table.append(block_id)
             parent = block_id
-        # all of the prompt found: its last token is computed again (into the shared last block)
-        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
-        ### END SOLUTION
+        seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
