@@ -3,11 +3,11 @@
 
 Exercise 1 (ch04_ex1) — another scheduling policy: shortest prompt first. The chapter's `Scheduler`
 admits waiting sequences first come, first served, so a short request can wait behind a long one at
-the head of the queue. Write `MyScheduler.admit_shortest_first` so that a prefill step admits the waiting
+the head of the queue. Write `MyScheduler.schedule_prefill` so that a prefill step admits the waiting
 sequences in order of increasing `num_tokens` (ties: their order in `waiting`), under the same limits
 — at most `max_num_seqs` running, at most `max_num_batched_tokens` tokens in the step, and only what
 the KV-cache manager `can_allocate` — stopping at the first that does not fit. When nothing is
-admitted, the given `decode_running` decodes every running sequence as the chapter's `Scheduler` does. Graded by the contract on random operation
+admitted, the inherited `schedule_decode` decodes every running sequence as the chapter's `Scheduler` does. Graded by the contract on random operation
 sequences (no admitted prompt longer than one left waiting; a prefill whenever the shortest waiting
 sequence fits; the limits and the KV-cache invariants hold; nothing hangs) and by plugging your class
 into the engine (`LLM(..., scheduler_cls=MyScheduler)`), whose greedy tokens must equal
@@ -18,15 +18,8 @@ from minivllm.sequence import Sequence, SequenceStatus
 
 
 class MyScheduler(Scheduler):
-    """A `Scheduler` that admits the shortest waiting prompts first. `schedule`, `_admit` and
-    `decode_running` are given; you write the admission policy, `admit_shortest_first`."""
-
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return `(seqs, is_prefill)`: the sequences to run this step and whether it is a prefill."""
-        admitted = self.admit_shortest_first()
-        if admitted:
-            return admitted, True
-        return self.decode_running(), False
+    """A `Scheduler` that admits the shortest waiting prompts first. It keeps the chapter's `schedule`
+    and `schedule_decode`; you write the admission policy, `schedule_prefill`."""
 
     def _admit(self, seq: Sequence) -> None:
         """Give a waiting `seq` its blocks and move it from `waiting` to `running`."""
@@ -35,7 +28,7 @@ class MyScheduler(Scheduler):
         self.waiting.remove(seq)
         self.running.append(seq)
 
-    def admit_shortest_first(self) -> list[Sequence]:
+    def schedule_prefill(self) -> list[Sequence]:
         """Admit waiting sequences (with `self._admit`) in order of increasing `num_tokens`, ties in
         queue order, while the limits allow: at most `self.max_num_seqs` running, at most
         `self.max_num_batched_tokens` tokens computed in the step (a sequence counts its tokens minus
@@ -44,21 +37,3 @@ class MyScheduler(Scheduler):
         Return the admitted sequences in the order admitted (empty if none)."""
         # TODO: walk the waiting sequences shortest first; admit each that fits, stop at the first that does not
         raise NotImplementedError()
-
-    def decode_running(self) -> list[Sequence]:
-        """Given (the chapter's decode half): room for one more token for every running sequence,
-        preempting the most recently admitted one when a sequence cannot get it."""
-        scheduled = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
-                self.block_manager.may_append(seq)
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        return scheduled

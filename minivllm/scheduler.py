@@ -80,14 +80,13 @@ class Scheduler(SchedulerBase):
     """
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's batch.
+        """This step's batch: `(seqs, is_prefill)`; empty only when nothing is waiting or running."""
+        admitted = self.schedule_prefill()
+        return (admitted, True) if admitted else (self.schedule_decode(), False)
 
-        Returns:
-            `(seqs, is_prefill)`: the sequences to run, and whether this is a prefill step. The list
-            is empty only when nothing is waiting or running.
-        """
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
+    def schedule_prefill(self) -> list[Sequence]:
+        """Admit waiting sequences from the head of the queue while they fit; return them."""
+        scheduled, num_batched_tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if (num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
@@ -98,9 +97,11 @@ class Scheduler(SchedulerBase):
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)
-        if scheduled:
-            return scheduled, True
+        return scheduled
 
+    def schedule_decode(self) -> list[Sequence]:
+        """Room for one more token for each running sequence, preempting when there is none."""
+        scheduled = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
@@ -113,7 +114,7 @@ class Scheduler(SchedulerBase):
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))  # keep admission order
-        return scheduled, False
+        return scheduled
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Append each sampled token (one per sequence of the step) and retire the finished ones."""
