@@ -90,6 +90,9 @@ class EngineArgs:
             `from_cache_size(num_tokens, block_size, max_model_len)`.
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
         scheduler_cls: the scheduler class (None: `Scheduler`).
+        model_runner_cls: the model runner class (None: `ModelRunner`); the engine builds it with its
+            `from_engine_args(args, model, block_manager, generator)`.
+        enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).
         seed: seeds the sampling of requests without their own seed.
     """
 
@@ -107,6 +110,8 @@ class EngineArgs:
     kv_manager: type | None = None
     attention_backend: type | None = None
     scheduler_cls: type | None = None
+    model_runner_cls: type | None = None
+    enforce_eager: bool = False
     seed: int = 0
 
     def check(self) -> None:
@@ -118,10 +123,11 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 setattr(self, name, require_int(name, getattr(self, name), minimum=1))
         require_bool("enable_prefix_caching", self.enable_prefix_caching)
+        require_bool("enforce_eager", self.enforce_eager)
         self.gpu_memory_utilization = require_number("gpu_memory_utilization", self.gpu_memory_utilization,
                                                      minimum=1e-3, maximum=1)
         self.seed = require_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
-        for name in ("kv_manager", "attention_backend", "scheduler_cls"):
+        for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), type):
                 raise ValueError(f"{name} must be a class or None, got {getattr(self, name)!r}")
         resolve_dtype(self.dtype, resolve_device(self.device))

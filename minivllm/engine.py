@@ -179,7 +179,7 @@ class LLMEngine:
     """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
 
     Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `kv_manager`,
-        `attention_backend` and `scheduler_cls` given (None: chapter 04's own pieces).
+        `attention_backend`, `scheduler_cls` and `model_runner_cls` given (None: chapter 04's own pieces).
     Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
         model_runner, processor, core (`EngineCore`), requests, stats, eos_token_ids.
     Raises: ValueError for a bad setting or model folder, or a KV cache that does not fit or holds no block.
@@ -197,8 +197,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
         self.scheduler = (args.scheduler_cls or Scheduler)(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
-        self.model_runner = ModelRunner(self.model, self.block_manager, make_generator(args.seed, device),
-                                        args.attention_backend)
+        self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
+            args, self.model, self.block_manager, make_generator(args.seed, device))
         self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager)
         self.core = EngineCore(self.scheduler, self.model_runner)
         self.requests, self.stats = self.core.requests, self.core.stats

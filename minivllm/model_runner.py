@@ -110,6 +110,11 @@ class ModelRunner:
         self.generator = generator if generator is not None else make_generator(0, self.device)
         self.generators: dict[int, object] = {}  # seq_id -> the generator of a seeded request
 
+    @classmethod
+    def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":
+        """The runner `LLMEngine` builds from its `EngineArgs` (a subclass that needs more settings reads them here)."""
+        return cls(model, block_manager, generator, args.attention_backend)
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Run the model on the batch and sample one token per sequence (in `seqs` order)."""
