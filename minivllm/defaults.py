@@ -31,6 +31,11 @@ ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool],
 ]
 
 
+# (chapter and name, condition on (engine settings, device), model runner class); when no row fits,
+# the engine uses chapter 04's eager `ModelRunner`.
+MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = []
+
+
 def kv_manager_for(args: EngineArgs) -> type:
     """The KV-cache manager class of the first row of `KV_MANAGERS` whose condition holds for `args`."""
     return next(cls for _, holds, cls in KV_MANAGERS if holds(args))
@@ -39,3 +44,8 @@ def kv_manager_for(args: EngineArgs) -> type:
 def attention_backend_for(device: torch.device, dtype: torch.dtype) -> type:
     """The attention backend class of the first row of `ATTENTION_BACKENDS` that fits `device` and `dtype`."""
     return next(cls for _, fits, cls in ATTENTION_BACKENDS if fits(device, dtype))
+
+
+def model_runner_for(args: EngineArgs, device: torch.device) -> type | None:
+    """The model runner class of the first row of `MODEL_RUNNERS` that fits (None: chapter 04's `ModelRunner`)."""
+    return next((cls for _, fits, cls in MODEL_RUNNERS if fits(args, device)), None)

@@ -58,8 +58,9 @@ class LLM:
 
     Args:
         model: a local Hugging Face folder (None: the default SmolLM2-135M-Instruct).
-        **kwargs: the other fields of `EngineArgs`. A `kv_manager` or `attention_backend` not given comes
-            from the default assembly (`minivllm.defaults.kv_manager_for`, `attention_backend_for`).
+        **kwargs: the other fields of `EngineArgs`. A `kv_manager`, `attention_backend` or `model_runner_cls`
+            not given comes from the default assembly (`minivllm.defaults.kv_manager_for`,
+            `attention_backend_for`, `model_runner_for`).
     Attributes:
         llm_engine: the `LLMEngine`.
     """
@@ -69,9 +70,11 @@ class LLM:
         args.check()
         if args.kv_manager is None:
             args.kv_manager = defaults.kv_manager_for(args)
+        device = resolve_device(args.device)
         if args.attention_backend is None:
-            device = resolve_device(args.device)
             args.attention_backend = defaults.attention_backend_for(device, resolve_dtype(args.dtype, device))
+        if args.model_runner_cls is None:
+            args.model_runner_cls = defaults.model_runner_for(args, device)
         self.llm_engine = LLMEngine(**asdict(args))
 
     def get_tokenizer(self):
