@@ -103,10 +103,8 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         if self.pack_cpu_linears and self.device.type == "cpu":
             pack_linear_layers(model)  # float64/float16 models are left as they are
-        attn0 = model.model.layers[0].self_attn
-        self.kv_cache = torch.zeros(2, len(model.model.layers), block_manager.num_blocks, block_manager.block_size,
-                                    attn0.num_kv_heads, attn0.head_dim, dtype=self.dtype, device=self.device)
-        self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, attn0.scale)
+        self.kv_cache = self.allocate_kv_cache(block_manager.num_blocks, block_manager.block_size)
+        self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)
         self.generators: dict[int, object] = {}  # seq_id -> the generator of a seeded request
 
@@ -114,6 +112,12 @@ class ModelRunner:
     def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":
         """The runner `LLMEngine` builds from its `EngineArgs` (a subclass that needs more settings reads them here)."""
         return cls(model, block_manager, generator, args.attention_backend)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
+        attn0 = self.model.model.layers[0].self_attn
+        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
+                           attn0.head_dim, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
