@@ -60,4 +60,34 @@ def require_bool(name: str, value) -> bool:
     return value
 
 # %% auto #0
-__all__ = ['is_int', 'require_int', 'require_number', 'require_bool']
+__all__ = ['is_int', 'require_int', 'require_number', 'require_bool', 'known_arguments']
+
+# %% ../notebooks/01_sequences.ipynb #1d46f1af
+def known_arguments(owner: str, kwargs: dict, fields, vllm_only: dict) -> dict:
+    """The keyword arguments `owner` keeps, after refusing those it does not have.
+
+    Args:
+        owner: the class's name, for messages. kwargs: the arguments given. fields: the names it has.
+        vllm_only: vLLM's arguments it lacks -> the one value that means the same here (None: off).
+    Returns:
+        `kwargs` without the vLLM-only arguments given at their accepted value.
+    Raises:
+        ValueError: a vLLM-only argument with another value (saying minivllm does not have it), or a
+            name neither minivllm nor vLLM has (with the closest name, for a typo).
+    """
+    import difflib
+
+    kept = {}
+    for name, value in kwargs.items():
+        if name in fields:
+            kept[name] = value
+        elif name in vllm_only:
+            only = vllm_only[name]
+            if not (value is only or (only is not None and type(value) is type(only) and value == only)):
+                raise ValueError(f"minivllm's {owner} does not have vLLM's {name}={value!r}; "
+                                 f"leave it out (or pass {name}={only!r})")
+        else:
+            close = difflib.get_close_matches(name, sorted(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{owner} has no argument {name!r} (neither minivllm nor vLLM has it){hint}")
+    return kept

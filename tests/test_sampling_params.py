@@ -1,0 +1,76 @@
+"""SamplingParams: vLLM's whole field list, defaults and checks; arguments minivllm lacks are a
+ValueError that says so (never a bare TypeError)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+VLLM_DEFAULTS = dict(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0,
+                     top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
+                     max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True,
+                     skip_special_tokens=True, spaces_between_special_tokens=True, include_stop_str_in_output=False,
+                     output_kind=RequestOutputKind.CUMULATIVE)
+
+
+def test_vllm_fields_and_defaults():
+    p = SamplingParams()
+    assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == VLLM_DEFAULTS
+    assert p.changed_fields() == {}
+    assert [k.value for k in RequestOutputKind] == [0, 1, 2]
+
+
+def test_vllm_quickstart_line_and_normalization():
+    p = SamplingParams(temperature=0.8, top_p=0.95)
+    assert p.changed_fields() == {"temperature": 0.8, "top_p": 0.95}
+    q = SamplingParams(stop="###", stop_token_ids=(np.int64(5), 7), top_k=-1, n=np.int64(2), max_tokens=None)
+    assert q.stop == ["###"] and q.stop_token_ids == [5, 7] and type(q.stop_token_ids[0]) is int
+    assert q.top_k == 0 and type(q.n) is int and q.max_tokens is None
+    # a greedy request's filters are switched off: they cannot change an argmax (vLLM does the same)
+    g = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
+    assert (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0) and g.greedy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n"), (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(top_p=float("nan")), "top_p"), (dict(top_k=-2), "top_k"), (dict(top_k=2.0), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(seed=0.5), "seed"),
+    (dict(stop=[""]), "stop"), (dict(stop=5), "stop"), (dict(stop=["a", 3]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=3), "stop_token_ids"),
+    (dict(ignore_eos=1), "ignore_eos"), (dict(detokenize="yes"), "detokenize"),
+    (dict(skip_special_tokens=None), "skip_special_tokens"), (dict(include_stop_str_in_output=0), "include_stop_str"),
+    (dict(spaces_between_special_tokens=1), "spaces_between"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(logprobs=-2), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"),
+    (dict(output_kind="delta"), "output_kind"), (dict(stop=["x"], detokenize=False), "detokenize"),
+])
+def test_out_of_range_is_a_value_error_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("name, value", [("logit_bias", {1: 2.0}), ("best_of", 3), ("bad_words", ["x"]),
+                                         ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 5)])
+def test_vllm_arguments_minivllm_lacks(name, value):
+    assert SamplingParams(**{name: None}) == SamplingParams()  # vLLM's "off" value is accepted
+    with pytest.raises(ValueError, match=f"does not have vLLM's {name}"):
+        SamplingParams(**{name: value})
+
+
+def test_unknown_and_positional_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="did you mean 'temperature'"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(ValueError, match="keyword arguments"):
+        SamplingParams(0.8)
+
+
+def test_replace_checks_again():
+    p = SamplingParams(top_p=0.5)
+    p.top_p = 0.0  # set after construction
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(p)
