@@ -15,6 +15,8 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineArgs
 from .kernels.cpu_decode import CPUPagedAttention
+from .kernels.flash_attn_backend import FlashAttnPagedAttention
+from .kernels.triton_backend import TritonPagedAttention
 from .paged_attention import PagedAttention
 from .prefix_caching import PrefixCachingBlockManager
 
@@ -26,6 +28,8 @@ KV_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
 
 # (chapter and name, condition on (device, dtype), attention backend class)
 ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool], type]] = [
+    ("07 flash-attn's paged kernels (CUDA)", FlashAttnPagedAttention.is_available, FlashAttnPagedAttention),
+    ("07 Triton kernels (CUDA)", TritonPagedAttention.is_available, TritonPagedAttention),
     ("05 C++ decode kernel for CPUs", CPUPagedAttention.is_available, CPUPagedAttention),
     ("05 paged attention in plain torch", lambda device, dtype: True, PagedAttention),
 ]
