@@ -72,8 +72,8 @@ def known_arguments(owner: str, kwargs: dict, fields, vllm_only: dict) -> dict:
     Returns:
         `kwargs` without the vLLM-only arguments given at their accepted value.
     Raises:
-        ValueError: a vLLM-only argument with another value (saying minivllm does not have it), or a
-            name neither minivllm nor vLLM has (with the closest name, for a typo).
+        ValueError: a vLLM-only argument with another value, or any other name (saying minivllm does
+            not have it, with the closest name it has, for a typo).
     """
     import difflib
 
@@ -89,5 +89,5 @@ def known_arguments(owner: str, kwargs: dict, fields, vllm_only: dict) -> dict:
         else:
             close = difflib.get_close_matches(name, sorted(fields), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{owner} has no argument {name!r} (neither minivllm nor vLLM has it){hint}")
+            raise ValueError(f"{owner} has no argument {name!r}: minivllm does not have it{hint}")
     return kept
