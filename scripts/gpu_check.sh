@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU check: every test marked `gpu`, then chapter 09's speedup ladder on Qwen3-0.6B (its config
+# shipped in minivllm/model_configs/, dummy bfloat16 weights, nothing downloaded), 256 requests with
+# prompt and output lengths uniform in 100-1024, EOS ignored, against transformers' generate.
+#
+#   scripts/gpu_check.sh [OUT_DIR]             # OUT_DIR, else $OUT, else results/
+#   scripts/gpu_check.sh --dry-run [OUT_DIR]   # the same stages on a CPU with a tiny model (checks the script;
+#                                              # OUT_DIR, else $OUT, else a fresh temporary folder)
+#
+# It runs from the repository root with the machine's own Python (PY, default `python`) and installs
+# nothing: PYTHONPATH=. makes the package importable without installing it. Each stage has a
+# wall-clock cap (PYTEST_CAP, BENCH_CAP seconds; defaults 120 and 270, so the whole check stays under
+# 7 minutes), and the ladder rewrites its JSON record after every rung, so a stage stopped by its cap
+# still leaves what it finished. STAGES chooses the stages (default "pytest ladder").
+# Files written into OUT_DIR:
+#   gpu_check.log          everything below, in order
+#   gpu_pytest.log/.xml    the gpu tests' output and their JUnit XML
+#   gpu_bench_ladder.json  the ladder's record (hardware, versions, date, exact command, figures)
+#   gpu_bench_ladder.log   the ladder's progress and report
+#   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's summary
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+DRY_RUN=0
+if [[ ${1:-} == --dry-run ]]; then
+    DRY_RUN=1
+    shift
+fi
+if ((DRY_RUN)); then
+    OUT_DIR=${1:-${OUT:-$(mktemp -d)}}
+else
+    OUT_DIR=${1:-${OUT:-results}}
+fi
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MINIVLLM_CACHE=${MINIVLLM_CACHE:-${TMPDIR:-/tmp}/minivllm-gpu-check}  # the dummy model's folder
+PYTEST_CAP=${PYTEST_CAP:-120}
+BENCH_CAP=${BENCH_CAP:-270}
+STAGES_TO_RUN=" ${STAGES:-pytest ladder} "
+LOG=$OUT_DIR/gpu_check.log
+: >"$LOG"
+DONE_STAGES=()  # name<TAB>exit status<TAB>seconds<TAB>cap<TAB>command, one per stage
+
+stage() {  # stage NAME CAP LOGFILE COMMAND...: run COMMAND under `timeout CAP`, its output to LOGFILE and the log
+    local name=$1 cap=$2 logfile=$3
+    shift 3
+    echo "== $name (cap ${cap} s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout --kill-after=15 "$cap" "$@" 2>&1 | tee "$logfile" | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - start))
+    ((rc == 124 || rc == 137)) && echo "== $name: stopped by its cap after ${took} s" | tee -a "$LOG"
+    echo "== $name: exit status $rc after ${took} s" | tee -a "$LOG"
+    DONE_STAGES+=("$name"$'\t'"$rc"$'\t'"$took"$'\t'"$cap"$'\t'"$*")
+}
+
+{
+    echo "minivllm GPU check$( ((DRY_RUN)) && echo ' (dry run: CPU, tiny model)'), $(date -u +%Y-%m-%dT%H:%M:%SZ), into $OUT_DIR"
+    command -v nvidia-smi >/dev/null && nvidia-smi
+    "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
+} 2>&1 | tee -a "$LOG"
+if ((!DRY_RUN)) && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "no CUDA device here: run scripts/gpu_check.sh --dry-run to check the script on a CPU" | tee -a "$LOG"
+    exit 1
+fi
+
+if [[ $STAGES_TO_RUN == *" pytest "* ]]; then
+    stage pytest "$PYTEST_CAP" "$OUT_DIR/gpu_pytest.log" \
+        "$PY" -m pytest -m gpu tests/ -q -rA -p no:cacheprovider --continue-on-collection-errors \
+        --junitxml="$OUT_DIR/gpu_pytest.xml"
+fi
+
+if ((DRY_RUN)); then
+    MODEL_CONFIG=$OUT_DIR/tiny_qwen3_config.json
+    "$PY" -c 'import sys; from minivllm.testing import tiny_config
+tiny_config("qwen3", tie_word_embeddings=True).to_json_file(sys.argv[1], use_diff=False)' "$MODEL_CONFIG"
+    LADDER=(--model-config "$MODEL_CONFIG" --dtype float32 --device cpu --num-requests 6 --input-len 4 24
+            --output-len 2 8 --hf-batch-size 6 --time-limit 30)
+else
+    LADDER=(--model-config qwen3-0.6b --dtype bfloat16 --num-requests 256 --input-len 100 1024
+            --output-len 100 1024 --hf-batch-size 256 --time-limit 35)
+fi
+if [[ $STAGES_TO_RUN == *" ladder "* ]]; then
+    stage ladder "$BENCH_CAP" "$OUT_DIR/gpu_bench_ladder.log" \
+        "$PY" -m minivllm bench --ladder "${LADDER[@]}" --compare hf --output-json "$OUT_DIR/gpu_bench_ladder.json"
+fi
+
+printf '%s\n' ${DONE_STAGES[@]+"${DONE_STAGES[@]}"} | "$PY" -c '
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+from minivllm.bench import environment, write_json
+out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
+stages = []
+for line in filter(None, sys.stdin.read().splitlines()):
+    name, rc, took, cap, command = line.split("\t", 4)
+    stages.append(dict(name=name, exit_status=int(rc), seconds=int(took), cap_s=int(cap),
+                       stopped_by_cap=int(rc) in (124, 137), command=command))
+summary = dict(kind="gpu_check", dry_run=dry, command=" ".join(["scripts/gpu_check.sh", *(["--dry-run"] if dry else []),
+               str(out)]), stages=stages, pytest=None, ladder=None, **environment())
+junit = out / "gpu_pytest.xml"
+if junit.is_file():
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["pytest"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+record = out / "gpu_bench_ladder.json"
+if record.is_file():
+    r = json.loads(record.read_text())
+    summary["ladder"] = dict(best_rung=r.get("best_rung"), best_tok_s=r.get("best_tok_s"), hf_ratio=r.get("hf_ratio"),
+                             roofline_ratio=r.get("roofline_ratio"),
+                             rungs={k: dict(status=e["status"], tok_s=e.get("tok_s")) for k, e in r["rungs"].items()},
+                             hf=r["hf"] and dict(status=r["hf"]["status"], tok_s=r["hf"].get("tok_s")))
+write_json(summary, out / "gpu_check.json")
+print(json.dumps(dict(stages=[(s["name"], s["exit_status"], s["seconds"]) for s in stages], pytest=summary["pytest"],
+                      ladder=summary["ladder"]), indent=1))
+' "$OUT_DIR" "$DRY_RUN" 2>&1 | tee -a "$LOG"
+
+for s in ${DONE_STAGES[@]+"${DONE_STAGES[@]}"}; do
+    rc=$(cut -f2 <<<"$s")
+    ((rc == 0)) || exit 1
+done
+exit 0
