@@ -139,6 +139,10 @@ def test_decode_splits_are_merged_not_dropped():
     many = ta.paged_decode_attention_triton(*args, num_splits=5, block_n=16)
     torch.testing.assert_close(many, one, atol=1e-12, rtol=0)
     assert not torch.equal(many, one)
+    # a query that is a view (rows of a wider tensor, or numbers with a stride): the same result
+    for view in (torch.cat([q, q], dim=1)[:, :4], torch.stack([q, q], dim=-1)[..., 0]):
+        out = ta.paged_decode_attention_triton(view.to(DEVICE), *args[1:], num_splits=1, block_n=16)
+        assert torch.equal(out, one)
 
 
 def test_decode_of_a_padded_row_is_zero_and_leaves_the_others_alone():

@@ -225,6 +225,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     Source: vLLM's paged attention v1/v2 and Triton decode attention; Flash-Decoding (Dao et al., 2023).
     """
     _check_attention(q, k_cache, v_cache, block_tables, context_lens)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads a head's numbers as one run
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -334,6 +335,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                          f"{tuple(cu_seqlens_q.shape)}")
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
+    q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or max_query_len == 0:
         return out
