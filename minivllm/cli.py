@@ -20,6 +20,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
+    g.add_argument("--stream", action="store_true", help="print the answer while it is generated")
     g.set_defaults(func=generate)
     c = subparsers.add_parser("convert", help="convert the embedded default model into a Hugging Face folder")
     c.add_argument("--force", action="store_true", help="convert again even if already converted")
@@ -27,19 +28,29 @@ def add_cli(subparsers) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Run one prompt through `LLM` and print the completion's text."""
+    """Run one prompt through `LLM` and print the completion's text (as it comes, with `--stream`)."""
     from minivllm.llm import LLM
-    from minivllm.sampling_params import SamplingParams
+    from minivllm.processor import chat_prompts
+    from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    kind = RequestOutputKind.DELTA if args.stream else RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            output_kind=kind)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     llm = LLM(args.model, dtype=args.dtype)
-    if args.no_chat:
-        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
-    print(out.outputs[0].text)
+    message = [{"role": "user", "content": args.prompt}]
+    prompt = args.prompt if args.no_chat else chat_prompts(llm.get_tokenizer(), message)[0]
+    if not args.stream:
+        print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
+        return 0
+    engine = llm.llm_engine
+    request_id = engine.add_request(None, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                print(out.outputs[0].text, end="", flush=True)
+    print()
     return 0
 
 

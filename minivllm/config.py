@@ -92,6 +92,9 @@ class EngineArgs:
         scheduler_cls: the scheduler class (None: `Scheduler`).
         model_runner_cls: the model runner class (None: `ModelRunner`); the engine builds it with its
             `from_engine_args(args, model, block_manager, generator)`.
+        sampler_cls: the sampler class (None: `model_runner.Sampler`), built with the EOS token ids.
+        output_processor_cls: the class that turns stepped sequences into outputs (None:
+            `engine.OutputProcessor`), built with the engine.
         enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).
         seed: seeds the sampling of requests without their own seed.
     """
@@ -111,6 +114,8 @@ class EngineArgs:
     attention_backend: type | None = None
     scheduler_cls: type | None = None
     model_runner_cls: type | None = None
+    sampler_cls: type | None = None
+    output_processor_cls: type | None = None
     enforce_eager: bool = False
     seed: int = 0
 
@@ -127,7 +132,8 @@ class EngineArgs:
         self.gpu_memory_utilization = require_number("gpu_memory_utilization", self.gpu_memory_utilization,
                                                      minimum=1e-3, maximum=1)
         self.seed = require_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
-        for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls"):
+        for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
+                     "output_processor_cls"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), type):
                 raise ValueError(f"{name} must be a class or None, got {getattr(self, name)!r}")
         resolve_dtype(self.dtype, resolve_device(self.device))

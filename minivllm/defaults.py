@@ -14,6 +14,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineArgs
+from .cuda_graph import CUDAGraphModelRunner
 from .kernels.cpu_decode import CPUPagedAttention
 from .kernels.flash_attn_backend import FlashAttnPagedAttention
 from .kernels.triton_backend import TritonPagedAttention
@@ -37,7 +38,19 @@ ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool],
 
 # (chapter and name, condition on (engine settings, device), model runner class); when no row fits,
 # the engine uses chapter 04's eager `ModelRunner`.
-MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = []
+MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = [
+    ("08 CUDA graphs for decode", lambda args, device: device.type == "cuda" and not args.enforce_eager,
+     CUDAGraphModelRunner),
+]
+
+
+# (chapter and name, condition on the engine's settings, sampler class); when no row fits, the model
+# runner keeps chapter 04's `Sampler` (greedy and temperature).
+SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = []
+
+# (chapter and name, condition on the engine's settings, output processor class); when no row fits,
+# the engine uses chapter 04's `OutputProcessor` (the text once a request has finished).
+OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = []
 
 
 def kv_manager_for(args: EngineArgs) -> type:
@@ -53,3 +66,13 @@ def attention_backend_for(device: torch.device, dtype: torch.dtype) -> type:
 def model_runner_for(args: EngineArgs, device: torch.device) -> type | None:
     """The model runner class of the first row of `MODEL_RUNNERS` that fits (None: chapter 04's `ModelRunner`)."""
     return next((cls for _, fits, cls in MODEL_RUNNERS if fits(args, device)), None)
+
+
+def sampler_for(args: EngineArgs) -> type | None:
+    """The sampler class of the first row of `SAMPLERS` that fits (None: chapter 04's `Sampler`)."""
+    return next((cls for _, fits, cls in SAMPLERS if fits(args)), None)
+
+
+def output_processor_for(args: EngineArgs) -> type | None:
+    """The output processor class of the first row of `OUTPUT_PROCESSORS` that fits (None: chapter 04's)."""
+    return next((cls for _, fits, cls in OUTPUT_PROCESSORS if fits(args)), None)

@@ -5,6 +5,7 @@
 notebooks/04_scheduler.ipynb). After vLLM's `LLMEngine`/`EngineCore` and nano-vllm's `LLMEngine`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -14,15 +15,17 @@ from pathlib import Path
 
 import torch
 
+from .checks import known_arguments
 from .config import (DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, resolve_device, resolve_dtype,
                              resolve_lengths)
 from .kv_cache_manager import ContiguousKVManager
 from .layers.sampler import make_generator
 from .model_files import has_tokenizer, load_tokenizer, resolve_model
-from .model_runner import ModelRunner, kv_cache_bytes_per_token
+from .model_runner import ModelRunner, Sampler, kv_cache_bytes_per_token
 from .models.llama import load_model
 from .outputs import CompletionOutput, RequestOutput
 from .processor import Processor, completion_text
+from .sampling_params import RequestOutputKind
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -45,7 +48,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 # %% auto #0
 __all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats',
-           'undo_failed_step', 'EngineCore', 'LLMEngine']
+           'undo_failed_step', 'EngineCore', 'OutputProcessor', 'LLMEngine']
 
 # %% ../notebooks/04_scheduler.ipynb #31967d26
 def kv_cache_num_tokens(args: EngineArgs, model, device: torch.device) -> int:
@@ -175,18 +178,61 @@ class EngineCore:
         return seqs
 
 # %% ../notebooks/04_scheduler.ipynb #f553fb34
+class OutputProcessor:
+    """Queues checked requests in the engine core and makes the outputs of each step (after vLLM
+    V1's `OutputProcessor`): here the text is made once, when a request finishes.
+
+    Args: engine, the `LLMEngine` (its `core` and `tokenizer` are used).
+    Attributes: sampling_fields, the `SamplingParams` fields it acts on.
+    """
+
+    sampling_fields = frozenset({"detokenize", "skip_special_tokens", "output_kind"})
+
+    def __init__(self, engine: "LLMEngine"):
+        self.core, self.tokenizer = engine.core, engine.tokenizer
+
+    def add_request(self, request_id: str | int | None, seq: Sequence) -> str:
+        """Queue a checked sequence; returns its request id. Raises ValueError: the id is in use."""
+        return self.core.add_request(request_id, seq)
+
+    def abort_request(self, request_id: str | int) -> None:
+        self.core.abort_request(request_id)
+
+    def process(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the sequences a step ran, as each request's `output_kind` asks."""
+        return [self.make_output(s) for s in seqs
+                if s.is_finished or s.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY]
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        """`seq`'s `RequestOutput`; the text (see `completion_text`) once it has finished."""
+        params = seq.sampling_params
+        text = (completion_text(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids,
+                                params.skip_special_tokens)
+                if seq.is_finished and self.tokenizer is not None and params.detokenize else "")
+        token_ids = seq.completion_token_ids
+        if params.output_kind is RequestOutputKind.DELTA:
+            token_ids = token_ids[-1:]  # a step adds one token to each sequence it runs
+        completion = CompletionOutput(0, text, token_ids, finish_reason=seq.finish_reason)
+        cached = self.core.num_cached_tokens
+        num_cached = cached.pop(seq.request_id, 0) if seq.is_finished else cached.get(seq.request_id, 0)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), None, [completion],
+                             seq.is_finished, num_cached)
+
+# %% ../notebooks/04_scheduler.ipynb #3556cf1d
 class LLMEngine:
     """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
 
     Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `kv_manager`,
-        `attention_backend`, `scheduler_cls` and `model_runner_cls` given (None: chapter 04's own pieces).
+        `attention_backend`, `scheduler_cls`, `model_runner_cls`, `sampler_cls` and
+        `output_processor_cls` given (None: chapter 04's own pieces).
     Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
-        model_runner, processor, core (`EngineCore`), requests, stats, eos_token_ids.
-    Raises: ValueError for a bad setting or model folder, or a KV cache that does not fit or holds no block.
+        model_runner, core (`EngineCore`), output_processor, processor, requests, stats, eos_token_ids.
+    Raises: ValueError for an unknown or bad setting or model folder, or a KV cache that does not fit.
     """
 
     def __init__(self, **kwargs):
-        self.args = args = EngineArgs(**kwargs)
+        fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        self.args = args = EngineArgs(**known_arguments("LLMEngine", kwargs, fields, {}))
         args.check()
         path, device = resolve_model(args.model), resolve_device(args.device)
         self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
@@ -199,32 +245,26 @@ class LLMEngine:
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
         self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
             args, self.model, self.block_manager, make_generator(args.seed, device))
-        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager)
+        self.model_runner.sampler = (args.sampler_cls or Sampler)(self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.model_runner)
         self.requests, self.stats = self.core.requests, self.core.stats
+        self.output_processor = (args.output_processor_cls or OutputProcessor)(self)
+        parts = (self.scheduler, self.model_runner.sampler, self.output_processor)
+        supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
+        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
 
     def add_request(self, request_id: str | int | None, prompt, sampling_params=None) -> str:
         """Check a request (see `Processor.process`) and queue it; returns its id. Raises ValueError."""
-        return self.core.add_request(request_id, self.processor.process(prompt, sampling_params))
+        return self.output_processor.add_request(request_id, self.processor.process(prompt, sampling_params))
 
     def step(self) -> list[RequestOutput]:
-        """One step; a `RequestOutput` for each request of the step (finished ones leave the engine)."""
-        return [self.make_output(seq) for seq in self.core.step()]
-
-    def make_output(self, seq: Sequence) -> RequestOutput:
-        """`seq`'s `RequestOutput`; the text (see `completion_text`) once it has finished."""
-        text = (completion_text(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids)
-                if seq.is_finished and self.tokenizer is not None else "")
-        completion = CompletionOutput(0, text, list(seq.completion_token_ids), seq.finish_reason)
-        cached = self.core.num_cached_tokens
-        num_cached = cached.pop(seq.request_id, 0) if seq.is_finished else cached.get(seq.request_id, 0)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), num_cached, [completion],
-                             seq.is_finished)
+        """One step; the `RequestOutput`s of the requests it advanced (finished ones leave the engine)."""
+        return self.output_processor.process(self.core.step())
 
     def abort_request(self, request_id: str | int | list) -> None:
         """Stop requests wherever they are and free their blocks (unknown ids are ignored, as in vLLM)."""
         for rid in request_id if isinstance(request_id, (list, tuple, set)) else [request_id]:
-            self.core.abort_request(rid)
+            self.output_processor.abort_request(rid)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -5,15 +5,39 @@
 notebooks/04_scheduler.ipynb). After vLLM's `LLM`."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 
 from . import defaults
+from .checks import known_arguments
 from .config import EngineArgs, resolve_device, resolve_dtype
 from .engine import LLMEngine
+from .model_files import resolve_model
 from .outputs import RequestOutput
 from .processor import chat_prompts, is_single_prompt
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
+
+# vLLM's `LLM` arguments minivllm does not have -> the one value that means the same here
+VLLM_ONLY_LLM_ARGS = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, "trust_remote_code": False,
+    "tokenizer_mode": "auto", "skip_tokenizer_init": False, "quantization": None, "revision": None,
+    "tokenizer_revision": None, "hf_token": None, "hf_overrides": None, "kv_cache_dtype": "auto",
+    "load_format": "auto", "swap_space": 0, "cpu_offload_gb": 0, "enable_lora": False,
+    "enable_chunked_prefill": False, "speculative_config": None, "compilation_config": None,
+    "distributed_executor_backend": None, "disable_custom_all_reduce": False, "disable_log_stats": True}
+
+
+def engine_args_from_vllm(model, kwargs: dict) -> EngineArgs:
+    """`EngineArgs` from `LLM`'s arguments. vLLM's arguments minivllm lacks pass at their one value here
+    (`VLLM_ONLY_LLM_ARGS`; `tokenizer`: None or the model's own folder). Raises ValueError otherwise."""
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is not None and Path(tokenizer).expanduser().resolve() != resolve_model(model).resolve():
+        raise ValueError(f"minivllm reads the tokenizer from the model's folder; tokenizer={str(tokenizer)!r} "
+                         "is another folder")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    return EngineArgs(model=model, **known_arguments("LLM", kwargs, fields, VLLM_ONLY_LLM_ARGS))
 
 
 def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
@@ -50,7 +74,7 @@ def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) 
     return [results[i] for i in ids]
 
 # %% auto #0
-__all__ = ['run_to_completion', 'LLM']
+__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'LLM']
 
 # %% ../notebooks/04_scheduler.ipynb #ebe142f1
 class LLM:
@@ -58,15 +82,18 @@ class LLM:
 
     Args:
         model: a local Hugging Face folder (None: the default SmolLM2-135M-Instruct).
-        **kwargs: the other fields of `EngineArgs`. A `kv_manager`, `attention_backend` or `model_runner_cls`
-            not given comes from the default assembly (`minivllm.defaults.kv_manager_for`,
-            `attention_backend_for`, `model_runner_for`).
+        **kwargs: the other fields of `EngineArgs`, and vLLM's arguments at their one value here (see
+            `engine_args_from_vllm`). A `kv_manager`, `attention_backend`, `model_runner_cls`,
+            `sampler_cls` or `output_processor_cls` not given comes from the default assembly
+            (`minivllm.defaults`).
+    Raises:
+        ValueError: an argument minivllm does not have (or not with that value), or a bad setting.
     Attributes:
         llm_engine: the `LLMEngine`.
     """
 
     def __init__(self, model: str | Path | None = None, **kwargs):
-        args = EngineArgs(model=model, **kwargs)
+        args = engine_args_from_vllm(model, kwargs)
         args.check()
         if args.kv_manager is None:
             args.kv_manager = defaults.kv_manager_for(args)
@@ -75,10 +102,13 @@ class LLM:
             args.attention_backend = defaults.attention_backend_for(device, resolve_dtype(args.dtype, device))
         if args.model_runner_cls is None:
             args.model_runner_cls = defaults.model_runner_for(args, device)
+        args.sampler_cls = args.sampler_cls or defaults.sampler_for(args)
+        args.output_processor_cls = args.output_processor_cls or defaults.output_processor_for(args)
         self.llm_engine = LLMEngine(**asdict(args))
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for a batch of prompts; returns their `RequestOutput`s in input order.
@@ -107,7 +137,9 @@ class LLM:
                 seqs.append(engine.processor.process(p, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [engine.core.add_request(None, s) for s in seqs]  # checked: adding cannot fail
+        for s in seqs:  # only final outputs are read (vLLM's LLM asks for the same)
+            s.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+        ids = [engine.output_processor.add_request(None, s) for s in seqs]  # checked: adding cannot fail
         return run_to_completion(engine, ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):

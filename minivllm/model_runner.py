@@ -58,7 +58,7 @@ def split_prefill(seqs: list[Sequence], limit: int | None) -> list[list[Sequence
     return groups
 
 # %% auto #0
-__all__ = ['PREFILL_MICROBATCH_TOKENS', 'prepare_batch', 'split_prefill', 'sample_batch', 'kv_cache_bytes_per_token',
+__all__ = ['PREFILL_MICROBATCH_TOKENS', 'prepare_batch', 'split_prefill', 'sample_batch', 'Sampler', 'kv_cache_bytes_per_token',
            'ModelRunner']
 
 # %% ../notebooks/04_scheduler.ipynb #bb3e6035
@@ -71,6 +71,25 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, d
         if not params.greedy:
             tokens[i] = sample(logits[i], params.temperature, generators.get(seq.seq_id, default_generator))
     return tokens
+
+
+class Sampler:
+    """Chapter 04's sampler: greedy and temperature sampling (`sample_batch`), one token per sequence.
+
+    Args:
+        eos_token_ids: the engine's end-of-sequence ids (a sampler may need them; this one does not).
+    Attributes:
+        sampling_fields: the `SamplingParams` fields it acts on.
+    """
+
+    sampling_fields = frozenset({"temperature", "seed"})
+
+    def __init__(self, eos_token_ids=frozenset()):
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
+        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order."""
+        return sample_batch(logits, seqs, generators, default_generator)
 
 
 def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
@@ -92,6 +111,7 @@ class ModelRunner:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
         pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers.
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
+        sampler: called with each step's logits (`Sampler` unless the engine sets another).
     """
 
     pack_cpu_linears = True
@@ -107,6 +127,7 @@ class ModelRunner:
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)
         self.generators: dict[int, object] = {}  # seq_id -> the generator of a seeded request
+        self.sampler = Sampler()  # the engine sets the one EngineArgs.sampler_cls names
 
     @classmethod
     def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":
@@ -139,7 +160,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last_rows])
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        return sample_batch(logits, seqs, self.generators, self.generator)
+        return self.sampler(logits, seqs, self.generators, self.generator)
+
     def add_generator(self, seq: Sequence) -> None:
         """Give a seeded request its own generator (a request without a seed shares `self.generator`)."""
         if seq.sampling_params.seed is not None:

@@ -10,41 +10,53 @@ from dataclasses import dataclass
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (vLLM's `CompletionOutput`).
+    """One completion of a request (vLLM's `CompletionOutput`, same fields in the same order).
 
     Attributes:
-        index: which completion (always 0: one per request).
-        text: the completion as text ("" without a tokenizer; filled when the request finishes),
-            such that `prompt + text` reads as the prompt and completion decoded together.
-        token_ids: the generated token ids (the EOS token included when it stopped the request).
+        index: which of the request's completions (0 to n - 1).
+        text: the completion's text ("" without a tokenizer or with `detokenize=False`), such that the
+            prompt's text followed by `text` reads as the prompt and completion decoded together.
+        token_ids: the generated token ids (an end-of-sequence or stop token that ended it included).
+        cumulative_logprob: the sum of the chosen tokens' log-probabilities (None unless asked for).
+        logprobs: per generated token, `{token_id: Logprob}` for the chosen and the top tokens (None
+            unless `SamplingParams.logprobs` is set).
         finish_reason: "stop", "length", "abort", or None while running.
+        stop_reason: the stop string or stop token id that ended it (None otherwise).
     """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step, or its result (vLLM's `RequestOutput`).
+    """A request's state after a step, or its result (vLLM's `RequestOutput`, same order of fields).
 
     Attributes:
         request_id: the engine's id of the request.
         prompt: the prompt text, or None when it was given as token ids.
         prompt_token_ids: the prompt's token ids.
-        num_cached_tokens: prompt tokens whose K/V was found in a prefix cache at admission.
-        outputs: one `CompletionOutput`.
+        prompt_logprobs: None, or per prompt token `{token_id: Logprob}` (None for the first token).
+        outputs: its `CompletionOutput`s (what each holds depends on `SamplingParams.output_kind`).
         finished: whether the request is done.
+        num_cached_tokens: prompt tokens whose K/V was found in a prefix cache at admission.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    num_cached_tokens: int
+    prompt_logprobs: list | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
 
 # %% auto #0
 __all__ = ['CompletionOutput', 'RequestOutput']

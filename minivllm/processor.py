@@ -26,15 +26,16 @@ def token_id(t) -> int | None:
         return None
 
 
-def completion_text(tokenizer, prompt_token_ids: list[int], completion_token_ids: list[int]) -> str:
+def completion_text(tokenizer, prompt_token_ids: list[int], completion_token_ids: list[int],
+                    skip_special_tokens: bool = True) -> str:
     """The completion's text such that `decode(prompt) + text == decode(prompt + completion)` (vLLM's rule).
 
     Decoding the completion alone is wrong for SentencePiece-style tokenizers (Llama-2, Mistral):
     their decoder strips the first space of what it decodes, so "▁paris" alone reads "paris" where
-    after the prompt it reads " paris". Special tokens are skipped, as in vLLM's default.
+    after the prompt it reads " paris". Special tokens are skipped unless `skip_special_tokens=False`.
     """
-    prefix = tokenizer.decode(prompt_token_ids, skip_special_tokens=True)
-    full = tokenizer.decode(list(prompt_token_ids) + list(completion_token_ids), skip_special_tokens=True)
+    prefix = tokenizer.decode(prompt_token_ids, skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(list(prompt_token_ids) + list(completion_token_ids), skip_special_tokens=skip_special_tokens)
     if full.startswith(prefix):
         return full[len(prefix):]
     # the prompt's last characters changed (a byte-fallback character completed by the completion)
@@ -95,11 +96,13 @@ class Processor:
         max_model_len: a prompt must leave room for one generated token.
         kv_manager: the KV-cache manager; a prompt must fit in the whole cache, and its `block_size`
             is the sequence's.
+        supported_fields: the `SamplingParams` fields some part of the engine acts on (None: all).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_manager):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_manager, supported_fields=None):
         self.tokenizer, self.vocab_size, self.max_model_len, self.kv_manager = (
             tokenizer, vocab_size, max_model_len, kv_manager)
+        self.supported_fields = supported_fields
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         """Check a request and wrap it in a `Sequence` (not yet queued).
@@ -107,8 +110,8 @@ class Processor:
         Args:
             prompt: text, a list of token ids, or `{"prompt_token_ids": [...]}` (optionally with "prompt").
         Raises:
-            ValueError: `sampling_params` is not a `SamplingParams` or a field of it is out of range (the
-                sequence keeps a checked copy); the prompt is empty, is text but there
+            ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
+                sequence keeps a checked copy) or set while no part acts on it; the prompt is empty, is text but there
                 is no tokenizer, holds ids outside `[0, vocab_size)`, has `max_model_len` tokens or more,
                 or needs more blocks than the whole KV cache.
         """
@@ -116,6 +119,11 @@ class Processor:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sampling_params = dataclasses.replace(sampling_params)  # checked again: a field may have been set since
+        unsupported = [f"{k}={v!r}" for k, v in sampling_params.changed_fields().items()
+                       if self.supported_fields is not None and k not in self.supported_fields]
+        if unsupported:
+            raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
+                             "(sampler, scheduler, output processor) acts on it")
         text, raw = split_prompt(prompt, self.tokenizer)
         try:
             raw = list(raw)

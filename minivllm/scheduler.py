@@ -24,9 +24,13 @@ class SchedulerBase:
         max_num_batched_tokens: most tokens computed in one prefill step.
         max_model_len: most tokens (prompt + completion) in one sequence.
         eos_token_ids: token ids that end a sequence (unless its `ignore_eos`).
+    Attributes:
+        sampling_fields: the `SamplingParams` fields the scheduler acts on (see `Processor`).
     Raises:
         ValueError: a limit is not an int >= 1.
     """
+
+    sampling_fields = frozenset({"max_tokens", "ignore_eos"})
 
     def __init__(self, block_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
@@ -60,8 +64,9 @@ class SchedulerBase:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def abort(self, seq: Sequence) -> bool:
-        """Remove `seq` wherever it is, free its blocks and mark it aborted; False if it had finished."""
+    def abort(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> bool:
+        """Remove `seq` wherever it is, free its blocks and give it `status` (aborted, or stopped from
+        outside the scheduler); False if it had already finished."""
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
@@ -69,7 +74,7 @@ class SchedulerBase:
             self.waiting.remove(seq)
         else:
             return False
-        seq.status = SequenceStatus.FINISHED_ABORTED
+        seq.status = status
         return True
 
 # %% ../notebooks/04_scheduler.ipynb #9f1f4fd4
@@ -122,8 +127,8 @@ class Scheduler(SchedulerBase):
             seq.append_token(token_id)
             if token_id in self.eos_token_ids and not seq.sampling_params.ignore_eos:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-            elif (seq.num_completion_tokens >= seq.sampling_params.max_tokens
-                  or seq.num_tokens >= self.max_seq_len):
+            elif (seq.sampling_params.max_tokens is not None
+                  and seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_seq_len):
                 seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.is_finished:
                 self.block_manager.deallocate(seq)

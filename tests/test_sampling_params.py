@@ -74,3 +74,68 @@ def test_replace_checks_again():
     p.top_p = 0.0  # set after construction
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p)
+
+
+# --- engines refuse what none of their parts acts on; LLM takes vLLM's arguments at their one value ----
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from engine_helpers import make_model
+
+    path = tmp_path_factory.mktemp("sampling-params-engine")
+    make_model(path, "llama")
+    return path
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(presence_penalty=0.5),
+                                    dict(repetition_penalty=1.2), dict(n=2), dict(stop_token_ids=[3]),
+                                    dict(min_tokens=2), dict(logprobs=1), dict(prompt_logprobs=0),
+                                    dict(spaces_between_special_tokens=False)])
+def test_chapter_04_engine_refuses_fields_no_part_acts_on(folder, kwargs):
+    from minivllm.engine import LLMEngine
+
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=8)
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"does not implement {name}="):
+        engine.add_request(None, [1, 2, 3], SamplingParams(temperature=1.0, **kwargs))
+    assert not engine.has_unfinished_requests()
+
+
+def test_chapter_04_output_kinds(folder):
+    from minivllm.engine import LLMEngine
+
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=8)
+    kinds = {k: engine.add_request(k.name, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                     output_kind=k)) for k in RequestOutputKind}
+    seen = {k: [] for k in RequestOutputKind}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[RequestOutputKind[out.request_id]].append(out.outputs[0].token_ids)
+    full = seen[RequestOutputKind.CUMULATIVE][-1]
+    assert len(full) == 3 and seen[RequestOutputKind.CUMULATIVE] == [full[:1], full[:2], full]
+    assert seen[RequestOutputKind.DELTA] == [[t] for t in full]
+    assert seen[RequestOutputKind.FINAL_ONLY] == [full]
+
+
+def test_llm_takes_vllm_arguments_at_their_one_value(folder, tmp_path):
+    from minivllm.llm import LLM
+
+    llm = LLM(str(folder), dtype="float64", max_model_len=64, num_kvcache_blocks=8, tensor_parallel_size=1, trust_remote_code=False,
+              tokenizer=str(folder), enforce_eager=True, disable_log_stats=True, quantization=None)
+    assert llm.llm_engine.args.enforce_eager is True
+    for kwargs, message in [(dict(tensor_parallel_size=2), "does not have vLLM's tensor_parallel_size=2"),
+                            (dict(trust_remote_code=True), "trust_remote_code"),
+                            (dict(enable_chunked_prefill=True), "enable_chunked_prefill"),
+                            (dict(swap_space=4), "swap_space"),
+                            (dict(tokenizer=str(tmp_path)), "tokenizer"),
+                            (dict(max_num_seq=4), "did you mean 'max_num_seqs'"),
+                            (dict(gpu_memory_utilisation=0.5), "gpu_memory_utilization")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), dtype="float64", max_model_len=64, num_kvcache_blocks=8, **kwargs)
+
+
+def test_llm_engine_unknown_argument_is_a_value_error(folder):
+    from minivllm.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="LLMEngine has no argument 'blocksize'"):
+        LLMEngine(model=folder, blocksize=4)
