@@ -25,7 +25,7 @@ class CausalAttention:
         return attention_reference(q, k, v, self.scale, causal=True)
 
 # %% auto #0
-__all__ = ['CausalAttention', 'ContiguousKVCache', 'iter_generate', 'naive_generate']
+__all__ = ['NAIVE_FIELDS', 'CausalAttention', 'ContiguousKVCache', 'iter_generate', 'naive_generate']
 
 # %% ../notebooks/02_model.ipynb #93449e6f
 class ContiguousKVCache:
@@ -69,6 +69,10 @@ class ContiguousKVCache:
         return sum(t.numel() * t.element_size() for t in [*self.k_cache.values(), *self.v_cache.values()])
 
 # %% ../notebooks/02_model.ipynb #e9b89a10
+NAIVE_FIELDS = {"temperature", "max_tokens", "ignore_eos", "seed", "detokenize", "skip_special_tokens",
+                "spaces_between_special_tokens", "output_kind"}  # the last four: no text, no outputs here
+
+
 @torch.inference_mode()
 def iter_generate(model: LlamaForCausalLM, prompt_token_ids: list[int], sampling_params: SamplingParams,
                   eos_token_id: int | None = None, use_kv_cache: bool = True) -> Iterator[int]:
@@ -77,26 +81,31 @@ def iter_generate(model: LlamaForCausalLM, prompt_token_ids: list[int], sampling
     Args:
         model: our decoder.
         prompt_token_ids: the prompt, non-empty.
-        sampling_params: temperature, max_tokens, ignore_eos, seed (via `make_generator`).
+        sampling_params: temperature, max_tokens (None: up to `max_position_embeddings`), ignore_eos,
+            seed (via `make_generator`); the loop acts on no other field.
         eos_token_id: stop after yielding this token (unless `ignore_eos`).
         use_kv_cache: False recomputes the whole sequence at every step; True keeps a
             `ContiguousKVCache` and feeds only the newest token after the prefill.
     Raises:
-        ValueError: the prompt is empty, or prompt + max_tokens exceeds the model's
-            `max_position_embeddings`.
+        ValueError: the prompt is empty, prompt + max_tokens exceeds the model's
+            `max_position_embeddings`, or `sampling_params` sets a field the loop does not act on.
     """
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
+    unsupported = [f"{k}={v!r}" for k, v in sampling_params.changed_fields().items() if k not in NAIVE_FIELDS]
+    if unsupported:
+        raise ValueError(f"the naive loop does not implement {', '.join(unsupported)}")
     max_pos = model.config.max_position_embeddings
-    if len(prompt_token_ids) + sampling_params.max_tokens > max_pos:
-        raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
+    max_tokens = sampling_params.max_tokens or max_pos - len(prompt_token_ids)
+    if len(prompt_token_ids) + max_tokens > max_pos:
+        raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) "
                          f"exceeds the model's max_position_embeddings={max_pos}")
     device = model.lm_head.weight.device
     scale = model.model.layers[0].self_attn.scale
     generator = None if sampling_params.seed is None else make_generator(sampling_params.seed, device)
     tokens = list(prompt_token_ids)
-    cache = ContiguousKVCache(scale, len(tokens) + sampling_params.max_tokens) if use_kv_cache else None
-    for step in range(sampling_params.max_tokens):
+    cache = ContiguousKVCache(scale, len(tokens) + max_tokens) if use_kv_cache else None
+    for step in range(max_tokens):
         if cache is None or step == 0:  # recompute everything, or the prefill
             ids = torch.tensor(tokens, device=device)
             positions = torch.arange(len(tokens), device=device)

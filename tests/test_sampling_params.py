@@ -139,3 +139,14 @@ def test_llm_engine_unknown_argument_is_a_value_error(folder):
 
     with pytest.raises(ValueError, match="LLMEngine has no argument 'blocksize'"):
         LLMEngine(model=folder, blocksize=4)
+
+
+def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none(folder):
+    from minivllm.models.llama import load_model
+    from minivllm.naive import naive_generate
+
+    model = load_model(folder, dtype=__import__("torch").float64)
+    with pytest.raises(ValueError, match="naive loop does not implement top_p=0.5"):
+        naive_generate(model, [1, 2], SamplingParams(top_p=0.5))
+    out = naive_generate(model, [1, 2], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out) == model.config.max_position_embeddings - 2
