@@ -58,7 +58,7 @@ def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
 # %% auto #0
 __all__ = ['MAX_CAPTURE_SIZE', 'SMALL_CAPTURE_SIZES', 'CAPTURE_SIZE_STEP', 'DECODE_INPUTS', 'HOST_READS', 'CUDAGRAPH_BACKENDS',
            'SMOLLM2_135M_SHAPE', 'cudagraph_capture_sizes', 'padded_batch_size', 'DecodeBuffers',
-           'prepare_decode_inputs', 'CUDAGraph', 'storages', 'StandInGraph', 'graph_pool', 'supports_cudagraph',
+           'prepare_decode_inputs', 'CUDAGraph', 'graph_pool', 'storages', 'StandInGraph', 'supports_cudagraph',
            'CapturablePagedAttention', 'DecodeGraphs', 'CUDAGraphModelRunner', 'compile_small_ops',
            'decode_step_seconds', 'CompiledOpsGraphRunner', 'decode_step_benchmark']
 
@@ -161,6 +161,11 @@ class CUDAGraph:
         self.graph.replay()
 
 
+def graph_pool(device: torch.device):
+    """A memory pool shared by the graphs of one runner on CUDA (None elsewhere)."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+# %% ../notebooks/08_cuda_graphs.ipynb #6063984d
 def storages(tree) -> set[int]:
     """The addresses of the storages of the (strided) tensors in a nest of lists, tuples and dicts."""
     return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0]
@@ -214,11 +219,6 @@ class StandInGraph:
                 for dst, src in zip(tree_flatten(recorded)[0], tree_flatten(out)[0]):
                     if isinstance(dst, torch.Tensor):
                         dst.copy_(src)
-
-
-def graph_pool(device: torch.device):
-    """A memory pool shared by the graphs of one runner on CUDA (None elsewhere)."""
-    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 # %% ../notebooks/08_cuda_graphs.ipynb #1fce700b
 def supports_cudagraph(backend: type) -> bool:

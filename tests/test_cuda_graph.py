@@ -48,6 +48,13 @@ def tiny(request, tmp_path_factory):
     return folder, make_model(folder, request.param)
 
 
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One tiny model for the GPU tests (they share the GPU check's time)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-ch08-gpu")
+    return folder, make_model(folder, "llama")
+
+
 def engine(folder, device="cpu", dtype="float64", **kwargs) -> LLMEngine:
     settings = dict(model=folder, dtype=dtype, device=device, kv_manager=BlockManager, block_size=4,
                     max_model_len=128, num_kvcache_blocks=400, max_num_seqs=MAX_NUM_SEQS)
@@ -329,9 +336,9 @@ def test_decode_step_seconds_times_a_runner(tiny):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_graphs_equal_eager_and_transformers_for_every_batch_size(tiny):
+def test_gpu_graphs_equal_eager_and_transformers_for_every_batch_size(llama):
     """Real CUDA graphs (float64, the plain-torch capturable backend): every batch size 1..20."""
-    folder, hf = tiny
+    folder, hf = llama
     prompts = random_prompts(MAX_NUM_SEQS, 3, 40, seed=21)
     params = [SamplingParams(temperature=0, max_tokens=2 + k, ignore_eos=True) for k in range(MAX_NUM_SEQS)]
     graphs = graph_engine(folder, device="cuda")
@@ -345,8 +352,8 @@ def test_gpu_graphs_equal_eager_and_transformers_for_every_batch_size(tiny):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_block_tables_grow_past_anything_seen_at_capture(tiny):
-    folder, hf = tiny
+def test_gpu_block_tables_grow_past_anything_seen_at_capture(llama):
+    folder, hf = llama
     prompts = random_prompts(4, 60, 80, seed=22)
     eng = graph_engine(folder, device="cuda", block_size=2, max_num_seqs=4)
     out = token_ids(run_engine(eng, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
@@ -356,9 +363,9 @@ def test_gpu_block_tables_grow_past_anything_seen_at_capture(tiny):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_replay_runs_no_python(tiny):
+def test_gpu_replay_runs_no_python(llama):
     """After capture the model's Python never runs again in decode: the graph replays its kernels."""
-    folder, _ = tiny
+    folder, _ = llama
     model = load_model(folder, dtype=torch.float64, device="cuda")
     bm = BlockManager(64, 4)
     runner = CUDAGraphModelRunner(model, bm, attention_backend=CapturablePagedAttention, max_num_seqs=4,
@@ -375,11 +382,11 @@ def test_gpu_replay_runs_no_python(tiny):
 @needs_cuda
 @pytest.mark.skipif(not CUDA or not TritonPagedAttention.is_available("cuda", torch.float32),
                     reason="needs CUDA and triton")
-def test_gpu_triton_backend_is_captured_and_matches_eager(tiny):
+def test_gpu_triton_backend_is_captured_and_matches_eager(llama):
     """Chapter 07's Triton backend under graphs (float32): captured without a warning, and each decode
     batch size's logits match the eager runner on the same cache. Tolerance 1e-4: float32 logits of
     order 1, computed by kernels of another batch shape (IEEE float32 throughout, no TF32)."""
-    folder, _ = tiny
+    folder, _ = llama
     model = load_model(folder, dtype=torch.float32, device="cuda")
     bm = BlockManager(256, 4)
     with warnings.catch_warnings():
