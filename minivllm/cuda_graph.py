@@ -24,7 +24,7 @@ from .models.llama import RMSNorm, RotaryEmbedding
 from .paged_attention import PagedAttention, paged_decode_attention
 from .sequence import Sequence
 
-MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch; larger decode batches run eagerly
+MAX_CAPTURE_SIZE = 512  # vLLM's cap on the largest captured batch; larger decode batches run eagerly
 SMALL_CAPTURE_SIZES = (1, 2, 4, 8)
 CAPTURE_SIZE_STEP = 16  # after the small sizes: every multiple of this
 
@@ -35,7 +35,7 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTU
 
     Raises:
         ValueError: `max_num_seqs` or `max_capture_size` is not an int >= 1.
-    Source: nano-vllm's `graph_bs`, vLLM's `cudagraph_capture_sizes`.
+    Source: nano-vllm's `graph_bs` (vLLM's `cudagraph_capture_sizes` takes multiples of 8 below 256).
     """
     top = min(require_int("max_num_seqs", max_num_seqs, minimum=1),
               require_int("max_capture_size", max_capture_size, minimum=1))
