@@ -12,9 +12,12 @@ the interpreter is slow. With CUDA the same tests run the compiled kernels on th
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,9 +110,10 @@ def test_store_kvcache_writes_each_slot_and_skips_minus_one(dtype, block_size, n
 # ------------------------------------------------------------------------------------------- decode
 
 # (query heads per KV head, num_kv_heads, block_size, head_dim): every grouping 1/2/4/8, block sizes
-# 1/16/256, head dims 64/128, each at least twice
+# 1/16/256, head dims 64/128, each at least twice; then block sizes that are not powers of two (3, 5)
+# and heads of 80 (padded to 128 columns) and 8 (padded to 16: a GPU's tl.dot needs 16)
 DECODE_SHAPES = [(1, 2, 16, 64), (2, 2, 1, 128), (4, 1, 256, 64), (8, 1, 16, 128), (4, 2, 1, 64), (2, 1, 256, 128),
-                 (1, 1, 1, 128), (8, 1, 256, 64)]
+                 (1, 1, 1, 128), (8, 1, 256, 64), (2, 2, 3, 80), (4, 1, 5, 8)]
 # ragged lengths: longer than a tile (16), a single token, exactly one tile, short, several tiles
 DECODE_LENS = [37, 1, 16, 5, 70]
 
@@ -157,6 +161,38 @@ def test_decode_of_a_padded_row_is_zero_and_leaves_the_others_alone():
         torch.testing.assert_close(out[:1], ref, atol=ATOL[torch.float32], rtol=0)
 
 
+class CapturePartials:
+    """Stands in for `reduce_splits_kernel`: keeps each launch's partial sums `l`
+    `[num_seqs, num_heads, num_splits]`, then runs the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.l = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(acc, m, l, *args, **kwargs):
+            self.kernel[grid](acc, m, l, *args, **kwargs)
+            self.l.append(l.cpu().clone())
+        return launch
+
+
+def test_every_sequence_spreads_its_keys_over_the_splits(monkeypatch):
+    """A CUDA graph's block tables are as wide as max_model_len allows, and the split count is chosen
+    for that width: each sequence must still cut its own keys into the splits (whole tiles, the last
+    ones empty for a short sequence), not leave them all to the first split."""
+    k_cache, v_cache, tables, lens, g = random_paged_batch([64, 20, 1], 1, 16, 4, torch.float64)
+    wide = torch.cat([tables, torch.full((3, 60), GARBAGE)], dim=1)  # 77 columns: room for 308 keys
+    q = torch.randn(3, 2, 16, generator=g, dtype=torch.float64)
+    capture = CapturePartials(ta.reduce_splits_kernel)
+    monkeypatch.setattr(ta, "reduce_splits_kernel", capture)
+    out = ta.paged_decode_attention_triton(*on_device(q, k_cache, v_cache, wide, lens), 0.25, num_splits=4, block_n=16)
+    (l,) = capture.l
+    assert l.shape == (3, 2, 4)
+    # keys per split (tiles of 16): 64 -> 16, 16, 16, 16; 20 -> 16, 4, -, -; 1 -> 1, -, -, -
+    assert (l > 0).tolist() == [[[True] * 4] * 2, [[True, True, False, False]] * 2, [[True, False, False, False]] * 2]
+    ref = paged_decode_attention(q, k_cache, v_cache, minus_one(wide), lens, 0.25)
+    torch.testing.assert_close(out.cpu(), ref, atol=ATOL[torch.float64], rtol=0)
+
+
 def test_choose_num_splits():
     choose = ta.choose_num_splits
     assert choose(1, 8, 100, 132) == 1  # short: never cut below MIN_SPLIT_TOKENS
@@ -168,8 +204,9 @@ def test_choose_num_splits():
 
 # ------------------------------------------------------------------------------------------ prefill
 
-# (group, num_kv_heads, block_size, head_dim)
-PREFILL_SHAPES = [(1, 2, 16, 64), (2, 1, 1, 128), (4, 1, 256, 64), (8, 1, 16, 128), (2, 2, 256, 128), (4, 1, 1, 64)]
+# (group, num_kv_heads, block_size, head_dim), the last two as in DECODE_SHAPES
+PREFILL_SHAPES = [(1, 2, 16, 64), (2, 1, 1, 128), (4, 1, 256, 64), (8, 1, 16, 128), (2, 2, 256, 128), (4, 1, 1, 64),
+                  (2, 2, 3, 80), (1, 2, 5, 8)]
 # (context length, new tokens): a prefix across a block boundary with more new tokens than a tile,
 # nothing cached, a single new token over a prefix, a single-token prompt, a prefix of whole tiles
 PREFILL_SEQS = [(45, 20), (18, 18), (30, 1), (1, 1), (37, 5)]
@@ -212,12 +249,47 @@ def test_the_wrappers_refuse_bad_input_with_a_clear_error():
     for message, kw in cases.items():
         with pytest.raises(ValueError, match=message):
             decode(**kw)
+    for kw in (dict(block_n=8), dict(block_n=48)):
+        with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+            decode(**kw)
+    for bad in (0, ta.MAX_SPLITS + 1, 2.0):
+        with pytest.raises(ValueError, match="num_splits must be None or an int"):
+            decode(num_splits=bad)
     with pytest.raises(ValueError, match="cu_seqlens_q must be int64"):
         ta.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, torch.tensor([0, 1]), 0.25)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        ta.paged_prefill_attention_triton(q, k_cache, v_cache, tables, lens, torch.tensor([0, 1, 2]), 0.25, block_m=8)
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
         ta.store_kvcache(q[:, :2], q[:, :2], k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="k and v must be"):
         ta.store_kvcache(q, q, k_cache, v_cache, torch.tensor([0, 1]))
+
+
+# ------------------------------------------------------------------------------- a GPU's compiler
+
+def test_every_launch_lowers_for_a_gpu_with_int64_cache_offsets():
+    """The interpreter accepts what a GPU compiler refuses (a tl.dot over fewer than 16 columns) and
+    computes every offset exactly. `triton_lowering.py` records the wrappers' launches over the
+    shapes above (block sizes 3 and 5, heads of 8 and 80, GQA, one split and split-K, three dtypes)
+    and lowers each through Triton's front end for an sm_90 GPU, in a process without the interpreter,
+    with no GPU. Every launch must lower, and every offset added to a KV-cache pointer (or to the KV
+    store's inputs) must be int64: one layer's cache on a large GPU can hold more than 2**31 elements."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated (newer releases warn otherwise)
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_lowering.py"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode == 3:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    launches = json.loads(run.stdout)
+    assert {x["kernel"] for x in launches} == {"store_kvcache_kernel", "paged_decode_kernel", "reduce_splits_kernel",
+                                              "paged_prefill_kernel"}
+    errors = [(x["kernel"], x["constexprs"], x["error"]) for x in launches if x["error"]]
+    assert not errors, errors
+    for x in launches:
+        if x["kernel"] != "reduce_splits_kernel":
+            assert x["cache_offsets"] and all(o == "i64" or o.endswith("xi64>") for o in x["cache_offsets"]), x
 
 
 # ------------------------------------------------------------------------------------------- engine

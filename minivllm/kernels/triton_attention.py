@@ -22,15 +22,15 @@ def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_pt
                          stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0)  # one program per new token
+    token = tl.program_id(0).to(tl.int64)  # one program per new token; int64: token * stride cannot overflow
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # a padded row: nothing to store
         return
     h = tl.arange(0, BLOCK_KVH)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(k_ptr + token * stride_k_tok + h * stride_k_head + d, mask=mask)
-    v = tl.load(v_ptr + token * stride_v_tok + h * stride_v_head + d, mask=mask)
+    k = tl.load(k_ptr + (token * stride_k_tok + h * stride_k_head + d), mask=mask)
+    v = tl.load(v_ptr + (token * stride_v_tok + h * stride_v_head + d), mask=mask)
     dst = (slot * NUM_KV_HEADS + h) * HEAD_DIM + d  # slot is int64: no overflow on big caches
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
@@ -84,6 +84,17 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"the Triton kernels take {KERNEL_DTYPES}, got {k_cache.dtype}")
 
 
+def _block_d(head_dim: int) -> int:
+    """Columns of a head in a block: a power of two, and at least 16 (a GPU's `tl.dot` needs an inner
+    dimension of 16 or more; a head of 8 would compile under the interpreter only)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _check_tile(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (a block size of tl.dot), got {value!r}")
+
+
 def _check_same(ref: torch.Tensor, **tensors: torch.Tensor) -> None:
     """Every tensor on `ref`'s device; the floating ones in `ref`'s dtype."""
     for name, t in tensors.items():
@@ -110,7 +121,7 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # %% ../../notebooks/07_triton_kernels.ipynb #987dc5e8
 @triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-                        out_ptr, m_ptr, l_ptr, qk_scale, split_len,
+                        out_ptr, m_ptr, l_ptr, qk_scale, min_split_len,
                         stride_q_seq, stride_q_head, stride_bt_seq, stride_o_seq, stride_o_head, stride_o_split,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -118,6 +129,8 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    # this sequence's keys cut into num_programs(2) splits of whole tiles, none below min_split_len
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
     g = tl.arange(0, BLOCK_H)  # the query heads of this KV head's group, padded to BLOCK_H rows
@@ -216,15 +229,21 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables: `[num_seqs, max_blocks]` int64; entries past a sequence's last block are not read.
         context_lens: `[num_seqs]` int64, each in `[0, max_blocks * block_size]` (0: a padded row, zeros out).
         scale: multiplies q·k.
-        num_splits: splits of each context (Flash-Decoding); None: `choose_num_splits`.
+        num_splits: programs per (sequence, KV head), 1 to `MAX_SPLITS`: each sequence's keys are cut
+            into this many splits of whole tiles (Flash-Decoding). None: `choose_num_splits`, and no
+            split shorter than `MIN_SPLIT_TOKENS` keys.
         block_n: keys per tile, a power of two >= 16.
     Returns:
         `[num_seqs, num_heads, head_dim]`, dtype of `q`.
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (values are not checked on the device).
+        ValueError: shapes, dtypes or devices that do not fit, `num_splits` or `block_n` out of range
+            (values are not checked on the device).
     Source: vLLM's paged attention v1/v2 and Triton decode attention; Flash-Decoding (Dao et al., 2023).
     """
     _check_attention(q, k_cache, v_cache, block_tables, context_lens)
+    _check_tile("block_n", block_n)
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads a head's numbers as one run
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -232,29 +251,30 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     max_len = block_tables.shape[1] * block_size  # >= every context length; known without a sync
     if num_seqs == 0 or max_len == 0:
         return out.zero_()
+    min_split_len = block_n  # an explicit count: splits as short as one tile
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, num_sms(q.device))
-    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_len, split_len)
+        min_split_len = MIN_SPLIT_TOKENS
+    num_splits = min(num_splits, triton.cdiv(max_len, block_n))  # no more splits than tiles
     group = num_heads // num_kv_heads
     sizes = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
+                 BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=_block_d(head_dim),
                  BLOCK_N=block_n, num_warps=NUM_WARPS, **_dot_settings(q.dtype))
     grid, qk_scale = (num_seqs, num_kv_heads, num_splits), scale * LOG2E
     q_strides = (q.stride(0), q.stride(1), block_tables.stride(0))
     if num_splits == 1:
         paged_decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out, qk_scale,
-                                  split_len, *q_strides, out.stride(0), out.stride(1), 0, ONE_SPLIT=True, **sizes)
+                                  min_split_len, *q_strides, out.stride(0), out.stride(1), 0, ONE_SPLIT=True, **sizes)
         return out
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=acc_dtype, device=q.device)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=acc_dtype, device=q.device)
     l = torch.empty_like(m)
-    paged_decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, acc, m, l, qk_scale, split_len,
+    paged_decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, acc, m, l, qk_scale, min_split_len,
                               *q_strides, acc.stride(0), acc.stride(1), acc.stride(2), ONE_SPLIT=False, **sizes)
     reduce_splits_kernel[(num_seqs, num_heads)](
         acc, m, l, out, num_splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=_block_d(head_dim))
     return out
 
 # %% ../../notebooks/07_triton_kernels.ipynb #91a18fcf
@@ -325,10 +345,13 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     Returns:
         `[num_tokens, num_heads, head_dim]`, dtype of `q`.
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (values are not checked on the device).
+        ValueError: shapes, dtypes or devices that do not fit, `block_m` or `block_n` not a power of
+            two >= 16 (values are not checked on the device).
     Source: vLLM's prefix-prefill Triton kernel (`context_attention_fwd`); FlashAttention-2 (Dao, 2023).
     """
     _check_attention(q, k_cache, v_cache, block_tables, context_lens)
+    _check_tile("block_m", block_m)
+    _check_tile("block_n", block_n)
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype != torch.int64:
         raise ValueError(f"cu_seqlens_q must be int64 [{num_seqs + 1}], got {cu_seqlens_q.dtype} "
@@ -345,6 +368,6 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q.to(q.device, non_blocking=True), out,
         scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, num_warps=NUM_WARPS,
+        BLOCK_M=block_m, BLOCK_D=_block_d(head_dim), BLOCK_N=block_n, num_warps=NUM_WARPS,
         **_dot_settings(q.dtype))
     return out
