@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine
+from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm import defaults
 from minivllm.attention import ContiguousAttention
 from minivllm.block_manager import BlockManager
@@ -28,6 +28,7 @@ from minivllm.kernels.triton_backend import TritonPagedAttention
 from minivllm.model_runner import ModelRunner
 from minivllm.models.llama import RMSNorm, RotaryEmbedding, load_model
 from minivllm.paged_attention import PagedAttention
+from minivllm.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -142,6 +143,76 @@ def test_block_tables_grow_past_anything_seen_at_capture(tiny):
     assert out == token_ids(run_engine(engine(folder, attention_backend=PagedAttention, block_size=2, max_num_seqs=4),
                                        prompts, params))
     assert out == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def run_with_abort(eng, prompts, params, abort_index: int, abort_step: int) -> dict:
+    """Step until idle, aborting request `abort_index` after `abort_step` steps; the outputs of the
+    requests that finished, by index; invariants checked after every step."""
+    ids = [eng.add_request(None, p, params) for p in prompts]
+    done, steps = {}, 0
+    while eng.has_unfinished_requests():
+        done.update({out.request_id: out for out in eng.step() if out.finished})
+        steps += 1
+        if steps == abort_step:
+            eng.abort_request(ids[abort_index])
+        check_invariants(eng)
+        assert steps < 2000
+    return {i: (done[r].outputs[0].token_ids, done[r].num_cached_tokens) for i, r in enumerate(ids)
+            if r in done and i != abort_index}
+
+
+def test_preemption_abort_and_prefix_hits_between_replays(tiny):
+    """Six prompts sharing a 16-token prefix in a cache of 24 blocks of 4 (96 tokens; they need ~150):
+    sequences are preempted and recomputed, one request is aborted in mid-decode, and prompts that
+    come back hit the cached prefix. Every step's batch differs from the last; the graphs' tokens
+    equal the eager engine's and transformers', and the dummy block stays outside the manager's count."""
+    folder, hf = tiny
+    shared = random_prompts(1, 16, 16, seed=30)[0]
+    prompts = [shared + p for p in random_prompts(6, 2, 8, seed=31)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    settings = dict(kv_manager=PrefixCachingBlockManager, num_kvcache_blocks=24)
+    graphs = graph_engine(folder, **settings)
+    replays = count_replays(graphs.model_runner)
+    out = run_with_abort(graphs, prompts, params, abort_index=2, abort_step=4)
+    eager = run_with_abort(engine(folder, attention_backend=PagedAttention, **settings), prompts, params, 2, 4)
+    assert graphs.scheduler.num_preemptions > 0 and len(replays) > 10
+    assert graphs.scheduler.block_manager.num_blocks == 24 and graphs.model_runner.kv_cache.shape[2] == 25
+    assert sorted(out) == [0, 1, 3, 4, 5] and out == eager
+    assert all(tokens == hf_greedy(hf, prompts[i], 20) for i, (tokens, _) in out.items())
+    assert any(cached >= 16 for _, cached in out.values())
+
+
+def test_seeded_sampling_with_graphs_equals_eager(tiny):
+    """Sampling runs on the replayed logits, outside the graph: seeded requests draw from their own
+    generators and unseeded ones from the engine's, as in the eager engine (capture draws nothing)."""
+    folder, _ = tiny
+    prompts = random_prompts(5, 3, 20, seed=32)
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
+              for seed in (1, 2, None, 3, None)]
+    eager = token_ids(run_engine(engine(folder, attention_backend=PagedAttention), prompts, params))
+    graphs = graph_engine(folder)
+    replays = count_replays(graphs.model_runner)
+    assert token_ids(run_engine(graphs, prompts, params)) == eager and replays
+
+
+def test_a_batch_larger_than_every_captured_size_runs_eagerly(tiny):
+    """Captured sizes 1 and 2; a decode batch of 3 (possible when max_num_seqs exceeds
+    MAX_CAPTURE_SIZE) takes chapter 04's eager path and gives its logits."""
+    folder, _ = tiny
+    model = load_model(folder, dtype=torch.float64)
+    bm = BlockManager(64, 4)
+    runner = CUDAGraphModelRunner(model, bm, attention_backend=CapturablePagedAttention, max_num_seqs=2,
+                                  max_model_len=64)
+    replays = count_replays(runner)
+    eager = ModelRunner(model, BlockManager(64, 4), attention_backend=PagedAttention)
+    batch = decode_ready(bm, 3, seed=33)
+    with torch.inference_mode():
+        runner.kv_cache.normal_(generator=torch.Generator().manual_seed(1))
+        eager.kv_cache.copy_(runner.kv_cache[:, :, :bm.num_blocks])
+        logits = runner.forward_logits(batch, False).clone()
+        torch.testing.assert_close(logits, eager.forward_logits(batch, False), rtol=0, atol=1e-10)
+        runner.forward_logits(batch[:2], False)
+    assert replays == [(3, None), (2, 2)]
 
 
 def decode_ready(bm: BlockManager, n: int, seed: int) -> list[Sequence]:
