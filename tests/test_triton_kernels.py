@@ -386,6 +386,60 @@ def test_flash_attn_backend_plumbing_with_a_stand_in(monkeypatch):
         assert torch.equal(flash.kv_cache, plain.kv_cache)
 
 
+def check_all_kernels(dtype, shape, decode_lens, prefill_seqs, tiles=None, num_splits=(None, 1, 4)):
+    """The KV store, decode (each `num_splits`) and prefill against the float64 reference for one
+    dtype and `(group, num_kv_heads, block_size, head_dim)`; `tiles`: `block_n` (and `block_m`), None
+    for the wrappers' defaults."""
+    group, num_kv_heads, block_size, head_dim = shape
+    k_cache, v_cache, tables, lens, g = random_paged_batch(decode_lens, num_kv_heads, head_dim, block_size, dtype)
+    k_dev, v_dev = on_device(k_cache, v_cache)
+    slots = torch.randperm(k_cache.shape[0] * block_size, generator=g)[:7]
+    slots[2] = -1
+    kv = torch.randn(7, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_stored, v_stored = k_dev.clone(), v_dev.clone()
+    ta.store_kvcache(*on_device(kv, -kv), k_stored, v_stored, slots.to(DEVICE))
+    keep = slots >= 0
+    k_new, v_new = k_cache.clone(), v_cache.clone()
+    k_new.view(-1, num_kv_heads, head_dim)[slots[keep]] = kv[keep]
+    v_new.view(-1, num_kv_heads, head_dim)[slots[keep]] = -kv[keep]
+    assert torch.equal(k_stored.cpu(), k_new) and torch.equal(v_stored.cpu(), v_new)
+    q = torch.randn(len(lens), group * num_kv_heads, head_dim, generator=g).to(dtype)
+    ref = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), minus_one(tables), lens,
+                                 head_dim ** -0.5)
+    tile = {} if tiles is None else {"block_n": tiles}
+    for n in num_splits:
+        out = ta.paged_decode_attention_triton(q.to(DEVICE), k_dev, v_dev, *on_device(tables, lens), head_dim ** -0.5,
+                                               num_splits=n, **tile)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=ATOL[dtype], rtol=0)
+    context_lens, q_lens = zip(*prefill_seqs)
+    k_cache, v_cache, tables, lens, g = random_paged_batch(context_lens, num_kv_heads, head_dim, block_size, dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    q = torch.randn(int(cu[-1]), group * num_kv_heads, head_dim, generator=g).to(dtype)
+    tile = {} if tiles is None else {"block_m": tiles, "block_n": tiles}
+    out = ta.paged_prefill_attention_triton(*on_device(q, k_cache, v_cache, tables, lens), cu, head_dim ** -0.5,
+                                            **tile).cpu()
+    for i, n in enumerate(context_lens):
+        k, v = (gather_kv(c.double(), tables[i], n) for c in (k_cache, v_cache))
+        ref = prefill_attention(q[cu[i]:cu[i + 1]].double(), k, v, head_dim ** -0.5)
+        torch.testing.assert_close(out[cu[i]:cu[i + 1]].double(), ref, atol=ATOL[dtype], rtol=0)
+
+
+def test_check_all_kernels_runs_under_the_interpreter():
+    """The GPU test's helper, on small shapes and tiles of 16 (it must not first fail on a GPU)."""
+    check_all_kernels(torch.float32, (2, 2, 3, 80), [37, 1, 20], [(30, 20), (1, 1)], tiles=16, num_splits=(None, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="needs CUDA: the kernels compiled for a GPU, at the engine's tile sizes")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_gpu_kernels_at_their_default_tiles_equal_the_reference(dtype):
+    """What the engine runs on a GPU: the compiled kernels with their default tiles (64), contexts of
+    several tiles and splits, GQA 1/2/4/8, block sizes 3/5/16/256, heads of 8/64/80/128."""
+    decode_lens, prefill_seqs = [700, 1, 64, 5, 300, 129], [(700, 150), (64, 64), (300, 1), (1, 1), (130, 65)]
+    for shape in [(2, 8, 16, 128), (4, 2, 3, 80), (8, 1, 5, 8), (1, 2, 256, 64)]:
+        check_all_kernels(dtype, shape, decode_lens, prefill_seqs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="needs CUDA: the interpreter's tl.dot mishandles bfloat16")
 def test_bfloat16_on_the_gpu():
