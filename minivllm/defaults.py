@@ -18,8 +18,10 @@ from .cuda_graph import CUDAGraphModelRunner
 from .kernels.cpu_decode import CPUPagedAttention
 from .kernels.flash_attn_backend import FlashAttnPagedAttention
 from .kernels.triton_backend import TritonPagedAttention
+from .output_processor import StreamingOutputProcessor
 from .paged_attention import PagedAttention
 from .prefix_caching import PrefixCachingBlockManager
+from .sample.sampler import Sampler
 
 # (chapter and name, condition on the engine's settings, KV-cache manager class)
 KV_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
@@ -46,11 +48,15 @@ MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]
 
 # (chapter and name, condition on the engine's settings, sampler class); when no row fits, the model
 # runner keeps chapter 04's `Sampler` (greedy and temperature).
-SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = []
+SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("10 batched sampler: penalties, min-p, top-k, top-p, logprobs", lambda args: True, Sampler),
+]
 
 # (chapter and name, condition on the engine's settings, output processor class); when no row fits,
 # the engine uses chapter 04's `OutputProcessor` (the text once a request has finished).
-OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = []
+OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, StreamingOutputProcessor),
+]
 
 
 def kv_manager_for(args: EngineArgs) -> type:

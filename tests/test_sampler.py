@@ -1,0 +1,294 @@
+"""Chapter 10's sampler: each operation equals transformers' logits processors in float64 (1e-12: the
+two compute the same formula; float64 leaves only rounding in the last bits), the fast top-k/top-p path
+keeps the same tokens, seeded draws follow the filtered distribution (a chi-square test with fixed
+seeds, so it cannot flake), a seeded request's tokens depend neither on its batch mates nor on
+preemption, and the engine with this sampler still equals transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from engine_helpers import check_invariants, make_model, one_thread, random_prompts, run_engine
+from minivllm.block_manager import BlockManager
+from minivllm.engine import LLMEngine
+from minivllm.layers.sampler import make_generator
+from minivllm.paged_attention import PagedAttention
+from minivllm.prefix_caching import PrefixCachingBlockManager
+from minivllm.sample.metadata import pad_token_ids, sampling_metadata
+from minivllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, gather_logprobs, random_sample,
+                                 sample_top_k_top_p)
+from minivllm.sample.sampler import Sampler
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+TOL = 1e-12  # float64: the same formula on both sides, only last-bit rounding may differ
+INF = float("-inf")
+
+
+def rows_of_logits(seed: int, rows: int, vocab: int, scale: float = 4.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, dtype=torch.float64, generator=gen) * scale
+
+
+def assert_same_filtered(ours: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(torch.isinf(ours), torch.isinf(want))
+    kept = ~torch.isinf(want)
+    assert (ours[kept] - want[kept]).abs().max() <= TOL
+
+
+# --- the operations against transformers ------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 40), data=st.data())
+def test_penalties_equal_transformers_and_openai(seed, vocab, data):
+    rows = 3
+    prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8)) for _ in range(rows)]
+    outputs = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=8)) for _ in range(rows)]
+    rep = torch.tensor([data.draw(st.floats(0.1, 3.0)) for _ in range(rows)], dtype=torch.float64)
+    freq = torch.tensor([data.draw(st.floats(-2, 2)) for _ in range(rows)], dtype=torch.float64)
+    pres = torch.tensor([data.draw(st.floats(-2, 2)) for _ in range(rows)], dtype=torch.float64)
+    logits = rows_of_logits(seed, rows, vocab)
+    ours = apply_penalties(logits, pad_token_ids(prompts, vocab, "cpu"), pad_token_ids(outputs, vocab, "cpu"),
+                           pres, freq, rep)
+    for i in range(rows):
+        want = RepetitionPenaltyLogitsProcessor(float(rep[i]))(torch.tensor([prompts[i] + outputs[i]]),
+                                                                 logits[i:i + 1].clone())[0]
+        for t in set(outputs[i]):
+            want[t] -= freq[i] * outputs[i].count(t) + pres[i]
+        assert (ours[i] - want).abs().max() <= TOL
+
+
+def test_penalties_off_leave_a_row_bit_for_bit():
+    logits = rows_of_logits(1, 2, 30)
+    ids = pad_token_ids([[1, 2, 3], [4, 4]], 30, "cpu")
+    one, zero = torch.ones(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    assert torch.equal(apply_penalties(logits, ids, ids, zero, zero, one), logits)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 60), temperature=st.floats(0.05, 3.0),
+       min_p=st.floats(0.0, 0.5), top_k=st.integers(1, 70), top_p=st.floats(0.01, 1.0))
+def test_filters_equal_transformers_warpers_in_vllms_order(seed, vocab, temperature, min_p, top_k, top_p):
+    logits = rows_of_logits(seed, 1, vocab)
+    ours = apply_top_k_top_p(apply_min_p(logits / temperature, torch.tensor([min_p], dtype=torch.float64)),
+                             torch.tensor([min(top_k, vocab)]), torch.tensor([top_p], dtype=torch.float64))
+    want = logits.clone()
+    for warper in (TemperatureLogitsWarper(temperature), MinPLogitsWarper(min_p), TopKLogitsWarper(top_k),
+                   TopPLogitsWarper(top_p)):
+        want = warper(None, want)
+    assert_same_filtered(ours, want)
+
+
+def test_min_tokens_mask_equals_transformers_min_new_tokens():
+    vocab, eos = 20, {3, 7}
+    logits = rows_of_logits(2, 1, vocab)
+    seq = Sequence([1, 2, 5], SamplingParams(min_tokens=3, stop_token_ids=[9], temperature=0))
+    seq.append_token(4)
+    md = sampling_metadata([seq], {}, make_generator(0), frozenset(eos), vocab, torch.float64, "cpu")
+    masked = logits.index_put((md.min_tokens_rows, md.min_tokens_ids), torch.tensor(INF, dtype=torch.float64))
+    want = MinNewTokensLengthLogitsProcessor(3, 3, sorted(eos | {9}))(torch.tensor([[1, 2, 5, 4]]), logits.clone())
+    assert torch.equal(masked, want)
+    seq.token_ids += [4, 4]  # three completion tokens: no more mask
+    assert sampling_metadata([seq], {}, make_generator(0), frozenset(eos), vocab, torch.float64,
+                             "cpu").min_tokens_rows.numel() == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 80), top_k=st.integers(1, 90), use_k=st.booleans(),
+       top_p=st.floats(0.01, 1.0), ties=st.booleans(), candidates=st.integers(1, 8))
+def test_candidate_path_keeps_what_the_sort_keeps(seed, vocab, top_k, use_k, top_p, ties, candidates):
+    """The fast path draws among exactly the tokens `apply_top_k_top_p` keeps, in its order: u -> 0
+    gives the first kept token, u -> 1 the last (ties: rounded logits make equal values)."""
+    logits = rows_of_logits(seed, 1, vocab)
+    if ties:
+        logits = logits.round()
+    k = torch.tensor([min(top_k, vocab) if use_k else vocab])
+    p = torch.tensor([top_p], dtype=torch.float64)
+    kept = (apply_top_k_top_p(logits, k, p) > INF)[0]
+    order = [t for t in logits[0].sort(descending=True, stable=True).indices.tolist() if kept[t]]
+    positive = [t for t in order if logits.softmax(-1)[0, t] > 0]
+    first, last = (int(sample_top_k_top_p(logits, k, p, torch.tensor([u]), candidates)) for u in (0.0, 1 - 2**-45))
+    assert (first, last) == (positive[0], positive[-1])
+
+
+# --- cases from public bug reports ------------------------------------------------------------------
+
+def test_top_p_0_6_over_four_probabilities_keeps_exactly_the_two_largest():
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64).log()
+    kept = apply_top_k_top_p(logits, None, torch.tensor([0.6], dtype=torch.float64)) > INF
+    assert kept.tolist() == [[False, False, True, True]]
+    for u in (0.0, 0.5, 0.999):  # the fast path agrees
+        assert int(sample_top_k_top_p(logits, None, torch.tensor([0.6], dtype=torch.float64), torch.tensor([u]))) in (2, 3)
+
+
+def test_top_k_1_with_tied_maxima_equals_greedy():
+    logits = torch.tensor([[1.0, 5.0, 2.0, 5.0, 5.0]])
+    seqs = [Sequence([1], SamplingParams(temperature=1.0, top_k=1, seed=s)) for s in range(40)]
+    gens = {s.seq_id: make_generator(i) for i, s in enumerate(seqs)}
+    tokens = Sampler()(logits.expand(40, -1), seqs, gens, make_generator(0))
+    assert set(tokens) == {int(logits.argmax())} == {1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tiny_temperature_with_top_p_gives_no_nan(dtype):
+    logits = torch.tensor([[30.0, 29.5, -10.0, 12.0]], dtype=dtype)
+    seq = Sequence([1], SamplingParams(temperature=1e-5, top_p=0.9, seed=0))
+    sampler = Sampler()
+    md = sampling_metadata([seq], {}, make_generator(0), frozenset(), 4, torch.float32, "cpu")
+    scaled = logits.float() / md.temperature[:, None]
+    assert not apply_top_k_top_p(scaled, None, md.top_p).softmax(-1).isnan().any()
+    assert sampler(logits, [seq], {seq.seq_id: make_generator(0)}, make_generator(0)) == [0]
+
+
+# --- the draws -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [dict(top_p=0.9, top_k=10, min_p=0.02, temperature=0.9), dict(temperature=1.3),
+                                    dict(top_k=5, temperature=0.7), dict(presence_penalty=1.0, top_p=0.8)])
+def test_seeded_draws_follow_the_filtered_distribution(params):
+    """20,000 draws (seeds 0..19,999, one batched call) against the filtered softmax: a chi-square test
+    whose p-value must exceed 0.001. The seeds are fixed, so the outcome is too; a sampler that
+    ignored a filter or drew from the unfiltered distribution gives p < 1e-10 here."""
+    vocab, draws = 16, 20_000
+    logits = rows_of_logits(7, 1, vocab, scale=1.0).float()
+    seqs = [Sequence([3, 4], SamplingParams(seed=i, **params)) for i in range(draws)]
+    for s in seqs:
+        s.append_token(5)  # an output token, for the presence penalty
+    gens = {s.seq_id: make_generator(i) for i, s in enumerate(seqs)}
+    tokens = torch.tensor(Sampler()(logits.expand(draws, -1), seqs, gens, make_generator(0)))
+    p = seqs[0].sampling_params
+    want = logits.double()
+    want = apply_penalties(want, pad_token_ids([[3, 4]], vocab, "cpu"), pad_token_ids([[5]], vocab, "cpu"),
+                           torch.tensor([p.presence_penalty], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                           torch.ones(1, dtype=torch.float64)) / p.temperature
+    want = apply_top_k_top_p(apply_min_p(want, torch.tensor([p.min_p], dtype=torch.float64)),
+                             torch.tensor([p.top_k or vocab]), torch.tensor([p.top_p], dtype=torch.float64))
+    expected = want.softmax(-1)[0]
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    chi2 = float(((counts - draws * expected)[support] ** 2 / (draws * expected[support])).sum())
+    dof = int(support.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, (chi2, dof, p_value)
+
+
+def test_chi_square_catches_an_unfiltered_sampler():
+    """The test above can fail: the unfiltered softmax's draws are far from the top-p distribution."""
+    vocab, draws = 16, 20_000
+    logits = rows_of_logits(7, 1, vocab, scale=1.0)
+    uniforms = torch.tensor([make_generator(i).random() for i in range(draws)], dtype=torch.float64)
+    tokens = random_sample(logits.expand(draws, -1), uniforms)
+    expected = apply_top_k_top_p(logits, None, torch.tensor([0.8], dtype=torch.float64)).softmax(-1)[0]
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[expected == 0].sum() > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000), mates=st.lists(st.sampled_from(["greedy", "temp", "topp", "topk", "minp", "pen",
+                                                                   "logprobs", "min_tokens"]), max_size=6))
+def test_a_seeded_rows_token_does_not_depend_on_its_batch_mates(seed, mates):
+    vocab = 300
+    logits = rows_of_logits(seed, 1 + len(mates), vocab).float()
+    kinds = {"greedy": dict(temperature=0), "temp": dict(temperature=0.7), "topp": dict(top_p=0.5),
+             "topk": dict(top_k=3), "minp": dict(min_p=0.1), "pen": dict(repetition_penalty=1.5, frequency_penalty=1.0),
+             "logprobs": dict(logprobs=2), "min_tokens": dict(min_tokens=2)}
+    for mine in (dict(top_p=0.9, seed=seed), dict(temperature=0.8, seed=seed), dict(top_k=7, min_p=0.01, seed=seed)):
+        def token(rows):
+            seqs = [Sequence([1, 2], SamplingParams(**mine))] + [Sequence([3], SamplingParams(**kinds[m])) for m in rows]
+            gens = {seqs[0].seq_id: make_generator(seed)}
+            return Sampler(frozenset({0}))(logits[:len(seqs)], seqs, gens, make_generator(99))[0]
+        assert token(mates) == token([])
+
+
+# --- log-probabilities -------------------------------------------------------------------------------
+
+def test_gather_logprobs_ranks_and_top_tokens():
+    lp = torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64).log()
+    (ids, values, rank), = gather_logprobs(lp, torch.tensor([2]), [2])
+    assert ids == [2, 1, 3] and rank == 3 and values[0] == pytest.approx(float(lp[0, 2]))
+    (ids, values, rank), = gather_logprobs(lp, torch.tensor([1]), [-1])
+    assert ids == [1, 1, 3, 2, 0] and rank == 1
+    assert gather_logprobs(lp, torch.tensor([1]), [None]) == [None]
+
+
+def test_sampler_logprobs_are_the_raw_log_softmax():
+    logits = rows_of_logits(3, 2, 30)
+    seqs = [Sequence([1], SamplingParams(temperature=0.5, top_k=3, repetition_penalty=2.0, logprobs=4, seed=1)),
+            Sequence([2], SamplingParams(temperature=0))]
+    sampler = Sampler()
+    tokens = sampler(logits, seqs, {seqs[0].seq_id: make_generator(1)}, make_generator(0))
+    ids, values, rank = sampler.logprobs[seqs[0].seq_id]
+    raw = logits[0].log_softmax(-1)
+    assert ids[0] == tokens[0] and len(ids) == 5 and seqs[1].seq_id not in sampler.logprobs
+    assert max(abs(v - float(raw[t])) for t, v in zip(ids, values)) <= TOL
+    assert rank == int((raw > raw[tokens[0]]).sum()) + 1
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sampler-engine")
+    hf = make_model(folder, "llama")
+    hf.generation_config.eos_token_id = None  # transformers never stops early, like ignore_eos
+    return folder, hf
+
+
+def engine_kwargs(folder, **kw):
+    return {**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, kv_manager=BlockManager,
+                   attention_backend=PagedAttention, sampler_cls=Sampler, num_kvcache_blocks=64), **kw}
+
+
+@torch.inference_mode()
+def hf_generate(hf, prompt, **kw):
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3, 0.8])
+def test_engine_greedy_with_penalty_equals_transformers(tiny, penalty):
+    folder, hf = tiny
+    prompts = random_prompts(5, 2, 20, seed=4, vocab=128)
+    outs = run_engine(LLMEngine(**engine_kwargs(folder)), prompts,
+                      SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=penalty))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_generate(hf, p, do_sample=False, max_new_tokens=10, eos_token_id=None,
+                                                      repetition_penalty=penalty)
+
+
+def test_engine_min_tokens_equals_transformers_min_new_tokens(tiny):
+    """EOS is the greedy token of a tiny model whose final norm is zero (all logits equal: token 0).
+    min_tokens=4 holds it back for exactly four tokens, like transformers' min_new_tokens."""
+    folder, hf = tiny
+    prompts = random_prompts(4, 2, 10, seed=5, vocab=128)
+    engine = LLMEngine(**engine_kwargs(folder))
+    eos = hf.config.eos_token_id
+    for p in prompts:
+        first = hf_generate(hf, p, do_sample=False, max_new_tokens=1, eos_token_id=None)[0]
+        engine.eos_token_ids = engine.model_runner.sampler.eos_token_ids = engine.scheduler.eos_token_ids = \
+            frozenset({first})
+        out = run_engine(engine, [p], SamplingParams(temperature=0, max_tokens=8, min_tokens=3))[0].outputs[0]
+        want = hf_generate(hf, p, do_sample=False, max_new_tokens=8, eos_token_id=first, min_new_tokens=3)
+        assert out.token_ids == want and first not in out.token_ids[:3] and eos is not None
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_seeded_request_is_the_same_alone_in_a_crowd_and_when_preempted(tiny, caching):
+    folder, _ = tiny
+    kv = PrefixCachingBlockManager if caching else BlockManager
+    prompts = random_prompts(7, 4, 20, seed=6, vocab=128)
+    seeded = SamplingParams(temperature=0.9, top_p=0.8, min_p=0.02, max_tokens=20, seed=123, ignore_eos=True,
+                            presence_penalty=0.5)
+    others = [SamplingParams(temperature=1.1, top_k=5, max_tokens=22, ignore_eos=True, frequency_penalty=0.3)] * 6
+    alone = run_engine(LLMEngine(**engine_kwargs(folder, kv_manager=kv)), prompts[:1], [seeded])
+    small = LLMEngine(**engine_kwargs(folder, kv_manager=kv, num_kvcache_blocks=14))
+    crowd = run_engine(small, prompts, [seeded] + others)
+    assert small.scheduler.num_preemptions > 0
+    assert crowd[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    check_invariants(small)
