@@ -909,7 +909,9 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
         compare_hf: also time transformers' batched `generate` (`hf_batch_size` requests per call).
         measure_roofline: measure the device's rates; each run's `roofline_ratio` and the workload's bound.
         on_update: called with the record after each run (to write partial results).
-        **engine_args: passed to every engine rung's `LLM` (`device`, `max_model_len`, `max_num_seqs`, ...).
+        **engine_args: passed to every engine rung's `LLM` (`device`, `max_num_seqs`, ...); `max_model_len`
+            defaults to the workload's longest possible request (its longest prompt and output lengths),
+            the smallest reservation chapter 04's contiguous KV cache can make for it.
     Returns:
         The record: `rungs` (name -> entry: `status` "ok", "partial", "skipped", "failed" or "pending",
         `tok_s`, `seconds`, `num_requests`, `subset`, `roofline_ratio`, ...), `hf`, `best_rung`,
@@ -924,6 +926,9 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
     device = resolve_device(engine_args.get("device"))
     torch_dtype = resolve_dtype(dtype, device)
     cost = model_cost(load_config(model), torch_dtype)
+    spec = workload.spec
+    engine_args.setdefault("max_model_len", spec["input_len"][1] + spec["output_len"][1] if spec else
+                           max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens)))
     chosen = [r for r in LADDER if rungs is None or r.name in rungs]
     requests = {r.name: r.num_requests for r in LADDER} | {"hf": None} | (rung_requests or {})
     record = dict(kind="ladder", model=str(model), dtype=dtype, device=str(device), workload=workload.spec,
@@ -935,6 +940,7 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
                   hf=None, best_rung=None, best_tok_s=None, hf_ratio=None, roofline_ratio=None, **environment())
     update = on_update or (lambda r: None)
     peaks = measure_peaks(device, torch_dtype) if measure_roofline else None
+    release_memory()  # the measurement's buffers: the first rung sizes its KV cache from the free memory
     if peaks is not None:
         record.update(peaks=asdict(peaks), workload_bound=workload_bound(cost, workload, peaks))
     update(record)
@@ -1086,6 +1092,7 @@ def dummy_model(name: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0)
         (tmp / "config.json").write_text(text)
         weights = dummy_weights(load_config(tmp), SUPPORTED_DTYPES[dtype], seed)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o644)  # save_file writes 0600; a shared cache needs more
         (tmp / DUMMY_DONE).write_text(json.dumps(dict(config=str(src), dtype=dtype, seed=seed)) + "\n")
         try:
             tmp.rename(folder)
@@ -1195,7 +1202,6 @@ def run(args: argparse.Namespace) -> int:
         path = str(resolve_model(model))
         workload = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                                  load_config(path).vocab_size, args.shared_prefix, args.seed)
-        engine_args.setdefault("max_model_len", args.input_len[1] + args.output_len[1])
         record = ladder(path, workload, args.dtype, parse_rungs(args.rungs), parse_rung_requests(args.rung_requests),
                         args.time_limit, args.compare == "hf", args.hf_batch_size, args.roofline, write, **engine_args)
     else:
@@ -1246,7 +1252,7 @@ def add_cli(subparsers) -> None:
     e = b.add_argument_group("engine arguments (passed to minivllm.llm.LLM; None: the engine's default)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None, help="(--ladder: None means prompt MAX + output MAX)")
+    e.add_argument("--max-model-len", type=int, default=None, help="(--ladder: None means input MAX + output MAX)")
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--num-kvcache-blocks", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")

@@ -3,15 +3,15 @@
 # shipped in minivllm/model_configs/, dummy bfloat16 weights, nothing downloaded), 256 requests with
 # prompt and output lengths uniform in 100-1024, EOS ignored, against transformers' generate.
 #
-#   scripts/gpu_check.sh [OUT_DIR]             # OUT_DIR, else $OUT, else results/
-#   scripts/gpu_check.sh --dry-run [OUT_DIR]   # the same stages on a CPU with a tiny model (checks the script;
-#                                              # OUT_DIR, else $OUT, else a fresh temporary folder)
+#   scripts/gpu_check.sh [OUT_DIR]            # OUT_DIR, else $OUT, else results/
+#   scripts/gpu_check.sh --dry-run [OUT_DIR]  # the same stages on a CPU with a tiny model, to check the
+#                                             # script (OUT_DIR, else $OUT, else a fresh temporary folder)
 #
-# It runs from the repository root with the machine's own Python (PY, default `python`) and installs
-# nothing: PYTHONPATH=. makes the package importable without installing it. Each stage has a
-# wall-clock cap (PYTEST_CAP, BENCH_CAP seconds; defaults 120 and 270, so the whole check stays under
-# 7 minutes), and the ladder rewrites its JSON record after every rung, so a stage stopped by its cap
-# still leaves what it finished. STAGES chooses the stages (default "pytest ladder").
+# It runs from the repository root with the machine's own Python (PY; default `python`, else
+# `python3`) and installs nothing: PYTHONPATH=. makes the package importable without installing it.
+# Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP seconds; defaults 120 and 270, so the whole
+# check stays under 7 minutes), and the ladder rewrites its JSON record after every rung, so a stage
+# stopped by its cap still leaves what it finished. STAGES chooses the stages (default "pytest ladder").
 # Files written into OUT_DIR:
 #   gpu_check.log          everything below, in order
 #   gpu_pytest.log/.xml    the gpu tests' output and their JUnit XML
@@ -20,7 +20,7 @@
 #   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's summary
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python}
+PY=${PY:-$(command -v python || command -v python3)}
 DRY_RUN=0
 if [[ ${1:-} == --dry-run ]]; then
     DRY_RUN=1

