@@ -391,7 +391,7 @@ def cpu_model() -> str:
             pass
     return platform.processor() or platform.machine()
 
-
+# %% ../notebooks/09_benchmark.ipynb #97588b7f
 def _version(package: str) -> str | None:
     """An installed distribution's version, without importing it (None: not installed)."""
     try:
@@ -532,7 +532,7 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
                        dict(device=str(device), dtype=str(dtype).removeprefix("torch."), matmul_n=n,
                             copy_bytes=nbytes, repeats=repeats))
 
-
+# %% ../notebooks/09_benchmark.ipynb #5bad7733
 def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: DevicePeaks) -> dict:
     """The roofline bound of a run: per step `max(FLOPs / peak matmul rate, bytes / copy bandwidth)`,
     summed (Williams, Waterman & Patterson, CACM 2009).
@@ -570,7 +570,7 @@ def roofline_fields(run: RunResult, cost: ModelCost, peaks: DevicePeaks) -> dict
                 roofline_tok_s=run.num_output_tokens / bound["seconds"] if bound["seconds"] else None,
                 roofline=bound)
 
-
+# %% ../notebooks/09_benchmark.ipynb #feba0c06
 def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS,
               input_len: tuple[int, int] = DEFAULT_INPUT_LEN, output_len: tuple[int, int] = DEFAULT_OUTPUT_LEN,
               shared_prefix: float = 0.0, seed: int = 0, dtype: str = "float32", threads: int | None = None,
@@ -786,7 +786,7 @@ def run_naive(model: str, workload: Workload, dtype: str = "float32", device: st
     return RunResult("naive", seconds, tokens, extra=dict(warmup_s=warmup_s), steps=steps,
                      complete=all(len(t) == n for t, n in zip(tokens, workload.output_lens)))
 
-
+# %% ../notebooks/09_benchmark.ipynb #30bd8817
 def run_static(model: str, workload: Workload, dtype: str = "float32", device: str | None = None,
                batch_size: int | None = None, time_limit: float | None = None) -> RunResult:
     """Chapter 03's static batching: `batch_size` requests at a time (None: one batch), left-padded, each
@@ -896,6 +896,18 @@ def _summarize(record: dict) -> None:
                       hf_ratio=ran[best]["tok_s"] / hf["tok_s"] if hf else None)
 
 
+def _measure(what: str, fn, total: int, cost: ModelCost, peaks: DevicePeaks | None) -> tuple[bool, dict]:
+    """`(ran, entry)` for `fn()`, a run of `total` requests or fewer: the entry `run_entry` makes (or
+    "skipped"/"failed" and why, see `_attempt`), with `wall_s`, the seconds loading and warm-up included."""
+    t0 = time.perf_counter()
+    run, entry = _attempt(what, fn)
+    if run is not None:
+        entry = run_entry(run, total, cost, peaks)
+        print(f"[ladder] {what}: {entry['tok_s']:.1f} output tok/s ({entry['output_tokens']} tokens in "
+              f"{entry['seconds']:.1f} s, {entry['status']})", file=sys.stderr)
+    return run is not None, dict(entry, wall_s=time.perf_counter() - t0)
+
+# %% ../notebooks/09_benchmark.ipynb #a3bf91a8
 def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[str] | None = None,
            rung_requests: dict[str, int] | None = None, time_limit: float | None = None, compare_hf: bool = True,
            hf_batch_size: int = DEFAULT_HF_BATCH_SIZE, measure_roofline: bool = True, on_update=None,
@@ -909,33 +921,28 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
         compare_hf: also time transformers' batched `generate` (`hf_batch_size` requests per call).
         measure_roofline: measure the device's rates; each run's `roofline_ratio` and the workload's bound.
         on_update: called with the record after each run (to write partial results).
-        **engine_args: passed to every engine rung's `LLM` (`device`, `max_num_seqs`, ...); `max_model_len`
-            defaults to the workload's longest possible request (its longest prompt and output lengths),
-            the smallest reservation chapter 04's contiguous KV cache can make for it.
+        **engine_args: for every engine rung's `LLM` (`device`, `max_num_seqs`, ...); `max_model_len` defaults
+            to the workload's longest prompt plus longest output: chapter 04's smallest reservation for it.
     Returns:
-        The record: `rungs` (name -> entry: `status` "ok", "partial", "skipped", "failed" or "pending",
-        `tok_s`, `seconds`, `num_requests`, `subset`, `roofline_ratio`, ...), `hf`, `best_rung`,
-        `hf_ratio` and `roofline_ratio` (of the fastest rung), `workload_bound`, `peaks`, `model_cost` and
-        `environment()`.
+        The record: `rungs` (name -> `status` "ok", "partial", "skipped", "failed" or "pending", `tok_s`,
+        `seconds`, `wall_s`, `num_requests`, `subset`, `roofline_ratio`, ...), `hf`, `best_rung`, `hf_ratio`
+        and `roofline_ratio` (of the fastest rung), `workload_bound`, `peaks`, `model_cost`, `environment()`.
     Raises:
         ValueError: an unknown rung name.
     """
-    unknown = set(rungs or ()) - set(RUNGS)
-    if unknown:
-        raise ValueError(f"unknown rungs {sorted(unknown)}; choose from {list(RUNGS)}")
+    if set(rungs or ()) - set(RUNGS):
+        raise ValueError(f"unknown rungs {sorted(set(rungs) - set(RUNGS))}; choose from {list(RUNGS)}")
     device = resolve_device(engine_args.get("device"))
     torch_dtype = resolve_dtype(dtype, device)
-    cost = model_cost(load_config(model), torch_dtype)
-    spec = workload.spec
+    cost, spec, total = model_cost(load_config(model), torch_dtype), workload.spec, len(workload.prompts)
     engine_args.setdefault("max_model_len", spec["input_len"][1] + spec["output_len"][1] if spec else
                            max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens)))
     chosen = [r for r in LADDER if rungs is None or r.name in rungs]
     requests = {r.name: r.num_requests for r in LADDER} | {"hf": None} | (rung_requests or {})
-    record = dict(kind="ladder", model=str(model), dtype=dtype, device=str(device), workload=workload.spec,
+    record = dict(kind="ladder", model=str(model), dtype=dtype, device=str(device), workload=spec,
                   prompt_tokens_total=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
                   engine_args={k: v if isinstance(v, (int, float, str)) else str(v) for k, v in engine_args.items()},
-                  time_limit=time_limit,
-                  model_cost=asdict(cost), peaks=None, workload_bound=None,
+                  time_limit=time_limit, model_cost=asdict(cost), peaks=None, workload_bound=None,
                   rungs={r.name: dict(status="pending", label=r.label, chapter=r.chapter) for r in chosen},
                   hf=None, best_rung=None, best_tok_s=None, hf_ratio=None, roofline_ratio=None, **environment())
     update = on_update or (lambda r: None)
@@ -946,26 +953,20 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
     update(record)
     todo_hf = compare_hf
     for rung in reversed(chosen):
-        sub = workload.head(requests[rung.name] or len(workload.prompts))
-        print(f"[ladder] {rung.label} (chapter {rung.chapter}): {len(sub.prompts)} of {len(workload.prompts)} "
-              "requests", file=sys.stderr)
-        run, entry = _attempt(rung.label, lambda: run_rung(rung, model, sub, dtype, time_limit, **engine_args))
-        if run is not None:
-            entry = run_entry(run, len(workload.prompts), cost, peaks)
-            print(f"[ladder] {rung.label}: {entry['tok_s']:.1f} output tok/s ({entry['output_tokens']} tokens in "
-                  f"{entry['seconds']:.1f} s, {entry['status']})", file=sys.stderr)
+        sub = workload.head(requests[rung.name] or total)
+        print(f"[ladder] {rung.label} (chapter {rung.chapter}): {len(sub.prompts)} of {total} requests",
+              file=sys.stderr)
+        ran, entry = _measure(rung.label, lambda: run_rung(rung, model, sub, dtype, time_limit, **engine_args),
+                              total, cost, peaks)
         record["rungs"][rung.name].update(entry)
         _summarize(record)
         update(record)
-        if todo_hf and (run is not None or rung is chosen[0]):  # after the first rung that ran, else at the end
-            todo_hf = False
-            sub = workload.head(requests["hf"] or len(workload.prompts))
-            print(f"[ladder] transformers generate: {len(sub.prompts)} requests, {hf_batch_size} per call",
-                  file=sys.stderr)
-            run, entry = _attempt("transformers", lambda: run_hf(model, sub, dtype, hf_batch_size, str(device),
-                                                                 time_limit))
-            record["hf"] = entry if run is None else dict(run_entry(run, len(workload.prompts), cost, None),
-                                                          batch_size=hf_batch_size)
+        if todo_hf and (ran or rung is chosen[0]):  # after the first rung that ran, else at the end
+            todo_hf, sub = False, workload.head(requests["hf"] or total)
+            print(f"[ladder] transformers: {len(sub.prompts)} requests, {hf_batch_size} per call", file=sys.stderr)
+            _, entry = _measure("transformers", lambda: run_hf(model, sub, dtype, hf_batch_size, str(device),
+                                                               time_limit), total, cost, None)
+            record["hf"] = dict(entry, batch_size=hf_batch_size)
             _summarize(record)
             update(record)
     return record
@@ -1049,7 +1050,7 @@ def model_config(name: str | os.PathLike):
         shutil.copyfile(resolve_model_config(name), Path(tmp) / "config.json")
         return load_config(tmp)
 
-
+# %% ../notebooks/09_benchmark.ipynb #62a05f33
 def dummy_weights(config, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random CPU weights for the decoder `config` describes, named as in a Hugging Face checkpoint: norm
     weights 1, biases 0, the rest normal with std `initializer_range` (0.02 if absent) from a seeded
@@ -1134,7 +1135,7 @@ def parse_rungs(text: str | None) -> list[str] | None:
         raise ValueError(f"--rungs: unknown or no rung names {unknown}; choose from {', '.join(RUNGS)}")
     return names
 
-
+# %% ../notebooks/09_benchmark.ipynb #db84a13f
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad flag values before any model is loaded, converted or written. Raises ValueError."""
     if args.model is not None and args.model_config is not None:

@@ -56,7 +56,8 @@ stage() {  # stage NAME CAP LOGFILE COMMAND...: run COMMAND under `timeout CAP`,
 }
 
 {
-    echo "minivllm GPU check$( ((DRY_RUN)) && echo ' (dry run: CPU, tiny model)'), $(date -u +%Y-%m-%dT%H:%M:%SZ), into $OUT_DIR"
+    echo "minivllm GPU check$( ((DRY_RUN)) && echo ' (dry run: CPU, tiny model)'), $(date -u +%FT%TZ)"
+    echo "into $OUT_DIR"
     command -v nvidia-smi >/dev/null && nvidia-smi
     "$PY" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "transformers", transformers.__version__)'
@@ -68,7 +69,7 @@ fi
 
 if [[ $STAGES_TO_RUN == *" pytest "* ]]; then
     stage pytest "$PYTEST_CAP" "$OUT_DIR/gpu_pytest.log" \
-        "$PY" -m pytest -m gpu tests/ -q -rA -p no:cacheprovider --continue-on-collection-errors \
+        "$PY" -m pytest -m gpu tests/ -q -rA --durations=15 -p no:cacheprovider --continue-on-collection-errors \
         --junitxml="$OUT_DIR/gpu_pytest.xml"
 fi
 

@@ -315,7 +315,8 @@ def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     tiny_config("qwen3", tie_word_embeddings=True).to_json_file(tmp_path / "config.json", use_diff=False)
     folder = bench.dummy_model(tmp_path, dtype="float64")
-    assert folder.is_relative_to(tmp_path / "cache") and bench.dummy_model(tmp_path / "config.json", "float64") == folder
+    assert folder.is_relative_to(tmp_path / "cache")
+    assert bench.dummy_model(tmp_path / "config.json", "float64") == folder  # made once
     assert bench.dummy_model(tmp_path, dtype="float64", seed=1) != folder  # the seed is part of the key
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     ours = load_model(folder, dtype=torch.float64)
@@ -356,7 +357,8 @@ def test_every_cpu_rung_gives_transformers_tokens_and_its_steps(tiny_llama):
     assert runs["naive"].steps[1] == ([1], [len(w.prompts[0]) + 1])
     # static: one padded prefill of every row, then (longest output - 1) decodes of every row
     width, longest = max(map(len, w.prompts)), max(w.output_lens)
-    assert runs["static"].steps == [([width] * 5, [width] * 5)] + [([1] * 5, [width + j] * 5) for j in range(1, longest)]
+    decodes = [([1] * 5, [width + j] * 5) for j in range(1, longest)]
+    assert runs["static"].steps == [([width] * 5, [width] * 5)] + decodes
     # the engines: prefill query lengths add up to the prompt tokens, every context is a real length
     for name in ("continuous", "paged"):
         pre = [q for q, c in runs[name].steps if q != [1] * len(q)]
@@ -406,14 +408,16 @@ def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch
                                                          ("torch", lambda d, t: True, PagedAttention)])
     monkeypatch.setattr(defaults, "MODEL_RUNNERS", [])
     args = bench.rung_engine_args("triton", {"max_model_len": 64}, cuda, torch.bfloat16)
-    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == (GPUKernel, ModelRunner, True)
+    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == \
+        (GPUKernel, ModelRunner, True)
     assert args["max_model_len"] == 64 and args["kv_manager"].__name__ == "PrefixCachingBlockManager"
     with pytest.raises(bench.RungSkipped, match="MODEL_RUNNERS"):
         bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
     monkeypatch.setattr(defaults, "MODEL_RUNNERS", [("graphs", lambda a, d: d.type == "cuda" and not a.enforce_eager,
                                                      GraphRunner)])
     args = bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
-    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == (GPUKernel, GraphRunner, False)
+    assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == \
+        (GPUKernel, GraphRunner, False)
 
 
 def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monkeypatch):
@@ -548,7 +552,7 @@ def test_ladder_on_cuda_runs_every_rung_of_the_default_assembly(tmp_path):
 
     make_tiny_model(tmp_path, kind="qwen3")
     w = make_workload(12, (4, 60), (2, 20), vocab_size=128, seed=0)
-    r = bench.ladder(str(tmp_path), w, "bfloat16", hf_batch_size=12, max_model_len=80, device="cuda")
+    r = bench.ladder(str(tmp_path), w, "bfloat16", hf_batch_size=12, max_model_len=80, max_num_seqs=16, device="cuda")
     cuda = torch.device("cuda")
     has_kernel = defaults.attention_backend_for(cuda, torch.bfloat16) not in bench.PLAIN_TORCH_BACKENDS
     has_graphs = has_kernel and defaults.model_runner_for(EngineArgs(enforce_eager=False), cuda) is not None
