@@ -6,7 +6,7 @@ roofline, and the speedup ladder (exported from notebooks/09_benchmark.ipynb).""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # The headline workload: what `python -m minivllm bench` runs without workload flags.
 DEFAULT_NUM_REQUESTS = 64
@@ -617,8 +617,7 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
         device = resolve_device(engine_args.get("device"))
         cost = model_cost(config, resolve_dtype(dtype, device))
         peaks = measure_peaks(device, resolve_dtype(dtype, device))
-        record.update(roofline_fields(engine, cost, peaks), model_cost=vars(cost),
-                      peaks=dict(vars(peaks)))
+        record.update(roofline_fields(engine, cost, peaks), model_cost=asdict(cost), peaks=asdict(peaks))
     if shared_prefix > 0 and engine_args.get("enable_prefix_caching", True):
         off = run_engine(path, workload, dtype, use_tqdm=use_tqdm, **{**engine_args, "enable_prefix_caching": False})
         record.update(engine_no_prefix_caching_tok_s=off.tok_s, prefix_caching_speedup=engine.tok_s / off.tok_s)
@@ -663,8 +662,6 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 # %% ../notebooks/09_benchmark.ipynb #ee564e55
-from dataclasses import asdict
-
 from . import defaults
 from .attention import ContiguousAttention
 from .config import EngineArgs
