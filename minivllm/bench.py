@@ -478,6 +478,8 @@ def step_cost(cost: ModelCost, query_lens: list[int], context_lens: list[int]) -
     return flops, cost.weight_bytes + cost.kv_bytes_per_token * (sum(context_lens) + tokens)
 
 # %% ../notebooks/09_benchmark.ipynb #378f7881
+from .layers.linear import PackedLinear
+
 PEAK_SIZES = {"cuda": (8192, 1 << 30), "cpu": (1024, 1 << 28)}  # (matmul side n, copy bytes) per device type
 PEAK_REPEATS = 5
 
@@ -487,9 +489,11 @@ class DevicePeaks:
     """A device's measured rates, for a roofline.
 
     Attributes:
-        matmul_flops_per_s: best rate of an `n x n` by `n x n` matmul in the run's dtype.
+        matmul_flops_per_s: best rate of an `n x n` by `n x n` matmul in the run's dtype, by the fastest
+            of the paths the engine's linear layers may take.
         copy_bytes_per_s: best rate of a device-to-device copy, bytes read plus bytes written per second.
-        detail: what was measured: device, dtype, `matmul_n`, `copy_bytes`, `repeats`.
+        detail: what was measured: device, dtype, `matmul_n`, `matmul_op` (the fastest path),
+            `copy_bytes`, `repeats`.
     """
 
     matmul_flops_per_s: float
@@ -523,14 +527,21 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     n, nbytes = matmul_n or n_default, copy_bytes or bytes_default
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     c = torch.empty_like(a)
-    t_mm = _best_seconds(lambda: torch.mm(a, b, out=c), device, repeats)
+    paths = {"torch.mm": lambda: torch.mm(a, b, out=c), "F.linear": lambda: torch.nn.functional.linear(a, b)}
+    linear = torch.nn.Linear(n, n, bias=False, device=device, dtype=dtype)
+    if PackedLinear.can_pack(linear):
+        packed = PackedLinear(linear)
+        paths["PackedLinear"] = lambda: packed(a)
+    times = {name: _best_seconds(fn, device, 1) for name, fn in paths.items()}  # a first look at each path
+    fastest = min(times, key=times.get)
+    times[fastest] = min(times[fastest], _best_seconds(paths[fastest], device, repeats))
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t_copy = _best_seconds(lambda: dst.copy_(src), device, repeats)
-    del a, b, c, src, dst
-    return DevicePeaks(2 * n ** 3 / t_mm, 2 * nbytes / t_copy,
+    del a, b, c, linear, paths, src, dst
+    return DevicePeaks(2 * n ** 3 / times[fastest], 2 * nbytes / t_copy,
                        dict(device=str(device), dtype=str(dtype).removeprefix("torch."), matmul_n=n,
-                            copy_bytes=nbytes, repeats=repeats))
+                            matmul_op=fastest, copy_bytes=nbytes, repeats=repeats))
 
 # %% ../notebooks/09_benchmark.ipynb #5bad7733
 def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: DevicePeaks) -> dict:
@@ -632,7 +643,8 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
 def format_peaks(p: dict) -> str:
     """One line on a record's measured rates (`peaks` of a record)."""
     d = p["detail"]
-    return (f"matmul {p['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s ({d['dtype']}, n={d['matmul_n']}), copy "
+    return (f"matmul {p['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s ({d['dtype']}, n={d['matmul_n']}, "
+            f"{d.get('matmul_op', 'torch.mm')}), copy "
             f"{p['copy_bytes_per_s'] / 1e9:,.1f} GB/s read + written ({d['copy_bytes'] / 2**20:,.0f} MiB)")
 
 
