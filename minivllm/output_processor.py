@@ -45,8 +45,8 @@ def child_sampling_params(params, index: int):
 
 # %% auto #0
 __all__ = ['compute_prompt_logprobs', 'child_sampling_params', 'fork_sequence', 'RequestState', 'ParentRequest', 'make_state',
-           'advance', 'completion_output', 'request_output', 'stop_sequence', 'StreamingOutputProcessor',
-           'iter_outputs']
+           'advance', 'completion_output', 'request_output', 'stop_sequence', 'fork_completions', 'OutputRequests',
+           'StreamingOutputProcessor', 'iter_outputs']
 
 # %% ../notebooks/10_sampling.ipynb #b7aac12b
 def fork_sequence(core, parent: Sequence, request_id: str, params) -> Sequence:
@@ -182,15 +182,20 @@ def stop_sequence(core, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED_STOPPED
     core.finish(seq)
 
-# %% ../notebooks/10_sampling.ipynb #ff99b404
-class StreamingOutputProcessor:
-    """Queues requests and makes each step's outputs, the text token by token (vLLM V1's `OutputProcessor`).
 
-    Per sequence a step ran: `advance`, then `stop_sequence` on a stop; after a request's first step,
-    its other `n - 1` completions are forked (`fork_sequence`). Then `request_output` per request.
+def fork_completions(core, parent: ParentRequest, seq: Sequence, tokenizer) -> list[RequestState]:
+    """The states of a request's other `n - 1` completions, forked from its first sequence `seq`."""
+    forks = [fork_sequence(core, seq, f"{i}_{parent.request_id}", child_sampling_params(seq.sampling_params, i))
+             for i in range(1, parent.n)]
+    return [make_state(child, i, tokenizer) for i, child in enumerate(forks, start=1)]
+
+# %% ../notebooks/10_sampling.ipynb #ff99b404
+class OutputRequests:
+    """The requests an output processor follows: a `ParentRequest` and its completions' states each.
+
     Args: engine, the `LLMEngine` (its core, tokenizer, model and sampler are used).
     Attributes: sampling_fields (`logprobs` only with a sampler that computes them, `stop` only with
-        a tokenizer); requests, request id -> `ParentRequest`.
+        a tokenizer); requests, request id -> `ParentRequest`; states, seq_id -> (request, state).
     """
 
     sampling_fields = frozenset({"detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind",
@@ -228,6 +233,14 @@ class StreamingOutputProcessor:
         if parent is None:
             self.core.abort_request(request_id)
 
+# %% ../notebooks/10_sampling.ipynb #0bf6a054
+class StreamingOutputProcessor(OutputRequests):
+    """Queues requests and makes each step's outputs, the text token by token (vLLM V1's `OutputProcessor`).
+
+    Per sequence a step ran: `advance`, `stop_sequence` on a stop, `fork_completions` after a
+    request's first step; then `request_output` per request (a finished one is forgotten).
+    """
+
     def process(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """The outputs of the requests whose sequences a step ran."""
         touched, stepped = {}, {s.seq_id for s in seqs}
@@ -239,10 +252,8 @@ class StreamingOutputProcessor:
                 stop_sequence(self.core, seq)
                 state.stop_reason = reason
             if state.index == 0 and seq.num_completion_tokens == 1 and len(parent.states) < parent.n:
-                for index in range(1, parent.n):
-                    child = fork_sequence(self.core, seq, f"{index}_{parent.request_id}",
-                                          child_sampling_params(seq.sampling_params, index))
-                    self._track(parent, make_state(child, index, self.tokenizer))
+                for child_state in fork_completions(self.core, parent, seq, self.tokenizer):
+                    self._track(parent, child_state)
             touched[parent.request_id] = parent
         outputs = [request_output(p, stepped, self.core.num_cached_tokens.get(p.request_id, 0)) for p in touched.values()]
         for out in outputs:

@@ -40,8 +40,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     return logits - presence_penalties[:, None] * (output_counts > 0).to(logits.dtype)
 
 # %% auto #0
-__all__ = ['NUM_CANDIDATES', 'bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 'random_sample',
-           'sample_top_k_top_p', 'gather_logprobs']
+__all__ = ['NUM_CANDIDATES', 'CANDIDATES_GROWTH', 'bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p',
+           'random_sample', 'draw_among_candidates', 'sample_top_k_top_p', 'gather_logprobs']
 
 # %% ../../notebooks/10_sampling.ipynb #cf74a173
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -93,37 +93,20 @@ def random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(picked, last).squeeze(1)
 
 # %% ../../notebooks/10_sampling.ipynb #c5b49c2b
-NUM_CANDIDATES = 64  # tokens first selected per row for top-k / top-p; quadrupled until enough
+NUM_CANDIDATES = 64  # tokens first selected per row for top-k / top-p; then 16 times as many, then all
+CANDIDATES_GROWTH = 16
 
 
-def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       uniforms: torch.Tensor, num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
-    """One token per row from what `apply_top_k_top_p` keeps, without sorting the whole vocabulary.
-
-    Args: logits `[num_seqs, vocab_size]`; top_k `[num_seqs]` int64 or None; top_p `[num_seqs]` or
-        None; uniforms `[num_seqs]` in [0, 1), one per row. Returns `[num_seqs]` int64: an inverse
-        transform draw over the kept tokens, likeliest first (smaller id first among ties).
-    """
-    probs = logits.softmax(dim=-1)
-    vocab_size, rows = probs.shape[1], probs.shape[0]
-    top_k = top_k if top_k is not None else torch.full((rows,), vocab_size, device=probs.device)
-    top_p = top_p if top_p is not None else torch.ones(rows, dtype=probs.dtype, device=probs.device)
-    k = min(num_candidates, vocab_size)
-    while True:
-        values, ids = probs.topk(k, dim=-1)
-        # the candidates strictly likelier than the last one are exactly the m likeliest tokens (ties included)
-        m = (values > values[:, -1:]).sum(dim=-1)
-        mass = (values.cumsum(dim=-1).gather(1, (m - 1).clamp(min=0)[:, None])[:, 0]).masked_fill(m == 0, 0.0)
-        enough = (top_k <= m) | ((top_k >= vocab_size) & (mass >= top_p))
-        if k == vocab_size or bool(enough.all()):
-            break
-        k = min(4 * k, vocab_size)
-    ids, order = ids.sort(dim=-1)  # canonical order: by id, then (stably) likeliest first
+def draw_among_candidates(values: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                          uniforms: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Filter and draw among candidates `values, ids [rows, k]` (probabilities, token ids) that hold
+    everything top-k and top-p keep: put them in canonical order (likeliest first, the smaller id
+    first among ties), apply top-k then top-p (measured after top-k), draw by inverse transform."""
+    ids, order = ids.sort(dim=-1)  # by id, then (stably) likeliest first
     values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, order)
-    values = values.masked_fill(torch.arange(k, device=probs.device) >= top_k[:, None], 0.0)
-    mass = torch.where(top_k < vocab_size, values.sum(dim=-1), 1.0)  # top-p is measured after top-k
-    values = values / mass[:, None]
+    values = values.masked_fill(torch.arange(values.shape[1], device=values.device) >= top_k[:, None], 0.0)
+    values = values / torch.where(top_k < vocab_size, values.sum(dim=-1), 1.0)[:, None]
     before = values.cumsum(dim=-1) - values
     values = values.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
     cdf = values.cumsum(dim=-1)
@@ -131,6 +114,30 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     picked = torch.minimum(torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True),
                            torch.searchsorted(cdf, total))
     return ids.gather(1, picked).squeeze(1)
+
+
+def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                       uniforms: torch.Tensor, num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
+    """One token per row from what `apply_top_k_top_p` keeps, without sorting the whole vocabulary
+    unless a row needs it. Args: logits `[num_seqs, vocab_size]`; top_k `[num_seqs]` int64 or None;
+    top_p `[num_seqs]` or None; uniforms `[num_seqs]` in [0, 1). Returns `[num_seqs]` int64."""
+    probs = logits.softmax(dim=-1)
+    rows, vocab_size = probs.shape
+    top_k = top_k if top_k is not None else torch.full((rows,), vocab_size, device=probs.device)
+    top_p = top_p if top_p is not None else torch.ones(rows, dtype=probs.dtype, device=probs.device)
+    sampled = torch.empty(rows, dtype=torch.int64, device=probs.device)
+    todo, k = torch.arange(rows, device=probs.device), min(num_candidates, vocab_size)
+    while len(todo):
+        values, ids = probs[todo].topk(k, dim=-1)
+        # the candidates strictly likelier than the last one are exactly the m likeliest tokens (ties included)
+        m = (values > values[:, -1:]).sum(dim=-1)
+        mass = values.cumsum(dim=-1).gather(1, (m - 1).clamp(min=0)[:, None])[:, 0].masked_fill(m == 0, 0.0)
+        done = (top_k[todo] <= m) | ((top_k[todo] >= vocab_size) & (mass >= top_p[todo])) | (k == vocab_size)
+        rows_done = todo[done]
+        sampled[rows_done] = draw_among_candidates(values[done], ids[done], top_k[rows_done], top_p[rows_done],
+                                                   uniforms[rows_done], vocab_size)
+        todo, k = todo[~done], min(CANDIDATES_GROWTH * k, vocab_size)
+    return sampled
 
 # %% ../../notebooks/10_sampling.ipynb #27b8e3ce
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list) -> list:

@@ -11,6 +11,38 @@ from .ops import apply_min_p, apply_penalties, gather_logprobs, random_sample, s
 from ..sequence import Sequence
 
 
+def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
+    """The sampler's one pass: `(tokens [num_seqs] int64, per-row log-probabilities or None)` for
+    `logits [num_seqs, vocab_size]` in float32 or float64, in vLLM's order (see `Sampler`)."""
+    wants_logprobs = any(n is not None for n in md.num_logprobs)
+    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
+    if md.min_tokens_rows.numel():
+        logits = logits.index_put((md.min_tokens_rows, md.min_tokens_ids),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    if not md.no_penalties:
+        logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids, md.presence_penalties,
+                                 md.frequency_penalties, md.repetition_penalties)
+    num_rows = len(logits)
+    if md.all_greedy or len(md.plain_rows) + len(md.filtered_rows) < num_rows:
+        sampled = logits.argmax(dim=-1)
+    else:  # no greedy row: no argmax
+        sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if not md.all_greedy:
+        logits = logits / md.temperature[:, None]
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        if len(rows := md.plain_rows):  # temperature (and min-p) only: the whole vocabulary
+            sampled[rows] = random_sample(logits if len(rows) == num_rows else logits[rows], md.uniforms[rows])
+        if len(rows := md.filtered_rows):  # top-k or top-p: among the few likeliest tokens
+            sampled[rows] = sample_top_k_top_p(logits if len(rows) == num_rows else logits[rows],
+                                               None if md.top_k is None else md.top_k[rows],
+                                               None if md.top_p is None else md.top_p[rows], md.uniforms[rows])
+    return sampled, (gather_logprobs(raw_logprobs, sampled, md.num_logprobs) if wants_logprobs else None)
+
+# %% auto #0
+__all__ = ['sample_logits', 'Sampler']
+
+# %% ../../notebooks/10_sampling.ipynb #19c8a11e
 class Sampler:
     """One token per sequence, in one pass over the batch (vLLM V1's `Sampler`, in vLLM's order):
 
@@ -19,10 +51,8 @@ class Sampler:
     (`random_sample` over the vocabulary, or `sample_top_k_top_p` among candidates).
 
     Args: eos_token_ids, the engine's end-of-sequence ids (for `min_tokens`).
-    Attributes:
-        sampling_fields: the `SamplingParams` fields it acts on.
-        logprobs: after each call, seq_id -> `(ids, values, rank)` of the chosen token and the top
-            tokens (see `gather_logprobs`), for the sequences that asked; the output processor reads it.
+    Attributes: sampling_fields, the `SamplingParams` fields it acts on; logprobs, after each call:
+        seq_id -> `(ids, values, rank)` (see `gather_logprobs`) for the sequences that asked.
     """
 
     sampling_fields = frozenset({"temperature", "seed", "top_p", "top_k", "min_p", "presence_penalty",
@@ -42,26 +72,4 @@ class Sampler:
         return sampled.tolist()
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
-        """`(tokens [num_seqs] int64, per-row log-probabilities or None)` for `logits` in float32 or float64."""
-        wants_logprobs = any(n is not None for n in md.num_logprobs)
-        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
-        if md.min_tokens_rows.numel():
-            logits = logits.index_put((md.min_tokens_rows, md.min_tokens_ids),
-                                      torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids, md.presence_penalties,
-                                     md.frequency_penalties, md.repetition_penalties)
-        sampled = logits.argmax(dim=-1)
-        if not md.all_greedy:
-            logits = logits / md.temperature[:, None]
-            if md.min_p is not None:
-                logits = apply_min_p(logits, md.min_p)
-            if len(rows := md.plain_rows):  # temperature (and min-p) only: the whole vocabulary
-                sampled[rows] = random_sample(logits[rows], md.uniforms[rows])
-            if len(rows := md.filtered_rows):  # top-k or top-p: among the few likeliest tokens
-                sampled[rows] = sample_top_k_top_p(logits[rows], md.top_k[rows] if md.top_k is not None else None,
-                                                   md.top_p[rows] if md.top_p is not None else None, md.uniforms[rows])
-        return sampled, (gather_logprobs(raw_logprobs, sampled, md.num_logprobs) if wants_logprobs else None)
-
-# %% auto #0
-__all__ = ['Sampler']
+        return sample_logits(logits, md)
