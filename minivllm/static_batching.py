@@ -11,6 +11,7 @@ import torch
 
 from .layers.sampler import make_generator, sample
 from .models.llama import LlamaForCausalLM
+from .naive import NAIVE_FIELDS
 from .sampling_params import SamplingParams
 
 PAD_POSITION = 0  # the position a padding slot gets: any valid position works, it is masked out
@@ -168,11 +169,16 @@ class StaticBatchResult:
 
 
 def _per_request(sampling_params: SamplingParams | list[SamplingParams], n: int) -> list[SamplingParams]:
-    """One SamplingParams per request. Raises ValueError for a list of the wrong length."""
+    """One SamplingParams per request. Raises ValueError for a list of the wrong length, `max_tokens=None`
+    (the batch's cache is reserved for its longest request), or a field this loop does not act on."""
     if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
+        sampling_params = [sampling_params] * n
     if len(sampling_params) != n:
         raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+    for p in sampling_params:
+        unsupported = [f"{k}={v!r}" for k, v in p.changed_fields().items() if k not in NAIVE_FIELDS]
+        if unsupported or p.max_tokens is None:
+            raise ValueError(f"static batching does not implement {', '.join(unsupported) or 'max_tokens=None'}")
     return list(sampling_params)
 
 # %% ../notebooks/03_batching.ipynb #a6b6f8dd

@@ -150,3 +150,14 @@ def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none
         naive_generate(model, [1, 2], SamplingParams(top_p=0.5))
     out = naive_generate(model, [1, 2], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert len(out) == model.config.max_position_embeddings - 2
+
+
+def test_static_batching_refuses_what_it_does_not_implement(folder):
+    from minivllm.models.llama import load_model
+    from minivllm.static_batching import static_generate
+
+    model = load_model(folder, dtype=__import__("torch").float64)
+    for params, message in [(SamplingParams(top_k=3), "static batching does not implement top_k=3"),
+                            (SamplingParams(max_tokens=None), "max_tokens=None")]:
+        with pytest.raises(ValueError, match=message):
+            static_generate(model, [[1, 2]], params)
