@@ -41,7 +41,7 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
 
 # %% auto #0
 __all__ = ['NUM_CANDIDATES', 'CANDIDATES_GROWTH', 'bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p',
-           'random_sample', 'draw_among_candidates', 'sample_top_k_top_p', 'gather_logprobs']
+           'random_sample', 'canonical_order', 'draw_among_candidates', 'sample_top_k_top_p', 'gather_logprobs']
 
 # %% ../../notebooks/10_sampling.ipynb #cf74a173
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -97,14 +97,19 @@ NUM_CANDIDATES = 64  # tokens first selected per row for top-k / top-p; then 16 
 CANDIDATES_GROWTH = 16
 
 
+def canonical_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates `values, ids [rows, k]` (probabilities, token ids) likeliest first, the smaller id
+    first among ties: sort by id, then stably by probability."""
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
+
+
 def draw_among_candidates(values: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                           uniforms: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Filter and draw among candidates `values, ids [rows, k]` (probabilities, token ids) that hold
-    everything top-k and top-p keep: put them in canonical order (likeliest first, the smaller id
-    first among ties), apply top-k then top-p (measured after top-k), draw by inverse transform."""
-    ids, order = ids.sort(dim=-1)  # by id, then (stably) likeliest first
-    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
+    """Filter and draw among candidates `values, ids [rows, k]` in canonical order that hold
+    everything top-k and top-p keep: apply top-k then top-p (measured after top-k), draw by inverse
+    transform."""
     values = values.masked_fill(torch.arange(values.shape[1], device=values.device) >= top_k[:, None], 0.0)
     values = values / torch.where(top_k < vocab_size, values.sum(dim=-1), 1.0)[:, None]
     before = values.cumsum(dim=-1) - values
@@ -128,7 +133,10 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     sampled = torch.empty(rows, dtype=torch.int64, device=probs.device)
     todo, k = torch.arange(rows, device=probs.device), min(num_candidates, vocab_size)
     while len(todo):
-        values, ids = probs[todo].topk(k, dim=-1)
+        if k < vocab_size:
+            values, ids = canonical_order(*probs[todo].topk(k, dim=-1))
+        else:  # one stable sort of rows in id order gives the canonical order directly
+            values, ids = probs[todo].sort(dim=-1, descending=True, stable=True)
         # the candidates strictly likelier than the last one are exactly the m likeliest tokens (ties included)
         m = (values > values[:, -1:]).sum(dim=-1)
         mass = values.cumsum(dim=-1).gather(1, (m - 1).clamp(min=0)[:, None])[:, 0].masked_fill(m == 0, 0.0)
