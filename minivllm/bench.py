@@ -50,12 +50,12 @@ __all__ = ['DEFAULT_NUM_REQUESTS', 'DEFAULT_INPUT_LEN', 'DEFAULT_OUTPUT_LEN', 'W
            'DEFAULT_HF_BATCH_SIZE', 'CPU_ISA_FLAGS', 'PEAK_SIZES', 'PEAK_REPEATS', 'LADDER', 'RUNGS',
            'PLAIN_TORCH_BACKENDS', 'MODEL_CONFIGS', 'MODEL_CONFIG_ALIASES', 'DUMMY_DONE', 'ENGINE_FLAGS', 'Workload',
            'make_workload', 'RunResult', 'timed', 'release_memory', 'StepLog', 'warm_up_engine', 'generate_until',
-           'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment', 'ModelCost', 'model_cost',
-           'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline', 'agreement', 'roofline_fields', 'benchmark',
-           'format_peaks', 'format_report', 'Rung', 'RungSkipped', 'rung_engine_args', 'greedy', 'run_naive',
-           'run_static', 'workload_bound', 'run_rung', 'run_entry', 'ladder', 'format_ladder_report',
+           'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment', 'ModelCost',
+           'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline', 'agreement', 'roofline_fields',
+           'benchmark', 'format_peaks', 'format_report', 'Rung', 'RungSkipped', 'rung_engine_args', 'greedy',
+           'run_naive', 'run_static', 'workload_bound', 'run_rung', 'run_entry', 'ladder', 'format_ladder_report',
            'resolve_model_config', 'model_config', 'dummy_weights', 'dummy_model', 'parse_rung_requests', 'parse_rungs',
-           'check_args', 'write_json', 'run', 'add_cli']
+           'check_args', 'sampling_fields', 'write_json', 'run', 'add_cli']
 
 # %% ../notebooks/09_benchmark.ipynb #46981727
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
@@ -212,9 +212,20 @@ def generate_until(engine, prompts: list, params: list[SamplingParams], time_lim
             [o.num_cached_tokens if o else 0 for o in outs])
 
 # %% ../notebooks/09_benchmark.ipynb #efccac67
+def bench_params(workload: Workload, sampling: dict | None = None) -> list[SamplingParams]:
+    """Each request's `SamplingParams`: exactly its output length (`ignore_eos`), no text (`detokenize=False`:
+    transformers' `generate` returns token ids too; vLLM's throughput benchmark has the same switch), greedy
+    unless `sampling` gives other fields (e.g. `{"temperature": 0.8, "top_p": 0.95}`; request i is then seeded
+    with i, so a rerun draws the same tokens). Raises ValueError for a bad sampling field."""
+    fields = {"temperature": 0.0, **(sampling or {})}
+    seeded = fields["temperature"] > 0 and "seed" not in fields
+    return [SamplingParams(**fields, **({"seed": i} if seeded else {}), max_tokens=n, ignore_eos=True,
+                           detokenize=False) for i, n in enumerate(workload.output_lens)]
+
+
 def run_engine(model: str | None, workload: Workload, dtype: str = "float32", use_tqdm: bool = False,
-               time_limit: float | None = None, **engine_args) -> RunResult:
-    """Warm up, then time the engine on the workload (greedy, `ignore_eos`), recording its steps.
+               time_limit: float | None = None, sampling: dict | None = None, **engine_args) -> RunResult:
+    """Warm up, then time the engine on the workload (`bench_params`: greedy unless `sampling`), recording its steps.
 
     Args:
         model: a local model folder (None: the default model).
@@ -222,6 +233,7 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
         dtype: the model dtype's name.
         use_tqdm: show the engine's progress bar (without a time limit).
         time_limit: seconds after which the run stops between two steps (None: run to the end).
+        sampling: `SamplingParams` fields for every request (None: greedy), see `bench_params`.
         **engine_args: passed to `LLM` (`max_num_seqs`, `block_size`, `enable_prefix_caching`, ...).
     Raises:
         ValueError: a request of the workload cannot fit in one sequence of this engine.
@@ -238,7 +250,7 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
     log = StepLog()
     log.attach(llm.llm_engine.model_runner)
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompts]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    params = bench_params(workload, sampling)
     if time_limit is None:
         outputs, seconds = timed(llm.generate, prompts, params, use_tqdm=use_tqdm)
         tokens, cached = [list(o.outputs[0].token_ids) for o in outputs], [o.num_cached_tokens for o in outputs]
@@ -586,7 +598,7 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
               input_len: tuple[int, int] = DEFAULT_INPUT_LEN, output_len: tuple[int, int] = DEFAULT_OUTPUT_LEN,
               shared_prefix: float = 0.0, seed: int = 0, dtype: str = "float32", threads: int | None = None,
               compare_hf: bool = False, hf_batch_size: int = DEFAULT_HF_BATCH_SIZE, use_tqdm: bool = False,
-              measure_roofline: bool = True, **engine_args) -> dict:
+              measure_roofline: bool = True, sampling: dict | None = None, **engine_args) -> dict:
     """Run the benchmark and return its record (what `--json` prints). The workload goes through the
     engine; with `shared_prefix > 0` and prefix caching on, again with prefix caching off (the gain);
     with `compare_hf`, through transformers' batched `generate` — same process, model, dtype, threads.
@@ -598,6 +610,8 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
         compare_hf: also time transformers. hf_batch_size: requests per transformers `generate` call.
         use_tqdm: show the engine's progress bar.
         measure_roofline: measure the device's peaks and report the engine's `roofline_ratio`.
+        sampling: the engine's `SamplingParams` fields (None: greedy); transformers stays greedy, and
+            `hf_match_fraction` is then None.
         **engine_args: passed to `LLM`; `device` also places the transformers model.
     Returns:
         A dict: `engine_tok_s`, `hf_tok_s`, `ratio` (None without `compare_hf`), `roofline_ratio` (None
@@ -616,8 +630,8 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
     path = str(resolve_model(model))
     config = load_config(path)
     workload = make_workload(num_requests, input_len, output_len, config.vocab_size, shared_prefix, seed)
-    engine = run_engine(path, workload, dtype, use_tqdm=use_tqdm, **engine_args)
-    record = dict(model=str(model or "default"), dtype=dtype, workload=workload.spec,
+    engine = run_engine(path, workload, dtype, use_tqdm=use_tqdm, sampling=sampling, **engine_args)
+    record = dict(model=str(model or "default"), dtype=dtype, workload=workload.spec, sampling=sampling or "greedy",
                   prompt_tokens_total=workload.num_prompt_tokens,
                   prompt_tokens_computed=workload.num_prompt_tokens - sum(engine.num_cached_tokens),
                   prompt_tokens_shared=sum(workload.shared_prefix_lens), output_tokens=workload.num_output_tokens,
@@ -630,12 +644,13 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
         peaks = measure_peaks(device, resolve_dtype(dtype, device))
         record.update(roofline_fields(engine, cost, peaks), model_cost=asdict(cost), peaks=asdict(peaks))
     if shared_prefix > 0 and engine_args.get("enable_prefix_caching", True):
-        off = run_engine(path, workload, dtype, use_tqdm=use_tqdm, **{**engine_args, "enable_prefix_caching": False})
+        off = run_engine(path, workload, dtype, use_tqdm=use_tqdm, sampling=sampling,
+                         **{**engine_args, "enable_prefix_caching": False})
         record.update(engine_no_prefix_caching_tok_s=off.tok_s, prefix_caching_speedup=engine.tok_s / off.tok_s)
     if compare_hf:
         hf = run_hf(path, workload, dtype, hf_batch_size, engine_args.get("device"))
         record.update(hf_s=hf.seconds, hf_tok_s=hf.tok_s, ratio=engine.tok_s / hf.tok_s, hf_batch_size=hf_batch_size,
-                      hf_warmup_s=hf.extra["warmup_s"], hf_match_fraction=agreement(engine, hf))
+                      hf_warmup_s=hf.extra["warmup_s"], hf_match_fraction=None if sampling else agreement(engine, hf))
     record.update(environment())
     return record
 
@@ -1157,6 +1172,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("threads", "hf_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    if sampling_fields(args):
+        if args.ladder:
+            raise ValueError("--temperature/--top-p/--top-k apply to the engine's run, not to --ladder (greedy)")
+        SamplingParams(**sampling_fields(args))  # raises ValueError naming a bad value
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     if not args.ladder and (args.rungs or args.rung_requests):
@@ -1171,6 +1190,12 @@ def check_args(args: argparse.Namespace) -> None:
         if longest > config.max_position_embeddings:
             raise ValueError(f"prompts of up to {args.input_len[1]} tokens plus outputs of up to {args.output_len[1]} "
                              f"exceed the model's max_position_embeddings={config.max_position_embeddings}")
+
+
+def sampling_fields(args: argparse.Namespace) -> dict | None:
+    """The `SamplingParams` fields the flags ask for (None: greedy, none given)."""
+    fields = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+    return fields or None
 
 
 def write_json(record: dict, path: str | os.PathLike) -> None:
@@ -1217,7 +1242,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         record = benchmark(model, args.num_requests, tuple(args.input_len), tuple(args.output_len),
                            args.shared_prefix, args.seed, args.dtype, args.threads, args.compare == "hf",
-                           args.hf_batch_size, args.progress, args.roofline, **engine_args)
+                           args.hf_batch_size, args.progress, args.roofline, sampling_fields(args), **engine_args)
     if args.model_config is not None:
         record["model"] = f"{args.model_config} (dummy weights)"
     write(record)
@@ -1248,6 +1273,10 @@ def add_cli(subparsers) -> None:
     b.add_argument("--device", default=None, help="cpu, cuda, ... for both contenders (None: CUDA if available)")
     b.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the device's matmul and copy rates and report the roofline ratio")
+    b.add_argument("--temperature", type=float, default=None,
+                   help="the engine samples at this temperature, request i seeded with i (None: greedy)")
+    b.add_argument("--top-p", type=float, default=None, help="the engine's top_p (None: 1, off)")
+    b.add_argument("--top-k", type=int, default=None, help="the engine's top_k (None: off)")
     b.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
     b.add_argument("--output-json", default=None, metavar="PATH", help="also write the record (JSON) to PATH")
     b.add_argument("--progress", action="store_true", help="show the engine's progress bar")

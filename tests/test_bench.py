@@ -564,3 +564,28 @@ def test_ladder_on_cuda_runs_every_rung_of_the_default_assembly(tmp_path):
         if e["status"] == "ok" and not e["subset"]:
             assert e["output_tokens"] == w.num_output_tokens, k
     assert r["hf"]["status"] == "ok" and r["peaks"]["detail"]["device"] == "cuda"
+
+
+def test_bench_samples_when_asked_and_refuses_bad_sampling_flags(tiny_llama, capsys):
+    """`--temperature/--top-p` (the sampler's cost against greedy): seeded per request, so two runs agree;
+    transformers stays greedy, so no agreement is claimed; bad values and --ladder are refused first."""
+    folder, _ = tiny_llama
+    w = make_workload(4, (2, 9), (3, 7), vocab_size=128, seed=0)
+    params = bench.bench_params(w, {"temperature": 0.8, "top_p": 0.95})
+    assert [p.seed for p in params] == [0, 1, 2, 3] and all(p.top_p == 0.95 and not p.detokenize for p in params)
+    assert all(p.temperature == 0 and p.seed is None for p in bench.bench_params(w))
+    argv = ["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "4", "--input-len", "2", "9",
+            "--output-len", "3", "7", "--temperature", "0.8", "--top-p", "0.95", "--compare", "hf",
+            "--hf-batch-size", "2", "--threads", "1", "--no-roofline", "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out.strip())
+    assert r["sampling"] == {"temperature": 0.8, "top_p": 0.95} and r["hf_match_fraction"] is None
+    assert r["output_tokens"] == w.num_output_tokens
+    seeded = [bench.run_engine(str(folder), w, "float64", sampling={"temperature": 0.8}).output_tokens
+              for _ in range(2)]
+    greedy = bench.run_engine(str(folder), w, "float64").output_tokens
+    assert seeded[0] == seeded[1] != greedy  # it does sample, and reproducibly
+    assert main(["bench", "--model", str(folder), "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["bench", "--model", str(folder), "--temperature", "0.8", "--ladder"]) == 2
+    assert "--ladder" in capsys.readouterr().err
