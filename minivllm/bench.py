@@ -526,7 +526,7 @@ def _best_seconds(fn, device: torch.device, repeats: int) -> float:
         best = min(best, time.perf_counter() - t0)
     return best
 
-
+# %% ../notebooks/09_benchmark.ipynb #f395a447
 def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | None = None,
                   copy_bytes: int | None = None, repeats: int = PEAK_REPEATS) -> DevicePeaks:
     """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.

@@ -53,7 +53,10 @@ def generate(args: argparse.Namespace) -> int:
     print()
     return 0
 
+# %% auto #0
+__all__ = ['add_cli', 'generate', 'convert', 'main']
 
+# %% ../notebooks/04_scheduler.ipynb #28ab49d2
 def convert(args: argparse.Namespace) -> int:
     from minivllm.model_files import convert_default_model
 
@@ -71,6 +74,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-# %% auto #0
-__all__ = ['add_cli', 'generate', 'convert', 'main']

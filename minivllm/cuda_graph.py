@@ -381,7 +381,7 @@ class CompiledOpsGraphRunner(CUDAGraphModelRunner):
 
     compile_small_ops = True
 
-
+# %% ../notebooks/08_cuda_graphs.ipynb #60989835
 def decode_step_benchmark(batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context_len: int = 256,
                           attention_backend: type | None = None, dtype: torch.dtype = torch.bfloat16,
                           device: str = "cuda", num_steps: int = 20) -> dict:

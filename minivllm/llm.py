@@ -39,7 +39,10 @@ def engine_args_from_vllm(model, kwargs: dict) -> EngineArgs:
     fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
     return EngineArgs(model=model, **known_arguments("LLM", kwargs, fields, VLLM_ONLY_LLM_ARGS))
 
+# %% auto #0
+__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'LLM']
 
+# %% ../notebooks/04_scheduler.ipynb #04356bcc
 def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
     """Step `engine` until the requests `ids` have finished; their outputs in the order of `ids`.
 
@@ -72,9 +75,6 @@ def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) 
         if bar is not None:
             bar.close()
     return [results[i] for i in ids]
-
-# %% auto #0
-__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'LLM']
 
 # %% ../notebooks/04_scheduler.ipynb #ebe142f1
 class LLM:

@@ -24,7 +24,11 @@ class RequestOutputKind(enum.Enum):
     DELTA = 1  # only what is new since the previous output
     FINAL_ONLY = 2  # no output until the request finishes
 
+# %% auto #0
+__all__ = ['SAMPLING_EPS', 'SEED_MIN', 'SEED_MAX', 'VLLM_ONLY_ARGS', 'RequestOutputKind', 'check_sampling_params',
+           'SamplingParams']
 
+# %% ../notebooks/01_sequences.ipynb #85d3d68a
 def check_sampling_params(p) -> None:
     """Check every field of a `SamplingParams` and normalize it in place (vLLM's checks, as ValueError).
 
@@ -67,10 +71,6 @@ def check_sampling_params(p) -> None:
         raise ValueError("stop strings need detokenize=True: they are looked for in the text")
     if p.temperature < SAMPLING_EPS:
         p.top_p, p.top_k, p.min_p = 1.0, 0, 0.0
-
-# %% auto #0
-__all__ = ['SAMPLING_EPS', 'SEED_MIN', 'SEED_MAX', 'VLLM_ONLY_ARGS', 'RequestOutputKind', 'check_sampling_params',
-           'SamplingParams']
 
 # %% ../notebooks/01_sequences.ipynb #2289b3a3
 @dataclass(init=False)

@@ -35,7 +35,13 @@ def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_pt
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
+# %% auto #0
+__all__ = ['LOG2E', 'KERNEL_DTYPES', 'DECODE_BLOCK_N', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS', 'PROGRAMS_PER_SM', 'NUM_WARPS',
+           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'store_kvcache_kernel', 'store_kvcache', 'paged_decode_kernel',
+           'reduce_splits_kernel', 'num_sms', 'choose_num_splits', 'paged_decode_attention_triton',
+           'paged_prefill_kernel', 'paged_prefill_attention_triton']
 
+# %% ../../notebooks/07_triton_kernels.ipynb #4e35e35e
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Write each new token's K and V into its cache slot, in place (one kernel launch).
@@ -62,12 +68,6 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             NUM_KV_HEADS=k.shape[1], HEAD_DIM=k.shape[2],
             BLOCK_KVH=triton.next_power_of_2(k.shape[1]), BLOCK_D=triton.next_power_of_2(k.shape[2]))
-
-# %% auto #0
-__all__ = ['LOG2E', 'KERNEL_DTYPES', 'DECODE_BLOCK_N', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS', 'PROGRAMS_PER_SM', 'NUM_WARPS',
-           'PREFILL_BLOCK_M', 'PREFILL_BLOCK_N', 'store_kvcache_kernel', 'store_kvcache', 'paged_decode_kernel',
-           'reduce_splits_kernel', 'num_sms', 'choose_num_splits', 'paged_decode_attention_triton',
-           'paged_prefill_kernel', 'paged_prefill_attention_triton']
 
 # %% ../../notebooks/07_triton_kernels.ipynb #b371bfe3
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
