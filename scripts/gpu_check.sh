@@ -9,14 +9,17 @@
 #
 # It runs from the repository root with the machine's own Python (PY; default `python`, else
 # `python3`) and installs nothing: PYTHONPATH=. makes the package importable without installing it.
-# Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP seconds; defaults 120 and 270, so the whole
-# check stays under 7 minutes), and the ladder rewrites its JSON record after every rung, so a stage
-# stopped by its cap still leaves what it finished. STAGES chooses the stages (default "pytest ladder").
+# Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP, GRAPHS_CAP seconds; defaults 120, 290 and 75,
+# so the whole check stays under 9 minutes), and the ladder rewrites its JSON record after every rung,
+# so a stage stopped by its cap still leaves what it finished. STAGES chooses the stages (default
+# "pytest ladder graphs").
 # Files written into OUT_DIR:
 #   gpu_check.log          everything below, in order
 #   gpu_pytest.log/.xml    the gpu tests' output and their JUnit XML
 #   gpu_bench_ladder.json  the ladder's record (hardware, versions, date, exact command, figures)
 #   gpu_bench_ladder.log   the ladder's progress and report
+#   gpu_cuda_graphs.json   chapter 08's decode-step times: eager, graphs, graphs + compiled small ops
+#   gpu_cuda_graphs.log    its output
 #   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's summary
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +39,9 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MINIVLLM_CACHE=${MINIVLLM_CACHE:-${TMPDIR:-/tmp}/minivllm-gpu-check}  # the dummy model's folder
 PYTEST_CAP=${PYTEST_CAP:-120}
-BENCH_CAP=${BENCH_CAP:-270}
-STAGES_TO_RUN=" ${STAGES:-pytest ladder} "
+BENCH_CAP=${BENCH_CAP:-290}
+GRAPHS_CAP=${GRAPHS_CAP:-75}
+STAGES_TO_RUN=" ${STAGES:-pytest ladder graphs} "
 LOG=$OUT_DIR/gpu_check.log
 : >"$LOG"
 DONE_STAGES=()  # name<TAB>exit status<TAB>seconds<TAB>cap<TAB>command, one per stage
@@ -52,7 +56,9 @@ stage() {  # stage NAME CAP LOGFILE COMMAND...: run COMMAND under `timeout CAP`,
     local took=$((SECONDS - start))
     ((rc == 124 || rc == 137)) && echo "== $name: stopped by its cap after ${took} s" | tee -a "$LOG"
     echo "== $name: exit status $rc after ${took} s" | tee -a "$LOG"
-    DONE_STAGES+=("$name"$'\t'"$rc"$'\t'"$took"$'\t'"$cap"$'\t'"$*")
+    local cmdline="$*"
+    cmdline=${cmdline//$'\n'/ }  # one line per stage (a `python -c` program spans several)
+    DONE_STAGES+=("$name"$'\t'"$rc"$'\t'"$took"$'\t'"$cap"$'\t'"$cmdline")
 }
 
 {
@@ -90,6 +96,24 @@ if [[ $STAGES_TO_RUN == *" ladder "* ]]; then
         "$PY" -m minivllm bench --ladder "${LADDER[@]}" --compare hf --output-json "$OUT_DIR/gpu_bench_ladder.json"
 fi
 
+if [[ $STAGES_TO_RUN == *" graphs "* ]]; then
+    # chapter 08's measurement: decode-step times of eager, CUDA graphs, and graphs with compiled small ops
+    if ((DRY_RUN)); then
+        GRAPH_ARGS='dict(batch_sizes=(1, 2), context_len=16, num_steps=2, device="cpu", dtype=torch.float32)'
+    else
+        GRAPH_ARGS='dict()'
+    fi
+    stage graphs "$GRAPHS_CAP" "$OUT_DIR/gpu_cuda_graphs.log" "$PY" -c '
+import json, sys, torch
+from minivllm.bench import write_json
+from minivllm.cuda_graph import decode_step_benchmark
+result = decode_step_benchmark(**eval(sys.argv[2]))
+result["command"] = sys.argv[3]
+write_json(result, sys.argv[1])
+print(json.dumps(result, indent=1))
+' "$OUT_DIR/gpu_cuda_graphs.json" "$GRAPH_ARGS" "scripts/gpu_check.sh (its graphs stage: decode_step_benchmark(**$GRAPH_ARGS))"
+fi
+
 printf '%s\n' ${DONE_STAGES[@]+"${DONE_STAGES[@]}"} | "$PY" -c '
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
@@ -114,12 +138,17 @@ if record.is_file():
                              roofline_ratio=r.get("roofline_ratio"),
                              rungs={k: dict(status=e["status"], tok_s=e.get("tok_s")) for k, e in r["rungs"].items()},
                              hf=r["hf"] and dict(status=r["hf"]["status"], tok_s=r["hf"].get("tok_s")))
+graphs = out / "gpu_cuda_graphs.json"
+if graphs.is_file():
+    g = json.loads(graphs.read_text())
+    summary["graphs"] = dict(batch_sizes=g["batch_sizes"], ms_per_step=g["ms_per_step"],
+                             max_abs_logit_diff=g["max_abs_logit_diff"])
 write_json(summary, out / "gpu_check.json")
 print(json.dumps(dict(stages=[(s["name"], s["exit_status"], s["seconds"]) for s in stages], pytest=summary["pytest"],
-                      ladder=summary["ladder"]), indent=1))
+                      ladder=summary["ladder"], graphs=summary.get("graphs")), indent=1))
 ' "$OUT_DIR" "$DRY_RUN" 2>&1 | tee -a "$LOG"
 
-for s in ${DONE_STAGES[@]+"${DONE_STAGES[@]}"}; do
+for s in "${DONE_STAGES[@]}"; do
     rc=$(cut -f2 <<<"$s")
     ((rc == 0)) || exit 1
 done
