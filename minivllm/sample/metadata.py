@@ -27,6 +27,8 @@ class SamplingMetadata:
         greedy: `[num_seqs]` bool; all_greedy: True when every row is greedy.
         plain_rows, filtered_rows: int64 indices of the random rows without and with top-k or top-p.
         uniforms: `[num_seqs]` float64, each random row's draw from its request's generator (0 if greedy).
+        generators: per row, the generator its draws come from (the request's own when seeded, else the
+            engine's; None on greedy rows): the top-p draw takes more from it when it rejects a token.
         top_k: `[num_seqs]` int64 (vocab_size: off), top_p, min_p: `[num_seqs]`; each None when no row uses it.
         no_penalties: True when no row has a penalty; else prompt_token_ids and output_token_ids
             (`[num_seqs, length]` int64 padded with vocab_size) and the three penalties `[num_seqs]`.
@@ -40,6 +42,7 @@ class SamplingMetadata:
     plain_rows: torch.Tensor
     filtered_rows: torch.Tensor
     uniforms: torch.Tensor
+    generators: list
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
@@ -64,7 +67,8 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
     `min_tokens` tokens, its stop tokens (EOS unless `ignore_eos`, and `stop_token_ids`) are masked."""
     params = [s.sampling_params for s in seqs]
     greedy = [p.greedy for p in params]
-    uniforms = [0.0 if g else generators.get(s.seq_id, default_generator).random() for s, g in zip(seqs, greedy)]
+    row_generators = [None if g else generators.get(s.seq_id, default_generator) for s, g in zip(seqs, greedy)]
+    uniforms = [0.0 if g is None else g.random() for g in row_generators]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     filtered = [k < vocab_size or p.top_p < 1 for k, p in zip(top_k, params)]
     no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
@@ -85,6 +89,7 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
     return SamplingMetadata(
         temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
         greedy=tensor(greedy, torch.bool), all_greedy=all(greedy), uniforms=tensor(uniforms, torch.float64),
+        generators=row_generators,
         plain_rows=tensor([i for i, (g, f) in enumerate(zip(greedy, filtered)) if not (g or f)], torch.int64),
         filtered_rows=tensor([i for i, (g, f) in enumerate(zip(greedy, filtered)) if f and not g], torch.int64),
         top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,

@@ -40,8 +40,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     return logits - presence_penalties[:, None] * (output_counts > 0).to(logits.dtype)
 
 # %% auto #0
-__all__ = ['NUM_CANDIDATES', 'CANDIDATES_GROWTH', 'bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p',
-           'random_sample', 'canonical_order', 'draw_among_candidates', 'sample_top_k_top_p', 'gather_logprobs']
+__all__ = ['bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 'inverse_transform', 'random_sample',
+           'ranked_before', 'mass_ranked_before', 'top_k_mask', 'sample_top_k_top_p', 'gather_logprobs']
 
 # %% ../../notebooks/10_sampling.ipynb #cf74a173
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -79,73 +79,92 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row by inverse transform sampling, as chapter 02's `sample` does for one row.
 
-    Args: logits `[num_seqs, vocab_size]` (-inf: never drawn); uniforms `[num_seqs]` in [0, 1), one
-        draw per row from its request's generator. Returns `[num_seqs]` int64: the first token whose
-        cumulative probability exceeds `u` times the total (never a token of probability 0).
+    Args: probs `[num_seqs, vocab_size]` >= 0 (0: never drawn; the rows need not sum to 1); uniforms
+        `[num_seqs]` in [0, 1), one per row. Returns `[num_seqs]` int64: the first token, in vocabulary
+        order, whose cumulative probability exceeds `u` times the row's total.
     """
-    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total)  # the last token of probability > 0 (where the cdf reaches the total)
     return torch.minimum(picked, last).squeeze(1)
 
+
+def random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row from `softmax(logits)` (`inverse_transform`). Args: logits `[num_seqs,
+    vocab_size]` (-inf: never drawn); uniforms `[num_seqs]` in [0, 1), one draw per row from its
+    request's generator. Returns `[num_seqs]` int64."""
+    return inverse_transform(logits.softmax(dim=-1), uniforms)
+
 # %% ../../notebooks/10_sampling.ipynb #c5b49c2b
-NUM_CANDIDATES = 64  # tokens first selected per row for top-k / top-p; then 16 times as many, then all
-CANDIDATES_GROWTH = 16
+def ranked_before(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """1.0 where a token ranks before the row's `token_ids` (a larger logit, or an equal logit and a
+    smaller id: a stable sort's order), else 0.0: `[rows, vocab_size]` in the logits' dtype.
+    Args: logits `[rows, vocab_size]`; token_ids `[rows]` int64."""
+    pivot = logits.gather(1, token_ids[:, None])
+    smaller_id = torch.arange(logits.shape[1], device=logits.device) < token_ids[:, None]
+    return ((logits > pivot) | ((logits == pivot) & smaller_id)).to(logits.dtype)
 
 
-def canonical_order(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates `values, ids [rows, k]` (probabilities, token ids) likeliest first, the smaller id
-    first among ties: sort by id, then stably by probability."""
-    ids, order = ids.sort(dim=-1)
-    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
-    return values, ids.gather(1, order)
+def mass_ranked_before(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The probability of the tokens ranked before each row's `token_ids` (see `ranked_before`):
+    `[rows]`. Args: logits, probs `[rows, vocab_size]` (probs zero where a token is filtered out)."""
+    order = (logits - logits.gather(1, token_ids[:, None])).sign_()  # +1 ranked above, 0 tied, -1 below
+    num_tied = logits.shape[1] - order.abs().sum(dim=-1)  # the token itself and any of equal logit
+    mass = (probs * order.clamp_(min=0)).sum(dim=-1)
+    if len(tied := (num_tied > 1).nonzero().squeeze(1)):  # the tied tokens of smaller id rank before it
+        mass[tied] = (probs[tied] * ranked_before(logits[tied], token_ids[tied])).sum(dim=-1)
+    return mass
 
 
-def draw_among_candidates(values: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                          uniforms: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Filter and draw among candidates `values, ids [rows, k]` in canonical order that hold
-    everything top-k and top-p keep: apply top-k then top-p (measured after top-k), draw by inverse
-    transform."""
-    values = values.masked_fill(torch.arange(values.shape[1], device=values.device) >= top_k[:, None], 0.0)
-    values = values / torch.where(top_k < vocab_size, values.sum(dim=-1), 1.0)[:, None]
-    before = values.cumsum(dim=-1) - values
-    values = values.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
-    cdf = values.cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    picked = torch.minimum(torch.searchsorted(cdf, uniforms.to(cdf.dtype)[:, None] * total, right=True),
-                           torch.searchsorted(cdf, total))
-    return ids.gather(1, picked).squeeze(1)
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """1.0 on each row's `top_k` likeliest tokens, 0.0 elsewhere, `[rows, vocab_size]` in the logits'
+    dtype: what `apply_top_k_top_p` keeps (equal logits: the smaller ids), found with a partial
+    selection (`topk`), no sort. Args: logits `[rows, vocab_size]`; top_k `[rows]` int64 in [1, vocab_size]."""
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])  # the k-th largest logit
+    kept = 1 - (kth - logits).clamp_(min=0).sign_()  # 1.0 where the logit reaches it
+    if len(over := (kept.sum(dim=-1) > top_k).nonzero().squeeze(1)):  # more ties with it than room: smaller ids
+        tied = logits[over] == kth[over]
+        room = top_k[over, None] - (logits[over] > kth[over]).sum(dim=-1, keepdim=True)
+        kept[over] -= (tied & (tied.cumsum(dim=-1) > room)).to(kept.dtype)
+    return kept
 
-
+# %% ../../notebooks/10_sampling.ipynb #40c6ec26
 def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                       uniforms: torch.Tensor, num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
-    """One token per row from what `apply_top_k_top_p` keeps, without sorting the whole vocabulary
-    unless a row needs it. Args: logits `[num_seqs, vocab_size]`; top_k `[num_seqs]` int64 or None;
-    top_p `[num_seqs]` or None; uniforms `[num_seqs]` in [0, 1). Returns `[num_seqs]` int64."""
+                       uniforms: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token per row from what `apply_top_k_top_p` keeps, drawn without sorting: rejection sampling
+    with a pivot (FlashInfer, "Sorting-Free GPU Kernels for LLM Sampling", 2025).
+
+    Each round draws a token from what is left of each row (inverse transform, in vocabulary order);
+    a row accepts it when the tokens ranked before it hold less than its `top_p`; a rejected row drops
+    that token and every token ranked after it (the pivot rises) and draws again.
+    Args: logits `[num_seqs, vocab_size]` (after temperature and min-p); top_k `[num_seqs]` int64
+        (vocab_size: off) or None; top_p `[num_seqs]` in (0, 1] (1: off) or None; uniforms `[num_seqs]`
+        in [0, 1), each row's first draw; generators, one per row, whose `random()` gives that row's
+        further draws (a seeded request's own generator). Returns `[num_seqs]` int64.
+    """
     probs = logits.softmax(dim=-1)
-    rows, vocab_size = probs.shape
-    top_k = top_k if top_k is not None else torch.full((rows,), vocab_size, device=probs.device)
-    top_p = top_p if top_p is not None else torch.ones(rows, dtype=probs.dtype, device=probs.device)
-    sampled = torch.empty(rows, dtype=torch.int64, device=probs.device)
-    todo, k = torch.arange(rows, device=probs.device), min(num_candidates, vocab_size)
-    while len(todo):
-        if k < vocab_size:
-            values, ids = canonical_order(*probs[todo].topk(k, dim=-1))
-        else:  # one stable sort of rows in id order gives the canonical order directly
-            values, ids = probs[todo].sort(dim=-1, descending=True, stable=True)
-        # the candidates strictly likelier than the last one are exactly the m likeliest tokens (ties included)
-        m = (values > values[:, -1:]).sum(dim=-1)
-        mass = values.cumsum(dim=-1).gather(1, (m - 1).clamp(min=0)[:, None])[:, 0].masked_fill(m == 0, 0.0)
-        done = (top_k[todo] <= m) | ((top_k[todo] >= vocab_size) & (mass >= top_p[todo])) | (k == vocab_size)
-        rows_done = todo[done]
-        sampled[rows_done] = draw_among_candidates(values[done], ids[done], top_k[rows_done], top_p[rows_done],
-                                                   uniforms[rows_done], vocab_size)
-        todo, k = todo[~done], min(CANDIDATES_GROWTH * k, vocab_size)
-    return sampled
+    if top_k is not None and len(on := (top_k < logits.shape[1]).nonzero().squeeze(1)):
+        kept = probs[on] * top_k_mask(logits[on], top_k[on])
+        probs[on] = kept / kept.sum(dim=-1, keepdim=True)  # top-p measures what top-k left
+    if top_p is None:
+        return inverse_transform(probs, uniforms)
+    sampled = torch.empty(len(probs), dtype=torch.int64, device=probs.device)
+    rows, left = torch.arange(len(probs), device=probs.device), probs
+    while True:
+        token_ids = inverse_transform(left, uniforms)
+        accept = (mass_ranked_before(logits, probs, token_ids) < top_p) | (top_p >= 1)
+        sampled[rows[accept]] = token_ids[accept]
+        if bool(accept.all()):
+            return sampled
+        out = (~accept).nonzero().squeeze(1)
+        rows, logits, probs, top_p = rows[out], logits[out], probs[out], top_p[out]
+        left = probs * ranked_before(logits, token_ids[out])  # the pivot rises to the rejected token
+        uniforms = torch.tensor([generators[i].random() for i in rows.tolist()], dtype=torch.float64,
+                                device=probs.device)
 
 # %% ../../notebooks/10_sampling.ipynb #27b8e3ce
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list) -> list:

@@ -33,10 +33,11 @@ def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Ten
             logits = apply_min_p(logits, md.min_p)
         if len(rows := md.plain_rows):  # temperature (and min-p) only: the whole vocabulary
             sampled[rows] = random_sample(logits if len(rows) == num_rows else logits[rows], md.uniforms[rows])
-        if len(rows := md.filtered_rows):  # top-k or top-p: among the few likeliest tokens
+        if len(rows := md.filtered_rows):  # top-k or top-p: the pivot draw, no sort
             sampled[rows] = sample_top_k_top_p(logits if len(rows) == num_rows else logits[rows],
                                                None if md.top_k is None else md.top_k[rows],
-                                               None if md.top_p is None else md.top_p[rows], md.uniforms[rows])
+                                               None if md.top_p is None else md.top_p[rows], md.uniforms[rows],
+                                               [md.generators[i] for i in rows.tolist()])
     return sampled, (gather_logprobs(raw_logprobs, sampled, md.num_logprobs) if wants_logprobs else None)
 
 # %% auto #0
@@ -48,7 +49,7 @@ class Sampler:
 
     raw log-probabilities (when asked for) → stop tokens masked until `min_tokens` → penalties →
     greedy rows: argmax; the others: temperature → min_p → top_k → top_p → one draw each
-    (`random_sample` over the vocabulary, or `sample_top_k_top_p` among candidates).
+    (`random_sample` over the vocabulary, or `sample_top_k_top_p`'s pivot draw, which never sorts).
 
     Args: eos_token_ids, the engine's end-of-sequence ids (for `min_tokens`).
     Attributes: sampling_fields, the `SamplingParams` fields it acts on; logprobs, after each call:
