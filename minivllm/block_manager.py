@@ -153,12 +153,17 @@ class BlockManager(BlockPool):
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` a block table covering its tokens (before its prefill)."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        # EXERCISE ch05_ex1 (3 points): give seq a fresh block (self._allocate_block()) per block it needs; none cached
+        ### BEGIN SOLUTION
         seq.num_cached_tokens = 0
         for _ in range(seq.num_blocks):
             seq.block_table.append(self._allocate_block().block_id)
+        ### END SOLUTION
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s reference to each of its blocks; blocks nobody holds become free."""
+        # EXERCISE ch05_ex2 (3 points): drop seq's reference to each block, free those nobody holds, empty the table
+        ### BEGIN SOLUTION
         for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -166,6 +171,7 @@ class BlockManager(BlockPool):
                 self._free_block(block)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        ### END SOLUTION
 
     def needs_new_block(self, seq: Sequence) -> bool:
         """True when `seq`'s newest token (the one this decode step writes) starts a new block."""
@@ -177,8 +183,11 @@ class BlockManager(BlockPool):
 
     def may_append(self, seq: Sequence) -> None:
         """Before a decode step: add a block to `seq`'s table if its newest token starts one."""
+        # EXERCISE ch05_ex3 (2 points): append a fresh block when seq's newest token starts one
+        ### BEGIN SOLUTION
         if self.needs_new_block(seq):
             seq.block_table.append(self._allocate_block().block_id)
+        ### END SOLUTION
         assert len(seq.block_table) == seq.num_blocks
 
     def discard_unwritten(self, seqs: list[Sequence]) -> None:

@@ -42,6 +42,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns:
         `[num_seqs, num_heads, head_dim]`, dtype of `q`.
     """
+    # EXERCISE ch05_ex4 (4 points): attend each query over its context_lens[i] keys, read through its block table
+    ### BEGIN SOLUTION
     tables = block_tables.clamp(min=0)  # padding reads block 0; it is masked below
     k = k_cache[tables].flatten(1, 2)  # [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]
     v = v_cache[tables].flatten(1, 2)
@@ -49,6 +51,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
     return o[:, :, 0, :]
+    ### END SOLUTION
 
 # %% auto #0
 __all__ = ['PREFILL_QUERY_CHUNK', 'gather_kv', 'paged_decode_attention', 'prefill_attention', 'PagedAttention']
