@@ -1,15 +1,16 @@
 # GENERATED from solutions/ch05_paged_attention.py by scripts/make_exercises.py: your work goes here.
-"""Chapter 05 exercises. Your answers go between the TODO lines; see the chapter notebook.
+"""Chapter 05's extend exercises. Your answers go between the TODO lines; see the chapter notebook
+(the rebuild exercises ch05_ex1-ex4 are in the chapter's export cells).
 
-Exercise 1 (ch05_ex1) — a block manager of your own, with vLLM's admission watermark: the KV-manager
+Exercise 5 (ch05_ex5) — a block manager of your own, with vLLM's admission watermark: the KV-manager
 interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch,
 in any free order you like. Graded by its contract: invariants under random operation sequences
 (hypothesis), the watermark rule, and the engine's outputs with your class equal to transformers':
-`pytest -m ch05_ex1 --impl=exercises`.
+`python -m minivllm.grade ch05_ex5`.
 
-Exercise 2 (ch05_ex2) — sliding-window decode attention over the paged cache: each sequence's query
+Exercise 6 (ch05_ex6) — sliding-window decode attention over the paged cache: each sequence's query
 sees only its last `window` tokens. Graded against `attention_reference` on random block tables:
-`pytest -m ch05_ex2 --impl=exercises`.
+`python -m minivllm.grade ch05_ex6`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""Grading tests for chapters 04-06 (`pytest -m ch05_ex1 --impl=exercises`, ...); see test_grading.py.
+"""Grading tests for chapters 04-06 (`python -m minivllm.grade ch05_ex1`, or `pytest -m ch05_ex1`); see test_grading.py.
 
 Each answer is graded by its contract, not by comparison with minivllm's own classes: invariants
 and the exercise's rule under random operation sequences (hypothesis), then plugged into the engine,
 whose greedy outputs must equal transformers'.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from adapters import load
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm.block_manager import BlockManager
 from minivllm.engine import LLMEngine
-from minivllm.paged_attention import PagedAttention
+from minivllm.paged_attention import PagedAttention, paged_decode_attention
 from minivllm.models.llama import attention_reference
 from minivllm.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
@@ -202,6 +204,223 @@ def test_ch04_ex1_engine_equals_transformers(ch04, engine_case, ch04_oracle, man
     check_invariants(engine)
 
 
+# --- chapter 05 ----------------------------------------------------------------------------------
+# ch05_ex1-ex4 (rebuild) grade the package's own `BlockManager` methods and `paged_decode_attention`:
+# in a student edition these are the student's code, exported from the chapter (stubs until filled),
+# and there is no reference to compare with. Each is graded alone: `_Scaffold` is the grader's own
+# allocate/deallocate/may_append, written on the pool's primitives, and stands in for the methods
+# the exercise is not about, so a filled region passes whatever state the others are in.
+
+class _Scaffold(BlockManager):
+    """The grader's stand-ins for the three graded methods (freeing head first, unlike the book)."""
+
+    def allocate(self, seq: Sequence) -> None:
+        seq.num_cached_tokens = 0
+        seq.block_table = [self._allocate_block().block_id for _ in range(seq.num_blocks)]
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_block(block)
+        seq.block_table, seq.num_cached_tokens = [], 0
+
+    def may_append(self, seq: Sequence) -> None:
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_block().block_id)
+
+
+CH05_METHODS = {"ch05_ex1": "allocate", "ch05_ex2": "deallocate", "ch05_ex3": "may_append"}
+
+
+def _graded(ex: str) -> type[BlockManager]:
+    """A block manager with the package's (the student's) method for `ex` and the grader's others."""
+    method = CH05_METHODS[ex]
+    return type(f"Graded_{method}", (_Scaffold,), {method: BlockManager.__dict__[method]})
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
+def _ch05_check(ex: str, bm: BlockManager, live: list[Sequence], after: str) -> None:
+    """The pool's state against the live block tables; a failure names `ex` and what was expected."""
+    at = f"{ex}: after {after}: "
+    held = Counter(b for s in live for b in s.block_table)
+    for s in live:
+        _expect(len(s.block_table) == s.num_blocks, f"{at}a sequence of {s.num_tokens} tokens needs {s.num_blocks} "
+                f"blocks of {bm.block_size} slots, its block_table is {s.block_table}")
+        _expect(len(set(s.block_table)) == len(s.block_table), f"{at}block_table {s.block_table} holds a block twice")
+    bad = sorted(b for b in held if not (isinstance(b, int) and 0 <= b < bm.num_blocks))
+    _expect(not bad, f"{at}block ids {bad} are not ints in [0, {bm.num_blocks})")
+    for b, n in held.items():
+        _expect(bm.blocks[b].ref_count == n, f"{at}block {b} is in {n} block table(s) but its ref_count is "
+                f"{bm.blocks[b].ref_count}")
+    free = list(bm.free_block_ids)
+    _expect(len(set(free)) == len(free), f"{at}a block is in the free queue twice: {free}")
+    both = sorted(set(held) & set(free))
+    _expect(not both, f"{at}blocks {both} are in a block table and also free")
+    lost = sorted(set(range(bm.num_blocks)) - set(held) - set(free))
+    _expect(not lost, f"{at}blocks {lost} are in no block table and not free: a block never freed (leaked)")
+    _expect(bm.used_block_ids == set(held), f"{at}used_block_ids {sorted(bm.used_block_ids)} should be the blocks "
+            f"the tables hold, {sorted(held)}")
+    _expect(bm.num_free_blocks == bm.num_blocks - len(held), f"{at}num_free_blocks is {bm.num_free_blocks}, "
+            f"expected {bm.num_blocks} - {len(held)} held")
+
+
+CH05_OPS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(1, 12)), st.tuples(st.just("grow"), st.integers(0, 9)),
+                              st.tuples(st.just("fork"), st.integers(0, 9)), st.tuples(st.just("free"), st.integers(0, 9))),
+                    max_size=40)
+
+
+def _ch05_drive(ex: str, ops: list[tuple], block_size: int, num_blocks: int) -> None:
+    """Admit, grow (preempting when no block is free), fork (share every block, as chapter 06 and
+    parallel sampling do) and free sequences; check the pool after every operation."""
+    bm = _graded(ex)(num_blocks, block_size)
+    live: list[Sequence] = []
+    for op, arg in ops:
+        if op == "add":
+            seq = Sequence([7] * arg, block_size=block_size)
+            if bm.num_free_blocks < seq.num_blocks:
+                continue
+            seq.num_cached_tokens, before = 3, bm.num_free_blocks
+            bm.allocate(seq)
+            _expect(seq.num_cached_tokens == 0, f"{ex}: allocate must set num_cached_tokens to 0 (nothing is cached)")
+            _expect(bm.num_free_blocks == before - seq.num_blocks, f"{ex}: allocate of a {arg}-token sequence "
+                    f"should take {seq.num_blocks} blocks of {block_size} slots, took {before - bm.num_free_blocks}")
+            live.append(seq)
+        elif not live:
+            continue
+        elif op == "grow":
+            seq = live[arg % len(live)]
+            seq.append_token(7)
+            need = int(len(seq.block_table) < seq.num_blocks)
+            if bm.num_free_blocks >= need:
+                before, n_table = bm.num_free_blocks, len(seq.block_table)
+                bm.may_append(seq)
+                _expect(bm.num_free_blocks == before - need, f"{ex}: may_append on a sequence of {seq.num_tokens} "
+                        f"tokens holding {n_table} blocks of {block_size} should take {need} block(s), took "
+                        f"{before - bm.num_free_blocks}")
+            else:  # no block free: preempted, as the scheduler would
+                bm.deallocate(seq)
+                live.remove(seq)
+        elif op == "fork":
+            seq = live[arg % len(live)]
+            child = Sequence(list(seq.token_ids), block_size=block_size)
+            child.block_table = list(seq.block_table)
+            for b in child.block_table:
+                bm.blocks[b].ref_count += 1
+            live.append(child)
+        else:
+            seq = live.pop(arg % len(live))
+            table = list(seq.block_table)
+            bm.deallocate(seq)
+            _expect(seq.block_table == [] and seq.num_cached_tokens == 0,
+                    f"{ex}: after deallocate the block_table must be [] and num_cached_tokens 0, got "
+                    f"{seq.block_table} and {seq.num_cached_tokens}")
+            others, free = {b for s in live for b in s.block_table}, set(bm.free_block_ids)
+            for b in table:
+                _expect(b in others or b in free, f"{ex}: block {b} of the deallocated block_table {table} is held "
+                        f"by no other sequence but was never freed (ref_count {bm.blocks[b].ref_count}, not in "
+                        f"free_block_ids)")
+                _expect(b not in others or b not in free, f"{ex}: block {b} of the deallocated block_table {table} "
+                        f"was freed although another sequence still holds it")
+        _ch05_check(ex, bm, live, f"{op} {arg}")
+    while live:
+        bm.deallocate(live.pop())
+    _ch05_check(ex, bm, [], "freeing every sequence")
+
+
+@pytest.mark.ch05
+@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in CH05_METHODS])
+@settings(max_examples=120, deadline=None)
+@given(ops=CH05_OPS, block_size=st.integers(1, 4), num_blocks=st.integers(1, 12))
+def test_ch05_block_manager_contract(ex, ops, block_size, num_blocks):
+    """Random admissions, growth, forks and frees: tables cover their sequences with valid, unshared
+    ids, reference counts equal the tables holding each block, every other block is free. Any order
+    of free blocks passes."""
+    _ch05_drive(ex, ops, block_size, num_blocks)
+
+
+def _paged_case(lens, block_size, groups, seed, dtype):
+    """Random q and K/V stored under shuffled block tables: (q, k_cache, v_cache, block_tables, ks, vs)."""
+    g = torch.Generator().manual_seed(seed)
+    kvh, d = 2, 8
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 1
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for k in need:
+        tables.append(perm[start:start + k])
+        start += k
+    bt = torch.tensor([t + [-1] * (max(need) - len(t)) for t in tables])
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, kvh, d, generator=g, dtype=torch.float64).to(dtype)
+    q = torch.randn(len(lens), kvh * groups, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k_cache, v_cache, bt, tables
+
+
+# float64: rounding only (1e-12). float32: about 1e-7 relative per operation over a few dozen keys.
+# bfloat16 keeps 8 significant bits: scores of size ~3 carry errors ~1e-2, which the softmax turns into
+# relative errors of that size in the weights, so 5e-2 absolute on outputs of size ~1.
+CH05_TOL = {torch.float64: (1e-12, 0.0), torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-2, 2e-2)}
+
+
+@pytest.mark.ch05
+@pytest.mark.ch05_ex4
+@pytest.mark.parametrize("dtype", list(CH05_TOL), ids=str)
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=5), block_size=st.integers(1, 6),
+       groups=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_ch05_ex4_paged_decode_equals_attention(dtype, lens, block_size, groups, seed):
+    """Each sequence's query over its keys read through a shuffled block table equals
+    `attention_reference` on its contiguous K/V (computed in float64 from the same rounded inputs)."""
+    q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
+    got = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
+    _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
+            f"ch05_ex4: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}, got "
+            f"{got.shape if isinstance(got, torch.Tensor) else type(got).__name__}"
+            f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}")
+    atol, rtol = CH05_TOL[dtype]
+    for i, n in enumerate(lens):
+        k = k_cache[tables[i]].flatten(0, 1)[:n].double()
+        v = v_cache[tables[i]].flatten(0, 1)[:n].double()
+        want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
+        torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
+            f"ch05_ex4 ({dtype}): sequence {i} of context_lens {lens}, block_size {block_size}, block table "
+            f"{tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
+
+
+class _ReferenceDecode(PagedAttention):
+    """The backend with decode through `paged_decode_attention` (the package's, the student's)."""
+
+    def decode(self, q, k_cache, v_cache, md):
+        return paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
+
+
+@pytest.mark.ch05
+@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex)
+                                for ex in [*CH05_METHODS, "ch05_ex4"]])
+def test_ch05_engine_equals_transformers(ex, ch05_engine_case):
+    """The engine with the exercise's code plugged in, on a cache small enough to preempt: greedy
+    tokens equal transformers', every block free at the end."""
+    folder, prompts, ref = ch05_engine_case
+    kv, backend = (_Scaffold, _ReferenceDecode) if ex == "ch05_ex4" else (_graded(ex), PagedAttention)
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
+                       kv_manager=kv, attention_backend=backend)
+    got = [o.outputs[0].token_ids for o in run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=10,
+                                                                                      ignore_eos=True))]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        j = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+        _expect(g == r, f"{ex}: prompt {i} ({len(prompts[i])} tokens): the engine generated {g}, transformers {r} "
+                f"(first difference at completion token {j})")
+    assert engine.scheduler.num_preemptions > 0, "the cache should have been tight enough to preempt"
+    _expect(engine.block_manager.num_free_blocks == engine.block_manager.num_blocks,
+            f"{ex}: {engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} blocks still held "
+            "after every request finished")
+
+
 def _ch05_manager_ops(rng, n=60) -> list[tuple]:
     """A random workload for a KV manager alone: admit prompts, grow sequences, finish them."""
     ops = []
@@ -222,11 +441,11 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex1
+@pytest.mark.ch05_ex5
 @settings(max_examples=150, deadline=None)
 @given(ops=st.randoms(use_true_random=False).map(_ch05_manager_ops), block_size=st.integers(1, 4),
        num_blocks=st.integers(1, 12), watermark=st.integers(0, 3))
-def test_ch05_ex1_invariants_and_watermark(ch05, ops, block_size, num_blocks, watermark):
+def test_ch05_ex5_invariants_and_watermark(ch05, ops, block_size, num_blocks, watermark):
     """Contract only: any free order passes. Admission keeps `watermark_blocks` free; decode may use them."""
     bm = ch05.MyBlockManager(num_blocks, block_size, watermark_blocks=watermark)
     assert bm.num_free_blocks == num_blocks
@@ -274,8 +493,8 @@ def ch05_engine_case(tmp_path_factory):
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex1
-def test_ch05_ex1_engine_equals_transformers(ch05, ch05_engine_case):
+@pytest.mark.ch05_ex5
+def test_ch05_ex5_engine_equals_transformers(ch05, ch05_engine_case):
     folder, prompts, ref = ch05_engine_case
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
                        kv_manager=ch05.MyBlockManager, attention_backend=PagedAttention)
@@ -290,11 +509,11 @@ def test_ch05_ex1_engine_equals_transformers(ch05, ch05_engine_case):
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex2
+@pytest.mark.ch05_ex6
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=5), block_size=st.integers(1, 6),
        groups=st.sampled_from([1, 2, 3]), window=st.integers(1, 24), seed=st.integers(0, 2**16))
-def test_ch05_ex2_window_decode_matches_reference(ch05, lens, block_size, groups, window, seed):
+def test_ch05_ex6_window_decode_matches_reference(ch05, lens, block_size, groups, window, seed):
     g = torch.Generator().manual_seed(seed)
     kvh, d = 2, 8
     need = [-(-n // block_size) for n in lens]

@@ -1,0 +1,406 @@
+"""Grade the exercises: run their graders (pytest, one marker per exercise) in the book or in a
+student edition, and write points per exercise and the total (JSON, JUnit XML; a class as one CSV).
+
+    python -m minivllm.grade                        # every exercise of this edition (the book: all)
+    python -m minivllm.grade ch05_ex1 ch05_ex2      # some exercises; `ch05`: all of chapter 05's
+    python -m minivllm.grade ch05 --json report.json --junit report.xml
+    python -m minivllm.grade ch05 --private-tests ~/course/private   # the instructor's extra tests
+    python -m minivllm.grade ch05 --class submissions/ --csv scores.csv  # one edition per subfolder
+
+Hand-written, not exported from a chapter: it is the course's tooling, like `scripts/release.py`.
+`EXERCISES` is the one place where exercises and their points are defined. An exercise scores its
+points when every test carrying its marker passes (public and private tests alike), nothing otherwise.
+
+Graded regions (rebuild exercises) sit in the chapters' export cells, between nbgrader's markers,
+under one line that names the exercise, its points and the task (`REGION_MARKER`):
+
+    # EXERCISE ch05_ex1 (3 points): give `seq` one fresh block per block it needs
+    ### BEGIN SOLUTION
+    ...the book's answer...
+    ### END SOLUTION
+
+A student edition (`scripts/release.py`) replaces such a region by
+`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it.
+In an edition, `grade` first re-exports the package from the chapters when they changed since the
+release (the student works in the notebooks). The idea of graded regions and stubs is nbgrader's;
+the snapshot-free, contract-only graders follow CS336's and minitorch's course tests.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise.
+
+    Attributes:
+        id: `chNN_exK`, also its pytest marker.
+        points: what it scores when all its tests pass.
+        kind: "rebuild" (a core piece of the package, a graded region in a chapter's export cell) or
+            "extend" (beyond the text, in `exercises/chNN_*.py`).
+        title: a few words.
+        where: the file a student edits.
+        tests: the test files (relative to the edition's root) that hold its graders.
+    """
+
+    id: str
+    points: int
+    kind: str
+    title: str
+    where: str
+    tests: tuple[str, ...]
+
+
+_CH05_NB, _CH05_EX = "notebooks/05_paged_attention.ipynb", "exercises/ch05_paged_attention.py"
+_T1, _T3, _T46, _T10 = ("tests/test_grading.py",), ("tests/test_grading_ch03.py",), \
+    ("tests/test_grading_ch04_06.py",), ("tests/test_grading_ch10.py",)
+
+EXERCISES: dict[str, Exercise] = {e.id: e for e in [
+    Exercise("ch01_ex1", 3, "extend", "check_stop by the rules", "exercises/ch01_sequences.py", _T1),
+    Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
+    Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
+    Exercise("ch03_ex1", 4, "extend", "chapter 03's batching exercise", "exercises/ch03_batching.py", _T3),
+    Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
+    Exercise("ch05_ex1", 3, "rebuild", "BlockManager.allocate", _CH05_NB, _T46),
+    Exercise("ch05_ex2", 3, "rebuild", "BlockManager.deallocate", _CH05_NB, _T46),
+    Exercise("ch05_ex3", 2, "rebuild", "BlockManager.may_append", _CH05_NB, _T46),
+    Exercise("ch05_ex4", 4, "rebuild", "paged decode attention in torch", _CH05_NB, _T46),
+    Exercise("ch05_ex5", 5, "extend", "a block manager with a watermark, from scratch", _CH05_EX, _T46),
+    Exercise("ch05_ex6", 3, "extend", "sliding-window paged decode", _CH05_EX, _T46),
+    Exercise("ch06_ex1", 5, "extend", "token-granular prefix caching", "exercises/ch06_prefix_caching.py", _T46),
+    Exercise("ch10_ex1", 3, "extend", "typical-p sampling", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex2", 3, "extend", "the offset detokenizer", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex3", 3, "extend", "no-repeat n-grams", "exercises/ch10_sampling.py", _T10),
+]}
+
+EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root
+RESULTS_ENV = "MINIVLLM_GRADE_RESULTS"  # where the pytest plugin below writes each test's outcome
+REGION_MARKER = re.compile(r"^(?P<indent>\s*)# EXERCISE (?P<id>ch\d\d_ex\d+) \((?P<points>\d+) points?\): (?P<task>.+)$")
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+MESSAGE_CHARS = 4000  # the tail of a failure report kept in the JSON (hypothesis' smallest example is there)
+
+
+# --- exercise ids ------------------------------------------------------------------------------
+def resolve(ids: list[str] | None) -> list[str]:
+    """Expand chapter ids (`ch05`) into their exercises; None or [] means all.
+
+    Raises:
+        ValueError: an id that names no exercise and no chapter with exercises.
+    """
+    if not ids:
+        return list(EXERCISES)
+    out: list[str] = []
+    for name in ids:
+        if name in EXERCISES:
+            found = [name]
+        elif re.fullmatch(r"ch\d\d", name):
+            found = [e for e in EXERCISES if e.startswith(name + "_")]
+        else:
+            found = []
+        if not found:
+            chapters = sorted({e[:4] for e in EXERCISES})
+            raise ValueError(f"unknown exercise or chapter {name!r}: known chapters {', '.join(chapters)}; "
+                             f"exercises {', '.join(EXERCISES)}")
+        out += [e for e in found if e not in out]
+    return out
+
+
+@dataclass
+class Region:
+    """A graded region in a text: the marker line, the BEGIN and END lines (0-based line numbers)."""
+
+    id: str
+    points: int
+    task: str
+    indent: str
+    marker: int
+    begin: int
+    end: int
+
+
+def find_regions(text: str, where: str = "<text>") -> list[Region]:
+    """The graded regions of `text` (a notebook cell's or a module's source), in order.
+
+    Raises:
+        ValueError: a marker line not followed by `### BEGIN SOLUTION` at its indentation, nested or
+            unclosed regions, a region without a marker line, an id not in `EXERCISES`, or points
+            that differ from `EXERCISES`' (the table is the one place for points).
+    """
+    lines, regions, i = text.split("\n"), [], 0
+    while i < len(lines):
+        m = REGION_MARKER.match(lines[i])
+        if m is None:
+            if lines[i].strip() == BEGIN:
+                raise ValueError(f"{where}:{i + 1}: {BEGIN} without an `# EXERCISE chNN_exK (N points): task` line above")
+            i += 1
+            continue
+        ex, points = m["id"], int(m["points"])
+        if ex not in EXERCISES:
+            raise ValueError(f"{where}:{i + 1}: exercise {ex} is not in minivllm.grade.EXERCISES")
+        if points != EXERCISES[ex].points:
+            raise ValueError(f"{where}:{i + 1}: {ex} says {points} points, EXERCISES says {EXERCISES[ex].points}")
+        if i + 1 >= len(lines) or lines[i + 1] != m["indent"] + BEGIN:
+            raise ValueError(f"{where}:{i + 2}: expected {BEGIN!r} at the marker's indentation")
+        end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() in (BEGIN, END)), None)
+        if end is None or lines[end].strip() != END:
+            raise ValueError(f"{where}:{i + 2}: region of {ex} nested or never closed")
+        regions.append(Region(ex, points, m["task"].strip(), m["indent"], i, i + 1, end))
+        i = end + 1
+    return regions
+
+
+def stub_line(region: Region) -> str:
+    """What a region becomes in a student edition: one `raise` naming the exercise and its task."""
+    return f"{region.indent}raise NotImplementedError({f'{region.id}: {region.task}'!r})"
+
+
+# --- the pytest plugin (loaded in the grading run with `-p minivllm.grade`) ----------------------
+_outcomes: dict[str, dict] = {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        marks = sorted({m.name for m in item.iter_markers() if m.name in EXERCISES})
+        _outcomes[item.nodeid] = {"exercises": marks, "outcome": "passed", "message": "", "details": ""}
+
+
+def pytest_runtest_logreport(report):
+    rec = _outcomes.get(report.nodeid)
+    if rec is None or rec["outcome"] == "failed":
+        return
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        rec.update(outcome="failed", message=(crash.message if crash else str(report.longrepr))[:MESSAGE_CHARS],
+                   details=report.longreprtext[-MESSAGE_CHARS:])
+    elif report.skipped and rec["outcome"] == "passed":
+        rec["outcome"] = "skipped"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps(_outcomes, indent=1))
+
+
+# --- running the graders -----------------------------------------------------------------------
+def _tree_hash(root: Path, folder: str, pattern: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted((root / folder).rglob(pattern)):
+        if "__pycache__" not in f.parts and ".ipynb_checkpoints" not in f.parts:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def edition_hashes(root: Path) -> dict[str, str]:
+    """Hashes of an edition's package and chapters (recorded at release, compared when grading)."""
+    return {"package_sha256": _tree_hash(root, "minivllm", "*.py"),
+            "notebooks_sha256": _tree_hash(root, "notebooks", "*.ipynb")}
+
+
+def sync_package(root: Path) -> str:
+    """In a student edition, re-export `minivllm/` from the chapters if they changed since the release.
+
+    Returns a line saying what was done.
+    Raises:
+        RuntimeError: both the chapters and the package were edited and they disagree (the package
+            is generated from the chapters: work in the notebooks, or grade with `export=False`).
+    """
+    edition = json.loads((root / EDITION_FILE).read_text())
+    now = edition_hashes(root)
+    if now["notebooks_sha256"] == edition["notebooks_sha256"]:
+        return "chapters unchanged since the release: grading minivllm/ as it is"
+    export = [sys.executable, str(root / "scripts" / "export.py")]
+    if now["package_sha256"] != edition["package_sha256"]:
+        if subprocess.run(export + ["--check"], cwd=root, capture_output=True).returncode == 0:
+            return "minivllm/ is up to date with the chapters"
+        raise RuntimeError("both notebooks/ and minivllm/ were edited since the release, and minivllm/ is not what "
+                           "the notebooks export. minivllm/ is generated from the chapters: put your work in the "
+                           "notebook (then grade again), or grade minivllm/ as it is with --no-export (its files "
+                           "are overwritten by the next export).")
+    r = subprocess.run(export, cwd=root, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"exporting the chapters failed:\n{r.stdout}{r.stderr}")
+    return "re-exported minivllm/ from the chapters"
+
+
+def find_root(start: str | Path = ".") -> Path:
+    """The edition holding `start`: the nearest folder, upwards, with `minivllm/` and `tests/` (a
+    chapter runs in `notebooks/`, so its grader cells find the root above it)."""
+    here = Path(start).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "minivllm").is_dir() and (folder / "tests").is_dir():
+            return folder
+    raise ValueError(f"no minivllm edition (a folder with minivllm/ and tests/) at or above {here}")
+
+
+def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *, json_path: str | Path | None = None,
+          junit_path: str | Path | None = None, private_tests: str | Path | None = None,
+          export: bool | None = None, verbose: bool = True) -> dict:
+    """Run the graders of `ids` (exercise or chapter ids; default: the edition's exercises, or all) in
+    the edition at `root` (default: `find_root()`); return the report and write it as JSON and/or JUnit XML.
+
+    Args:
+        export: re-export the package from the chapters first (None: where `root` is a student
+            edition and its chapters changed, see `sync_package`).
+        private_tests: a folder of extra test files (marked with the exercises' markers) kept
+            outside the release; they count towards the same exercises.
+        verbose: print pytest's report of the failures and a score table.
+    Returns:
+        `{"root", "exercises": {id: {"points", "max_points", "passed", "tests", "failed": [...]}},
+        "total", "max_total"}`.
+    Raises:
+        ValueError: an unknown id, or a `root`/`private_tests` folder that does not exist.
+    """
+    root = find_root() if root is None else Path(root).resolve()
+    if not (root / "minivllm").is_dir():
+        raise ValueError(f"{root} is not a minivllm edition (no minivllm/ folder)")
+    edition = json.loads((root / EDITION_FILE).read_text()) if (root / EDITION_FILE).exists() else None
+    if isinstance(ids, str):
+        ids = [ids]
+    wanted = resolve(ids or (edition["exercises"] if edition else None))
+    note = ""
+    if edition and export is not False:
+        note = sync_package(root)
+    elif export:
+        subprocess.run([sys.executable, str(root / "scripts" / "export.py")], cwd=root, check=True, capture_output=True)
+    files = sorted({t for e in wanted for t in EXERCISES[e].tests if (root / t).exists()})
+    if private_tests is not None:
+        private_tests = Path(private_tests).resolve()
+        if not private_tests.is_dir():
+            raise ValueError(f"private tests folder {private_tests} does not exist")
+        files.append(str(private_tests))
+    impl = "solutions" if (root / "solutions").is_dir() else "exercises"
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(tmp) / "results.json"
+        env = {**os.environ, RESULTS_ENV: str(results), "PYTHONPATH": os.pathsep.join(
+            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "pytest", "-p", "minivllm.grade", "-p", "no:cacheprovider", "-q",
+               "--tb=short", "-m", " or ".join(wanted), f"--impl={impl}", "--rootdir", str(root), *files]
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        outcomes = json.loads(results.read_text()) if results.exists() else {}
+    report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
+    for ex in wanted:
+        tests = {n: o for n, o in outcomes.items() if ex in o["exercises"]}
+        failed = [{"test": n, "message": o["message"], "details": o["details"]}
+                  for n, o in tests.items() if o["outcome"] == "failed"]
+        passed = bool(tests) and not failed and any(o["outcome"] == "passed" for o in tests.values())
+        pts = EXERCISES[ex].points
+        report["exercises"][ex] = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
+                                   "passed": passed, "tests": len(tests), "failed": failed}
+        report["total"] += pts if passed else 0
+        report["max_total"] += pts
+    if not outcomes:  # pytest could not collect or start: say why
+        report["error"] = (r.stdout + r.stderr)[-MESSAGE_CHARS:]
+    if verbose:
+        if note:
+            print(note)
+        if r.returncode or not outcomes:
+            print(r.stdout[-20000:] + r.stderr[-4000:])
+        print(format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    if junit_path:
+        write_junit(report, junit_path)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The score table, one line per exercise."""
+    lines = []
+    for ex, r in report["exercises"].items():
+        status = "PASS" if r["passed"] else ("FAIL" if r["tests"] else "NO TESTS RAN")
+        why = f" — {r['failed'][0]['message'].splitlines()[0][:150]}" if r["failed"] and r["failed"][0]["message"] else ""
+        lines.append(f"{ex} {status:>4} {r['points']:>2}/{r['max_points']:<2} {r['title']}{why}")
+    lines.append(f"total: {report['total']}/{report['max_total']} points")
+    return "\n".join(lines)
+
+
+def write_junit(report: dict, path: str | Path) -> None:
+    """JUnit XML: one testcase per exercise (its points as properties), failures with their messages."""
+    failures = sum(not r["passed"] for r in report["exercises"].values())
+    suite = ET.Element("testsuite", name="minivllm grade", tests=str(len(report["exercises"])), failures=str(failures))
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", name="total", value=str(report["total"]))
+    ET.SubElement(props, "property", name="max_total", value=str(report["max_total"]))
+    for ex, r in report["exercises"].items():
+        case = ET.SubElement(suite, "testcase", classname="minivllm.grade", name=ex)
+        cprops = ET.SubElement(case, "properties")
+        ET.SubElement(cprops, "property", name="points", value=str(r["points"]))
+        ET.SubElement(cprops, "property", name="max_points", value=str(r["max_points"]))
+        if not r["passed"]:
+            first = r["failed"][0] if r["failed"] else {"message": "no test ran", "details": ""}
+            fail = ET.SubElement(case, "failure", message=first["message"][:500])
+            fail.text = "\n\n".join(f"{f['test']}\n{f['details']}" for f in r["failed"]) or first["message"]
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | None = None,
+                private_tests: str | Path | None = None, verbose: bool = True) -> list[dict]:
+    """Grade every subfolder of `submissions` (one student edition each) into one CSV: a row per
+    subfolder with its points per exercise and the total (a folder that cannot be graded gets an
+    `error` column). Submissions run arbitrary code: grade them in a sandbox or container."""
+    folders = sorted(p for p in Path(submissions).iterdir() if p.is_dir())
+    wanted = resolve(ids) if ids else None
+    rows = []
+    for folder in folders:
+        row: dict = {"submission": folder.name}
+        try:
+            rep = grade(wanted, folder, private_tests=private_tests, verbose=False)
+            row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
+            row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
+        except (ValueError, RuntimeError, OSError, json.JSONDecodeError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        if verbose:
+            print(f"{folder.name}: {row.get('total', '-')}/{row.get('max_total', '-')} {row.get('error', '')}".rstrip())
+    columns = ["submission", *dict.fromkeys(k for r in rows for k in r if k.startswith("ch")), "total", "max_total",
+               "error"]
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.grade", description=__doc__.split("\n\n")[0])
+    ap.add_argument("ids", nargs="*", help="exercise ids (ch05_ex1) or chapters (ch05); default: the edition's")
+    ap.add_argument("--root", help="the edition to grade (default: the one holding the current folder)")
+    ap.add_argument("--json", help="write the report as JSON here")
+    ap.add_argument("--junit", help="write the report as JUnit XML here")
+    ap.add_argument("--private-tests", help="a folder of extra tests, kept outside the release")
+    ap.add_argument("--no-export", action="store_true", help="grade minivllm/ as it is (no export from the chapters)")
+    ap.add_argument("--class", dest="submissions", help="grade each subfolder of this folder (one edition each)")
+    ap.add_argument("--csv", help="with --class: the scores' CSV (default: scores.csv)")
+    ap.add_argument("--list", action="store_true", help="list the exercises and their points")
+    args = ap.parse_args(argv)
+    try:
+        if args.list:
+            for e in EXERCISES.values():
+                print(f"{e.id} {e.points:>2} points  {e.kind:<7} {e.title}  ({e.where})")
+            return 0
+        if args.submissions:
+            grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests)
+            return 0
+        rep = grade(args.ids, args.root, json_path=args.json, junit_path=args.junit,
+                    private_tests=args.private_tests, export=False if args.no_export else None)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if rep["total"] == rep["max_total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
