@@ -173,7 +173,7 @@ class StepLog:
 
 # %% ../notebooks/09_benchmark.ipynb #897cb028
 from .llm import LLM
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 8, 4  # the dummy request: one prefill step, three decode steps
 
@@ -194,7 +194,9 @@ def warm_up_engine(llm: LLM) -> float:
 
 def generate_until(engine, prompts: list, params: list[SamplingParams], time_limit: float):
     """Step `engine` (an `LLMEngine`) on these requests until all finish or `time_limit` seconds have
-    passed (checked between steps); the unfinished ones are then aborted.
+    passed (checked between steps); the unfinished ones are then aborted. With `FINAL_ONLY` requests
+    (`bench_params`) a step makes no output for a running request; at the deadline the tokens of the
+    unfinished ones are read from their sequences (`engine.core.requests`) before the abort.
 
     Returns:
         `(tokens, num_cached)`: per request, its output token ids so far and its prompt tokens found cached.
@@ -206,21 +208,32 @@ def generate_until(engine, prompts: list, params: list[SamplingParams], time_lim
         while engine.has_unfinished_requests() and time.perf_counter() < deadline:
             latest.update((out.request_id, out) for out in engine.step())
     finally:
-        engine.abort_request([i for i in ids if i not in latest or not latest[i].finished])
-    outs = [latest.get(i) for i in ids]
-    return ([list(o.outputs[0].token_ids) if o else [] for o in outs],
-            [o.num_cached_tokens if o else 0 for o in outs])
+        running = {i: engine.core.requests.get(i) for i in ids if i not in latest or not latest[i].finished}
+        engine.abort_request(list(running))
+    tokens, cached = [], []
+    for i in ids:
+        out, seq = latest.get(i), running.get(i)
+        if out is not None and out.finished:
+            tokens.append(list(out.outputs[0].token_ids))
+            cached.append(out.num_cached_tokens)
+        else:  # stopped by the deadline: what its sequence holds (nothing if it never ran)
+            tokens.append(list(seq.completion_token_ids) if seq else [])
+            cached.append(min(seq.num_cached_tokens, seq.num_prompt_tokens) if seq else 0)
+    return tokens, cached
 
 # %% ../notebooks/09_benchmark.ipynb #efccac67
 def bench_params(workload: Workload, sampling: dict | None = None) -> list[SamplingParams]:
     """Each request's `SamplingParams`: exactly its output length (`ignore_eos`), no text (`detokenize=False`:
-    transformers' `generate` returns token ids too; vLLM's throughput benchmark has the same switch), greedy
+    transformers' `generate` returns token ids too; vLLM's throughput benchmark has the same switch), its
+    output only once finished (`FINAL_ONLY`, as vLLM's `LLM.generate` asks: a running request costs no
+    output objects per step), greedy
     unless `sampling` gives other fields (e.g. `{"temperature": 0.8, "top_p": 0.95}`; request i is then seeded
     with i, so a rerun draws the same tokens). Raises ValueError for a bad sampling field."""
     fields = {"temperature": 0.0, **(sampling or {})}
     seeded = fields["temperature"] > 0 and "seed" not in fields
     return [SamplingParams(**fields, **({"seed": i} if seeded else {}), max_tokens=n, ignore_eos=True,
-                           detokenize=False) for i, n in enumerate(workload.output_lens)]
+                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            for i, n in enumerate(workload.output_lens)]
 
 
 def run_engine(model: str | None, workload: Workload, dtype: str = "float32", use_tqdm: bool = False,

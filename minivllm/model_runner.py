@@ -5,6 +5,7 @@
 After nano-vllm's `ModelRunner` and vLLM's GPU model runner."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention import AttentionMetadata, ContiguousAttention
@@ -36,11 +37,12 @@ def prepare_batch(seqs: list[Sequence], is_prefill: bool, block_size: int, devic
         cu.append(len(input_ids))
         lens.append(seq.num_tokens)
         last_rows.append(len(input_ids) - 1)
-    width = max(len(s.block_table) for s in seqs)
-    tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int64)
+    for row, seq in zip(tables, seqs):  # row by row: torch converts a nested list element by element, slowly
+        row[:len(seq.block_table)] = seq.block_table
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     md = AttentionMetadata(is_prefill, torch.tensor(cu, dtype=torch.int64), as_tensor(lens),
-                           as_tensor(slots), as_tensor(tables))
+                           as_tensor(slots), torch.from_numpy(tables).to(device))
     return as_tensor(input_ids), as_tensor(positions), md, as_tensor(last_rows)
 
 

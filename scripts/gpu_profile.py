@@ -20,7 +20,8 @@ Three measurements, each in this one process:
    output tokens per second of each, measured one after the other.
 
 The timers of part 1 synchronise the device, so its total is a little above an untimed run's; parts
-2 and 3 are untimed by anything else. Writes one JSON record (`--out`) with the exact command.
+2 and 3 are untimed by anything else. Writes one JSON record (`--out`) with the exact command,
+rewritten after each stage.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minivllm import cuda_graph  # noqa: E402
 from minivllm.bench import (bench_params, dummy_model, environment, generate_until, make_workload,  # noqa: E402
-                            warm_up_engine, write_json)
+                            release_memory, warm_up_engine, write_json)
 from minivllm.llm import LLM  # noqa: E402
 
 
@@ -104,7 +105,8 @@ def step_parts(folder: str, workload, dtype: str, time_limit: float, sync, **eng
                                                     if k in ("scheduler", "forward", "sampling"))
         out[kind] = {"steps": counts[kind]["steps"], "seqs": counts[kind]["seqs"],
                      "seconds": {k: round(v, 4) for k, v in s.items()}}
-    del llm
+    del llm, seconds, counts
+    release_memory()  # the timers' closures hold the engine in reference cycles
     return out
 
 
@@ -188,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = {"max_model_len": 2048}  # as the ladder's
         batches, contexts, block_size = (64, 256), (256, 1024), None
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    record = {"kind": "gpu_profile", "dry_run": args.dry_run, "workload": workload.spec,
+    record = {**environment(), "kind": "gpu_profile", "dry_run": args.dry_run, "workload": workload.spec,
               "command": " ".join(["python scripts/gpu_profile.py", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                           else argv)])}
     if "parts" in stages:
         record["parts"] = step_parts(str(folder), workload, dtype, args.time_limit, sync, **engine_args)
         print(json.dumps(record["parts"], indent=1), flush=True)
+        save(record, args.out)
         block_size = block_size or record["parts"]["block_size"]
     if "kernel" in stages and (device.type == "cuda" or args.dry_run):
         if device.type == "cpu":
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         record["decode_kernel"] = kernel_bandwidth(device, getattr(torch, dtype), block_size or 16, batches, contexts)
         print(json.dumps({"copy_gb_per_s": record["copy_gb_per_s"], "decode_kernel": record["decode_kernel"]},
                          indent=1), flush=True)
+        save(record, args.out)
     if "compiled" in stages:
         runs = {}
         for name, cls in (("default runner", None), ("compiled small ops", cuda_graph.CompiledOpsGraphRunner)):
@@ -217,16 +221,19 @@ def main(argv: list[str] | None = None) -> int:
                           "output_tokens": n, "tok_s": n / seconds, "tokens": tokens}
             print(name, runs[name]["runner"], f"{n / seconds:.1f} tok/s", flush=True)
             del llm
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory()
         a, b = runs["default runner"].pop("tokens"), runs["compiled small ops"].pop("tokens")
         runs["requests_with_equal_tokens"] = sum(x == y for x, y in zip(a, b))
         record["compiled"] = runs
         print(json.dumps(runs, indent=1), flush=True)
-    record.update(environment())
-    if args.out:
-        write_json(record, args.out)
+        save(record, args.out)
     return 0
+
+
+def save(record: dict, out: str | None) -> None:
+    """Write the record so far: a run stopped by a time limit keeps the stages it finished."""
+    if out:
+        write_json(record, out)
 
 
 if __name__ == "__main__":
