@@ -134,9 +134,10 @@ def find_regions(text: str, where: str = "<text>") -> list[Region]:
     """The graded regions of `text` (a notebook cell's or a module's source), in order.
 
     Raises:
-        ValueError: a marker line not followed by `### BEGIN SOLUTION` at its indentation, nested or
-            unclosed regions, a region without a marker line, an id not in `EXERCISES`, or points
-            that differ from `EXERCISES`' (the table is the one place for points).
+        ValueError: nested or unclosed regions, a region without a marker line, an id not in
+            `EXERCISES`, or points that differ from `EXERCISES`' (the table is the one place for
+            points). A marker line not followed by `### BEGIN SOLUTION` at its indentation is a
+            stubbed region (a student edition's) and is skipped.
     """
     lines, regions, i = text.split("\n"), [], 0
     while i < len(lines):
@@ -151,8 +152,9 @@ def find_regions(text: str, where: str = "<text>") -> list[Region]:
             raise ValueError(f"{where}:{i + 1}: exercise {ex} is not in minivllm.grade.EXERCISES")
         if points != EXERCISES[ex].points:
             raise ValueError(f"{where}:{i + 1}: {ex} says {points} points, EXERCISES says {EXERCISES[ex].points}")
-        if i + 1 >= len(lines) or lines[i + 1] != m["indent"] + BEGIN:
-            raise ValueError(f"{where}:{i + 2}: expected {BEGIN!r} at the marker's indentation")
+        if i + 1 >= len(lines) or lines[i + 1] != m["indent"] + BEGIN:  # a stub in a student edition
+            i += 1
+            continue
         end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() in (BEGIN, END)), None)
         if end is None or lines[end].strip() != END:
             raise ValueError(f"{where}:{i + 2}: region of {ex} nested or never closed")

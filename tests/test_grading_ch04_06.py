@@ -314,23 +314,25 @@ def _ch05_drive(ex: str, ops: list[tuple], block_size: int, num_blocks: int) -> 
                 bm.blocks[b].ref_count += 1
             live.append(child)
         else:
-            seq = live.pop(arg % len(live))
-            table = list(seq.block_table)
-            bm.deallocate(seq)
-            _expect(seq.block_table == [] and seq.num_cached_tokens == 0,
-                    f"{ex}: after deallocate the block_table must be [] and num_cached_tokens 0, got "
-                    f"{seq.block_table} and {seq.num_cached_tokens}")
-            others, free = {b for s in live for b in s.block_table}, set(bm.free_block_ids)
-            for b in table:
-                _expect(b in others or b in free, f"{ex}: block {b} of the deallocated block_table {table} is held "
-                        f"by no other sequence but was never freed (ref_count {bm.blocks[b].ref_count}, not in "
-                        f"free_block_ids)")
-                _expect(b not in others or b not in free, f"{ex}: block {b} of the deallocated block_table {table} "
-                        f"was freed although another sequence still holds it")
+            _ch05_free(ex, bm, live, live.pop(arg % len(live)))
         _ch05_check(ex, bm, live, f"{op} {arg}")
     while live:
-        bm.deallocate(live.pop())
+        _ch05_free(ex, bm, live, live.pop())
     _ch05_check(ex, bm, [], "freeing every sequence")
+
+
+def _ch05_free(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -> None:
+    """Deallocate `seq` (no longer in `live`): its blocks nobody else holds must be free, the others not."""
+    table = list(seq.block_table)
+    bm.deallocate(seq)
+    _expect(seq.block_table == [] and seq.num_cached_tokens == 0, f"{ex}: after deallocate the block_table must "
+            f"be [] and num_cached_tokens 0, got {seq.block_table} and {seq.num_cached_tokens}")
+    others, free = {b for s in live for b in s.block_table}, set(bm.free_block_ids)
+    for b in table:
+        _expect(b in others or b in free, f"{ex}: block {b} of the deallocated block_table {table} is held by no "
+                f"other sequence but was never freed (ref_count {bm.blocks[b].ref_count}, not in free_block_ids)")
+        _expect(b not in others or b not in free, f"{ex}: block {b} of the deallocated block_table {table} was "
+                "freed although another sequence still holds it")
 
 
 @pytest.mark.ch05
@@ -409,8 +411,12 @@ def test_ch05_engine_equals_transformers(ex, ch05_engine_case):
     kv, backend = (_Scaffold, _ReferenceDecode) if ex == "ch05_ex4" else (_graded(ex), PagedAttention)
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
                        kv_manager=kv, attention_backend=backend)
-    got = [o.outputs[0].token_ids for o in run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=10,
-                                                                                      ignore_eos=True))]
+    try:  # run_engine checks the engine's invariants after every step
+        outs = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    except AssertionError as e:
+        raise AssertionError(f"{ex}: with your code the engine broke an invariant of its KV cache (reference counts, "
+                             f"free and used blocks; the traceback shows which): {e}") from e
+    got = [o.outputs[0].token_ids for o in outs]
     for i, (g, r) in enumerate(zip(got, ref)):
         j = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
         _expect(g == r, f"{ex}: prompt {i} ({len(prompts[i])} tokens): the engine generated {g}, transformers {r} "

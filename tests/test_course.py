@@ -1,0 +1,187 @@
+"""The course tooling, tried as a student and an instructor would: a student edition of chapter 05
+(`scripts/release.py`), graded with `minivllm.grade` before and after the student's work.
+
+The edition is written once per module into a temporary folder; each grading run is one pytest
+subprocess in it (about half a minute), so this file runs two.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import nbformat
+import pytest
+
+from minivllm import grade as grading
+from minivllm.grade import EXERCISES, find_regions, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+CH05 = "notebooks/05_paged_attention.ipynb"
+REBUILD = [e for e in resolve(["ch05"]) if EXERCISES[e].kind == "rebuild"]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_course_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _regions(nb_path: Path) -> dict[str, str]:
+    """exercise id -> its answer's text, in the chapter at `nb_path`."""
+    out = {}
+    for cell in nbformat.read(nb_path, as_version=4).cells:
+        if cell.cell_type == "code":
+            lines = cell.source.split("\n")
+            for r in find_regions(cell.source):
+                out[r.id] = "\n".join(lines[r.begin + 1:r.end])
+    return out
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("course") / "ch05-student"
+    _script("release").release(["ch05"], out)
+    return out
+
+
+def test_markers_agree_with_the_table():
+    """Every rebuild exercise has a region in a chapter, every region names a rebuild exercise, and
+    points are stated as in `EXERCISES` (find_regions raises otherwise)."""
+    found = {}
+    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for ex in _regions(nb):
+            found[ex] = nb.name
+    assert all(EXERCISES[e].kind == "rebuild" for e in found), found
+    assert sorted(found) == sorted(e for e in EXERCISES if EXERCISES[e].kind == "rebuild")
+    assert len(REBUILD) >= 3
+
+
+def test_exercises_are_fresh():
+    """exercises/ is what scripts/make_exercises.py generates from solutions/ (no answer, no drift)."""
+    want = _script("make_exercises").expected()
+    have = {p.name: p.read_text() for p in (ROOT / "exercises").glob("ch*.py")}
+    assert want == have, "exercises/ is stale: run `make exercises`"
+
+
+def test_unknown_ids_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="ch05_ex99"):
+        _script("release").release(["ch05_ex99"], tmp_path / "x")
+    with pytest.raises(ValueError, match="ch42"):
+        resolve(["ch42"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_edition_has_no_answers(edition):
+    """No solutions/, and neither the package nor the chapter holds a region's answer; the stubs are there."""
+    assert not (edition / "solutions").exists() and not (edition / ".git").exists()
+    answers = _regions(ROOT / CH05)
+    assert sorted(answers) == REBUILD
+    package = "\n".join(p.read_text() for p in (edition / "minivllm").rglob("*.py"))
+    chapter = "\n".join(c.source for c in nbformat.read(edition / CH05, as_version=4).cells)
+    for ex, answer in answers.items():
+        assert answer not in package and answer not in chapter, ex
+        assert f'NotImplementedError("{ex}: ' in package or f"NotImplementedError('{ex}: " in package, ex
+    assert _regions(edition / CH05) == {}  # the delimiters are gone with the answers
+    assert json.loads((edition / "EDITION.json").read_text())["exercises"] == resolve(["ch05"])
+    # earlier chapters keep their code
+    assert (edition / "minivllm/scheduler.py").read_text() == (ROOT / "minivllm/scheduler.py").read_text()
+
+
+def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
+    rep = grading.grade(None, edition, json_path=tmp_path / "r.json", junit_path=tmp_path / "r.xml", verbose=False)
+    assert list(rep["exercises"]) == resolve(["ch05"]) and rep["total"] == 0
+    for ex, r in rep["exercises"].items():
+        assert r["tests"] > 0 and not r["passed"], ex
+        for f in r["failed"]:
+            assert "NotImplementedError" in f["message"], (ex, f["test"], f["message"])
+            if ex in REBUILD:
+                assert ex in f["message"], (ex, f["message"])
+    assert json.loads((tmp_path / "r.json").read_text())["max_total"] == sum(EXERCISES[e].points for e in resolve(["ch05"]))
+    suite = ET.parse(tmp_path / "r.xml").getroot()
+    assert suite.get("tests") == str(len(REBUILD) + 2) and suite.get("failures") == suite.get("tests")
+
+
+def _fill(edition: Path, bodies: dict[str, str]) -> None:
+    """Replace the stubs of `bodies`' exercises in the edition's chapter 05, as a student would."""
+    nb = nbformat.read(edition / CH05, as_version=4)
+    for cell in nb.cells:
+        for ex, body in bodies.items():
+            lines = cell.source.split("\n")
+            hits = [i for i, line in enumerate(lines) if "raise NotImplementedError(" in line and f"{ex}: " in line]
+            for i in hits:
+                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+                lines[i] = "\n".join(indent + b for b in body.split("\n"))
+            cell.source = "\n".join(lines)
+    nbformat.write(nb, edition / CH05)
+
+
+def _dedent(text: str) -> str:
+    lines = text.split("\n")
+    cut = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
+    return "\n".join(line[cut:] for line in lines)
+
+
+def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
+    """ch05_ex1 gets the book's answer; ch05_ex2 leaks the tail block; ch05_ex3 delegates to super();
+    ch05_ex4 is an empty stub. Only ch05_ex1 passes, each failure says why; an instructor's private
+    test counts towards its exercise."""
+    edition = shutil.copytree(edition, tmp_path / "submission")  # other tests see the untouched edition
+    answers = {ex: _dedent(a) for ex, a in _regions(ROOT / CH05).items()}
+    leaky = answers["ch05_ex2"].replace("if block.ref_count == 0:", "if block.ref_count == 0 and block_id != seq.block_table[-1]:")
+    assert leaky != answers["ch05_ex2"]
+    _fill(edition, {"ch05_ex1": answers["ch05_ex1"], "ch05_ex2": leaky, "ch05_ex3": "return super().may_append(seq)",
+                    "ch05_ex4": "pass"})
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "test_private_ch05.py").write_text(
+        "import pytest\nfrom minivllm.block_manager import BlockManager\nfrom minivllm.sequence import Sequence\n\n\n"
+        "@pytest.mark.ch05_ex1\ndef test_three_tokens_take_two_blocks():\n"
+        "    bm, seq = BlockManager(4, 2), Sequence([1, 2, 3], block_size=2)\n"
+        "    bm.allocate(seq)\n    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2\n")
+    rep = grading.grade(REBUILD, edition, private_tests=private, verbose=False)
+    passed = [ex for ex, r in rep["exercises"].items() if r["passed"]]
+    assert passed == ["ch05_ex1"], {ex: r["failed"][:1] for ex, r in rep["exercises"].items()}
+    assert rep["total"] == EXERCISES["ch05_ex1"].points
+    assert rep["exercises"]["ch05_ex1"]["tests"] == 3  # the contract, the engine, the private test
+    ex2 = " ".join(f["message"] for f in rep["exercises"]["ch05_ex2"]["failed"])
+    assert "ch05_ex2" in ex2 and "never freed" in ex2, ex2
+    ex2_details = " ".join(f["details"] for f in rep["exercises"]["ch05_ex2"]["failed"])
+    assert "ops=[" in ex2_details  # hypothesis' smallest failing input is reported
+    assert any("AttributeError" in f["message"] for f in rep["exercises"]["ch05_ex3"]["failed"])
+    assert rep["exercises"]["ch05_ex4"]["failed"] and all(
+        "NotImplementedError" not in f["message"] for f in rep["exercises"]["ch05_ex4"]["failed"])
+
+
+def test_grade_a_class_into_one_csv(tmp_path, monkeypatch):
+    """One row per submission folder, points per exercise and the total; a folder that cannot be
+    graded gets its error (the grading itself is the function tested above)."""
+    for name in ("alice", "bob", "carol"):
+        (tmp_path / "subs" / name).mkdir(parents=True)
+
+    def fake_grade(ids, root, **kw):
+        if root.name == "carol":
+            raise RuntimeError("no minivllm/ here")
+        pts = {"alice": 3, "bob": 0}[root.name]
+        return {"exercises": {"ch05_ex1": {"points": pts}, "ch05_ex2": {"points": 0}}, "total": pts, "max_total": 6}
+
+    monkeypatch.setattr(grading, "grade", fake_grade)
+    grading.grade_class(tmp_path / "subs", tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"], verbose=False)
+    rows = list(csv.DictReader(open(tmp_path / "scores.csv")))
+    assert [r["submission"] for r in rows] == ["alice", "bob", "carol"]
+    assert rows[0]["ch05_ex1"] == "3" and rows[0]["total"] == "3" and rows[1]["total"] == "0"
+    assert "no minivllm" in rows[2]["error"] and rows[2]["total"] == ""
+
+
+def test_grade_command_refuses_unknown_ids(capsys):
+    assert grading.main(["ch05_ex42", "--root", str(ROOT)]) == 2
+    assert "unknown exercise" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
