@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo lab test test-fast export exercises notebooks check-export clean
+.PHONY: setup demo lab test test-fast export exercises notebooks check-export clean release grade grade-class
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,24 @@ exercises:
 ## execute every chapter in place so the committed notebooks show their outputs and figures
 notebooks:
 	$(PY) scripts/run_notebooks.py notebooks/[0-9][0-9]_*.ipynb
+
+## courses: write a student edition without the answers of ASSIGNMENT (a chapter, ch05, or exercise ids)
+##   make release ASSIGNMENT=ch05 OUT=../ch05-student
+release:
+	@test -n "$(ASSIGNMENT)" -a -n "$(OUT)" || { echo "usage: make release ASSIGNMENT=ch05 OUT=dir"; exit 2; }
+	$(PY) scripts/release.py $(ASSIGNMENT) --out $(OUT)
+
+## courses: grade exercises (IDS: exercise or chapter ids, default: the edition's) in this edition or EDITION=dir;
+##   JSON=report.json JUNIT=report.xml PRIVATE=dir-of-extra-tests are optional
+grade:
+	OMP_NUM_THREADS=1 $(PY) -m minivllm.grade $(IDS) $(if $(EDITION),--root $(EDITION)) $(if $(JSON),--json $(JSON)) \
+		$(if $(JUNIT),--junit $(JUNIT)) $(if $(PRIVATE),--private-tests $(PRIVATE))
+
+## courses: grade a class, one student edition per subfolder of SUBMISSIONS, into CSV (default scores.csv)
+grade-class:
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade-class SUBMISSIONS=dir [CSV=scores.csv] [IDS=ch05]"; exit 2; }
+	OMP_NUM_THREADS=1 $(PY) -m minivllm.grade $(IDS) --class $(SUBMISSIONS) --csv $(or $(CSV),scores.csv) \
+		$(if $(PRIVATE),--private-tests $(PRIVATE))
 
 clean:
 	rm -rf $(VENV) .pytest_cache
