@@ -126,9 +126,11 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     (converted on first use). Anything else must be a local folder; nothing is downloaded.
 
     Raises:
-        ValueError: the folder does not exist, is not a folder, has no `config.json`, or has no
-            `*.safetensors` weights.
+        ValueError: `model` is not a path, or the folder does not exist, is not a folder, has no
+            `config.json`, or has no `*.safetensors` weights.
     """
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a folder (a str or os.PathLike) or None, got {type(model).__name__}")
     if model is None or str(model) in DEFAULT_MODEL_ALIASES:
         return convert_default_model()
     path = Path(model).expanduser()

@@ -125,10 +125,13 @@ class Processor:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
         text, raw = split_prompt(prompt, self.tokenizer)
+        what = f" (its 'prompt_token_ids' is a {type(raw).__name__})" if isinstance(prompt, dict) else ""
+        if isinstance(raw, (set, frozenset, bytes, bytearray, memoryview)):  # no order, or bytes rather than ids
+            raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}{what}")
         try:
             raw = list(raw)
         except TypeError:
-            raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}") from None
+            raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}{what}") from None
         ids = [token_id(t) for t in raw]
         if not ids:
             raise ValueError("the prompt is empty: a request needs at least one token")

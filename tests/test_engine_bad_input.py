@@ -281,3 +281,19 @@ def test_sampling_params_changed_after_construction_are_checked_again(llm):
     while llm.llm_engine.has_unfinished_requests():
         outs += [o for o in llm.llm_engine.step() if o.finished]
     assert [o.request_id for o in outs] == [rid] and len(outs[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("ids", [b"\x01\x02", bytearray(b"\x01"), {1, 2}, frozenset({3})],
+                         ids=["bytes", "bytearray", "set", "frozenset"])
+def test_token_ids_without_order_or_as_bytes_are_refused(llm, ids):
+    """A set has no order (its ids would be fed in hash order) and bytes are not token ids."""
+    engine = llm.llm_engine
+    for prompt in (ids, {"prompt_token_ids": ids}):
+        with pytest.raises(ValueError, match="a prompt must be text, a list of token ids or a dict"):
+            engine.add_request(None, prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_model_that_is_not_a_path_is_refused():
+    with pytest.raises(ValueError, match="model must be a folder"):
+        LLM(123)
