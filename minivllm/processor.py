@@ -126,9 +126,9 @@ class Processor:
                              "(sampler, scheduler, output processor) acts on it")
         text, raw = split_prompt(prompt, self.tokenizer)
         what = f" (its 'prompt_token_ids' is a {type(raw).__name__})" if isinstance(prompt, dict) else ""
-        if isinstance(raw, (set, frozenset, bytes, bytearray, memoryview)):  # no order, or bytes rather than ids
-            raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}{what}")
         try:
+            if isinstance(raw, (set, frozenset, bytes, bytearray, memoryview)):  # no order, or bytes, not ids
+                raise TypeError
             raw = list(raw)
         except TypeError:
             raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}{what}") from None
