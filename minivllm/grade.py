@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,6 +90,7 @@ EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edit
 RESULTS_ENV = "MINIVLLM_GRADE_RESULTS"  # where the pytest plugin below writes each test's outcome
 REGION_MARKER = re.compile(r"^(?P<indent>\s*)# EXERCISE (?P<id>ch\d\d_ex\d+) \((?P<points>\d+) points?\): (?P<task>.+)$")
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+GRADE_TIMEOUT_S = 1800  # one grading run's limit, seconds
 MESSAGE_CHARS = 4000  # the tail of a failure report kept in the JSON (hypothesis' smallest example is there)
 
 
@@ -249,7 +251,7 @@ def find_root(start: str | Path = ".") -> Path:
 
 def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *, json_path: str | Path | None = None,
           junit_path: str | Path | None = None, private_tests: str | Path | None = None,
-          export: bool | None = None, verbose: bool = True) -> dict:
+          export: bool | None = None, verbose: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> dict:
     """Run the graders of `ids` (exercise or chapter ids; default: the edition's exercises, or all) in
     the edition at `root` (default: `find_root()`); return the report and write it as JSON and/or JUnit XML.
 
@@ -259,6 +261,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         private_tests: a folder of extra test files (marked with the exercises' markers) kept
             outside the release; they count towards the same exercises.
         verbose: print pytest's report of the failures and a score table.
+        timeout_s: the whole run's limit (an endless loop scores nothing, with an error saying so).
     In the book (not an edition), a chapter executed by the test suite (nbmake) does not run the
     graders again: the suite runs them itself; the report then says `"skipped"`.
     Returns:
@@ -292,14 +295,20 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         if not private_tests.is_dir():
             raise ValueError(f"private tests folder {private_tests} does not exist")
         files.append(str(private_tests))
-    impl = "solutions" if (root / "solutions").is_dir() else "exercises"
+    # an edition grades the student's exercises/, whatever else its folder holds
+    impl = "solutions" if edition is None and (root / "solutions").is_dir() else "exercises"
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.json"
         env = {**os.environ, RESULTS_ENV: str(results), "PYTHONPATH": os.pathsep.join(
             [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "pytest", "-p", "minivllm.grade", "-p", "no:cacheprovider", "-q",
                "--tb=short", "-m", " or ".join(wanted), f"--impl={impl}", "--rootdir", str(root), *files]
-        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        try:
+            r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            out = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            r = subprocess.CompletedProcess(cmd, 1, out(e.stdout), out(e.stderr) + f"\ngrading stopped after "
+                                            f"{timeout_s:.0f} s (an endless loop?)")
         outcomes = json.loads(results.read_text()) if results.exists() else {}
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
     for ex in wanted:
@@ -358,16 +367,23 @@ def write_junit(report: dict, path: str | Path) -> None:
 
 
 def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | None = None,
-                private_tests: str | Path | None = None, verbose: bool = True) -> list[dict]:
+                private_tests: str | Path | None = None, tests_from: str | Path | None = None,
+                verbose: bool = True) -> list[dict]:
     """Grade every subfolder of `submissions` (one student edition each) into one CSV: a row per
     subfolder with its points per exercise and the total (a folder that cannot be graded gets an
-    `error` column). Submissions run arbitrary code: grade them in a sandbox or container."""
+    `error` column). With `tests_from` (an edition or the book), each submission's `tests/` is first
+    replaced by that folder's `tests/`, so that a student's edits to the graders do not count.
+    Submissions run arbitrary code: grade them in a sandbox or container."""
     folders = sorted(p for p in Path(submissions).iterdir() if p.is_dir())
     wanted = resolve(ids) if ids else None
     rows = []
     for folder in folders:
         row: dict = {"submission": folder.name}
         try:
+            if tests_from is not None:
+                shutil.rmtree(folder / "tests", ignore_errors=True)
+                shutil.copytree(Path(tests_from) / "tests", folder / "tests",
+                                ignore=shutil.ignore_patterns("__pycache__"))
             rep = grade(wanted, folder, private_tests=private_tests, verbose=False)
             row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
             row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
@@ -395,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-export", action="store_true", help="grade minivllm/ as it is (no export from the chapters)")
     ap.add_argument("--class", dest="submissions", help="grade each subfolder of this folder (one edition each)")
     ap.add_argument("--csv", help="with --class: the scores' CSV (default: scores.csv)")
+    ap.add_argument("--tests-from", help="with --class: replace each submission's tests/ by this edition's "
+                                         "(default: the book or edition holding the current folder; 'none': keep them)")
     ap.add_argument("--list", action="store_true", help="list the exercises and their points")
     args = ap.parse_args(argv)
     try:
@@ -403,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{e.id} {e.points:>2} points  {e.kind:<7} {e.title}  ({e.where})")
             return 0
         if args.submissions:
-            grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests)
+            tests_from = None if args.tests_from == "none" else (args.tests_from or find_root())
+            if tests_from is not None:
+                print(f"graders taken from {tests_from}/tests")
+            grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests, tests_from)
             return 0
         rep = grade(args.ids, args.root, json_path=args.json, junit_path=args.junit,
                     private_tests=args.private_tests, export=False if args.no_export else None)

@@ -160,7 +160,8 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
 
 def test_grade_a_class_into_one_csv(tmp_path, monkeypatch):
     """One row per submission folder, points per exercise and the total; a folder that cannot be
-    graded gets its error (the grading itself is the function tested above)."""
+    graded gets its error; the instructor's graders replace the submissions' (the grading itself is
+    the function tested above)."""
     for name in ("alice", "bob", "carol"):
         (tmp_path / "subs" / name).mkdir(parents=True)
 
@@ -171,7 +172,14 @@ def test_grade_a_class_into_one_csv(tmp_path, monkeypatch):
         return {"exercises": {"ch05_ex1": {"points": pts}, "ch05_ex2": {"points": 0}}, "total": pts, "max_total": 6}
 
     monkeypatch.setattr(grading, "grade", fake_grade)
-    grading.grade_class(tmp_path / "subs", tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"], verbose=False)
+    (tmp_path / "subs" / "alice" / "tests").mkdir()
+    (tmp_path / "subs" / "alice" / "tests" / "test_grading_ch04_06.py").write_text("# graders edited away\n")
+    (tmp_path / "book" / "tests").mkdir(parents=True)
+    (tmp_path / "book" / "tests" / "test_grading_ch04_06.py").write_text("# the released graders\n")
+    grading.grade_class(tmp_path / "subs", tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"],
+                        tests_from=tmp_path / "book", verbose=False)
+    for name in ("alice", "bob"):  # every submission graded with the instructor's graders
+        assert (tmp_path / "subs" / name / "tests" / "test_grading_ch04_06.py").read_text() == "# the released graders\n"
     rows = list(csv.DictReader(open(tmp_path / "scores.csv")))
     assert [r["submission"] for r in rows] == ["alice", "bob", "carol"]
     assert rows[0]["ch05_ex1"] == "3" and rows[0]["total"] == "3" and rows[1]["total"] == "0"
