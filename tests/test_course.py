@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -60,6 +61,10 @@ def test_markers_agree_with_the_table():
     assert all(EXERCISES[e].kind == "rebuild" for e in found), found
     assert sorted(found) == sorted(e for e in EXERCISES if EXERCISES[e].kind == "rebuild")
     assert len(REBUILD) >= 3
+    # the chapter's Exercises section states every exercise of the chapter with the table's points
+    text = "\n".join(c.source for c in nbformat.read(ROOT / CH05, as_version=4).cells if c.cell_type == "markdown")
+    stated = {m[1]: int(m[2]) for m in re.finditer(r"\(`(ch05_ex\d+)`, (\d+) points?\)", text)}
+    assert stated == {e: EXERCISES[e].points for e in resolve(["ch05"])}, stated
 
 
 def test_exercises_are_fresh():
