@@ -24,11 +24,14 @@ def compute_hash(token_ids: list[int], parent_hash: int = NO_HASH) -> int:
     Returns:
         A non-negative int < 2**64. Different prefixes may collide: callers check tokens and parent.
     """
+    # EXERCISE ch06_ex2 (2 points): hash parent_hash (unless NO_HASH) and token_ids into an int in [0, 2**64)
+    ### BEGIN SOLUTION
     h = xxhash.xxh64()
     if parent_hash != NO_HASH:
         h.update(parent_hash.to_bytes(8, "little"))
     h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
     return h.intdigest()
+    ### END SOLUTION
 
 
 class CachedBlock(Block):
@@ -86,6 +89,8 @@ class BlockCache(BlockManager):
 
     def _uncache(self, block_id: int) -> None:
         """Remove a block and every cached block below it from the cache (their prefix is gone)."""
+        # EXERCISE ch06_ex4 (3 points): uncache block_id and every cached block below it (a loop, not recursion)
+        ### BEGIN SOLUTION
         todo = [block_id]
         while todo:
             block = self.blocks[todo.pop()]
@@ -96,6 +101,7 @@ class BlockCache(BlockManager):
                 self.blocks[block.parent].children.discard(block.block_id)
             todo.extend(block.children)
             block.forget()
+        ### END SOLUTION
 
     def _allocate_block(self) -> CachedBlock:
         """Take the least recently freed block and evict what it cached: new K/V will overwrite it."""
@@ -143,6 +149,8 @@ class PrefixCachingBlockManager(BlockCache):
         holding the last token is always computed: its logits choose the next token).
         """
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        # EXERCISE ch06_ex3 (4 points): share the cached prefix's blocks (not the last token's); cache the new full blocks
+        ### BEGIN SOLUTION
         seq.num_cached_tokens = 0
         hittable = (seq.num_tokens - 1) // self.block_size  # blocks wholly before the last token
         h, parent, hit = NO_HASH, NO_PARENT, True
@@ -161,6 +169,7 @@ class PrefixCachingBlockManager(BlockCache):
                     self._cache(block_id, h, token_ids, parent)
             seq.block_table.append(block_id)
             parent = block_id
+        ### END SOLUTION
 
     def may_append(self, seq: Sequence) -> None:
         """As `BlockManager.may_append`; also cache the last block once this step's token fills it."""
