@@ -3,6 +3,7 @@ switch for grading."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ from minivllm.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older i
 
 
 def pytest_addoption(parser):
-    parser.addoption("--impl", choices=("solutions", "exercises"), default="solutions",
+    has_solutions = (Path(__file__).resolve().parent.parent / "solutions").is_dir()  # absent in a student edition
+    parser.addoption("--impl", choices=("solutions", "exercises"), default="solutions" if has_solutions else "exercises",
                      help="which implementation the grading tests load: the reference solutions/ "
-                          "(the project's own run) or a student's exercises/")
+                          "(the book's own run) or a student's exercises/ (the default where solutions/ is absent)")
 
 
 @pytest.fixture(scope="session")
