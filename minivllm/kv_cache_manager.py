@@ -17,8 +17,12 @@ def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) 
     Token `t` lives in block `block_table[t // block_size]` at offset `t % block_size`, so in slot
     `block_table[t // block_size] * block_size + t % block_size` of the cache's flattened
     `[num_blocks * block_size]` axis. The one place this formula lives (vLLM's `slot_mapping`).
+    Returns a list of `end - start` ints.
     """
+    # EXERCISE ch04_ex2 (2 points): the flat cache slot of each token position t in [start, end)
+    ### BEGIN SOLUTION
     return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+    ### END SOLUTION
 
 
 class KVCacheManager(Protocol):

@@ -27,6 +27,8 @@ def prepare_batch(seqs: list[Sequence], is_prefill: bool, block_size: int, devic
     A prefill feeds each sequence's tokens from `num_cached_tokens` on; a decode feeds its last token.
     All int64; `cu_seqlens_q` stays on the CPU, the rest goes to `device`.
     """
+    # EXERCISE ch04_ex5 (3 points): each sequence's new tokens end to end: ids, positions, slots, cu, lens, last rows
+    ### BEGIN SOLUTION
     input_ids, positions, slots, cu, lens, last_rows = [], [], [], [0], [], []
     for seq in seqs:
         start = seq.num_cached_tokens if is_prefill else seq.num_tokens - 1
@@ -37,6 +39,7 @@ def prepare_batch(seqs: list[Sequence], is_prefill: bool, block_size: int, devic
         cu.append(len(input_ids))
         lens.append(seq.num_tokens)
         last_rows.append(len(input_ids) - 1)
+    ### END SOLUTION
     tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int64)
     for row, seq in zip(tables, seqs):  # row by row: torch converts a nested list element by element, slowly
         row[:len(seq.block_table)] = seq.block_table

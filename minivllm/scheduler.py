@@ -91,6 +91,8 @@ class Scheduler(SchedulerBase):
 
     def schedule_prefill(self) -> list[Sequence]:
         """Admit waiting sequences from the head of the queue while they fit; return them."""
+        # EXERCISE ch04_ex3 (3 points): admit from the head of waiting, in order, while the head fits; return them
+        ### BEGIN SOLUTION
         scheduled, num_batched_tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -103,9 +105,12 @@ class Scheduler(SchedulerBase):
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)
         return scheduled
+        ### END SOLUTION
 
     def schedule_decode(self) -> list[Sequence]:
         """Room for one more token for each running sequence, preempting when there is none."""
+        # EXERCISE ch04_ex4 (3 points): room for one more token per running sequence; preempt the newest when full
+        ### BEGIN SOLUTION
         scheduled = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
@@ -120,6 +125,7 @@ class Scheduler(SchedulerBase):
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))  # keep admission order
         return scheduled
+        ### END SOLUTION
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Append each sampled token (one per sequence of the step) and retire the finished ones."""

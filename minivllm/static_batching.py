@@ -52,6 +52,8 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
+    # EXERCISE ch03_ex2 (2 points): left-pad each prompt to the longest; positions count from its first real token
+    ### BEGIN SOLUTION
     width = max(len(p) for p in prompts)
     pad_lens = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=device)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64, device=device)
@@ -59,6 +61,7 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64, device=device)
     columns = torch.arange(width, device=device)
     positions = (columns[None, :] - pad_lens[:, None]).clamp(min=PAD_POSITION)
+    ### END SOLUTION
     return PaddedBatch(input_ids, positions, pad_lens)
 
 # %% auto #0
@@ -84,12 +87,15 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens
     k = k.repeat_interleave(groups, dim=2)
     v = v.repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [batch_size, num_heads, Tq, Tk]
+    # EXERCISE ch03_ex3 (3 points): the mask allowed [batch_size, Tq, Tk]: causal, no padding key, own column always
+    ### BEGIN SOLUTION
     q_col = torch.arange(tk - tq, tk, device=q.device)  # the column of each query
     k_col = torch.arange(tk, device=q.device)
     causal = k_col[None, :] <= q_col[:, None]  # [Tq, Tk]
     real_key = k_col[None, :] >= pad_lens[:, None]  # [batch_size, Tk]
     itself = k_col[None, :] == q_col[:, None]  # lets a padding query see one key: no NaN
     allowed = (causal[None] & real_key[:, None, :]) | itself[None]  # [batch_size, Tq, Tk]
+    ### END SOLUTION
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -227,7 +233,10 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
                 continue
             next_ids[b] = token = sample(logits[b], params.temperature, generators[b])
             outputs[b].append(token)
+            # EXERCISE ch03_ex4 (2 points): row b is done after max_tokens tokens, or at EOS unless ignore_eos
+            ### BEGIN SOLUTION
             done[b] = len(outputs[b]) == params.max_tokens or (token == eos_token_id and not params.ignore_eos)
+            ### END SOLUTION
         step_times.append(time.perf_counter() - t0)
         ids = torch.tensor(next_ids, device=device)[:, None]
         positions = positions[:, -1:] + 1
