@@ -30,10 +30,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # EXERCISE ch02_ex3 (3 points): x over its root mean square (float32 statistics, + eps), cast back, times weight
+        ### BEGIN SOLUTION
         dtype = x.dtype
         h = x.to(STATS_DTYPE)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+        ### END SOLUTION
 
 # %% auto #0
 __all__ = ['STATS_DTYPE', 'MODEL_REGISTRY', 'SUPPORTED_DTYPES', 'ATTENTION_LAYER_TYPES', 'RMSNorm', 'RotaryEmbedding',
@@ -80,9 +83,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([-x2, x1], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # EXERCISE ch02_ex4 (3 points): rotate q and k by their positions' angles, pairing dim i with i + head_dim/2
+        ### BEGIN SOLUTION
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        ### END SOLUTION
 
 # %% ../../notebooks/02_model.ipynb #46bf6bc2
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -172,9 +178,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # EXERCISE ch02_ex5 (2 points): SwiGLU: the gate projection through SiLU times the up projection, projected down
+        ### BEGIN SOLUTION
         # in place: the same arithmetic as `silu(gate) * up`, without two more [N, intermediate_size]
         # tensors (a long prefill's are tens of MB each, and fresh ones that big cost page faults)
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        ### END SOLUTION
 
 
 class DecoderLayer(nn.Module):
