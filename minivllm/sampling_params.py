@@ -25,27 +25,46 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # no output until the request finishes
 
 # %% auto #0
-__all__ = ['SAMPLING_EPS', 'SEED_MIN', 'SEED_MAX', 'VLLM_ONLY_ARGS', 'RequestOutputKind', 'check_sampling_params',
-           'SamplingParams']
+__all__ = ['SAMPLING_EPS', 'SEED_MIN', 'SEED_MAX', 'VLLM_ONLY_ARGS', 'RequestOutputKind', 'check_sampling_filters',
+           'check_sampling_params', 'SamplingParams']
 
 # %% ../notebooks/01_sequences.ipynb #85d3d68a
+def check_sampling_filters(p) -> None:
+    """Check and normalize a `SamplingParams`' temperature, top_p, top_k and min_p in place (vLLM's ranges).
+
+    temperature: a number >= 0, kept as a float; top_p: in (0, 1], a float; top_k: an int >= -1, where
+    -1 and 0 both mean off (kept as the int 0); min_p: in [0, 1], a float. Numbers are finite, never
+    bools (see `minivllm.checks`). Then a greedy request (temperature < `SAMPLING_EPS`) gets top_p=1.0,
+    top_k=0, min_p=0.0: the filters only remove tokens less likely than the likeliest one.
+    Raises:
+        ValueError: naming the field, the value given and the limit it breaks.
+    """
+    # EXERCISE ch01_ex3 (3 points): check and normalize temperature, top_p, top_k, min_p as the docstring says
+    ### BEGIN SOLUTION
+    p.temperature = require_number("temperature", p.temperature, minimum=0.0)
+    p.top_p = require_number("top_p", p.top_p, maximum=1.0)
+    if p.top_p <= 0:
+        raise ValueError(f"top_p must be > 0, got {p.top_p!r}")
+    p.top_k = max(require_int("top_k", p.top_k, minimum=-1), 0)  # -1 and 0 both mean off (vLLM)
+    p.min_p = require_number("min_p", p.min_p, 0.0, 1.0)
+    if p.temperature < SAMPLING_EPS:
+        p.top_p, p.top_k, p.min_p = 1.0, 0, 0.0
+    ### END SOLUTION
+
+# %% ../notebooks/01_sequences.ipynb #87627abb
 def check_sampling_params(p) -> None:
     """Check every field of a `SamplingParams` and normalize it in place (vLLM's checks, as ValueError).
 
     Numbers become Python ints and floats, `stop` a list of non-empty strings, `stop_token_ids` a list
-    of ints, `top_k=-1` becomes 0 (both are off); a greedy request's top_p, top_k, min_p are switched off.
+    of ints; the sampling filters as `check_sampling_filters` says.
     """
     p.n = require_int("n", p.n, minimum=1)
     for name in ("presence_penalty", "frequency_penalty"):
         setattr(p, name, require_number(name, getattr(p, name), -2.0, 2.0))
     p.repetition_penalty = require_number("repetition_penalty", p.repetition_penalty)
-    p.temperature = require_number("temperature", p.temperature, minimum=0.0)
-    p.top_p = require_number("top_p", p.top_p, maximum=1.0)
-    for name, value in (("repetition_penalty", p.repetition_penalty), ("top_p", p.top_p)):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
-    p.top_k = max(require_int("top_k", p.top_k, minimum=-1), 0)  # -1 and 0 both mean off (vLLM)
-    p.min_p = require_number("min_p", p.min_p, 0.0, 1.0)
+    if p.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty!r}")
+    check_sampling_filters(p)
     if p.seed is not None:
         p.seed = require_int("seed", p.seed, SEED_MIN, SEED_MAX)
     stop = [p.stop] if isinstance(p.stop, str) else p.stop if p.stop is not None else []
@@ -69,8 +88,6 @@ def check_sampling_params(p) -> None:
         raise ValueError(f"output_kind must be a RequestOutputKind, got {p.output_kind!r}")
     if p.stop and not p.detokenize:
         raise ValueError("stop strings need detokenize=True: they are looked for in the text")
-    if p.temperature < SAMPLING_EPS:
-        p.top_p, p.top_k, p.min_p = 1.0, 0, 0.0
 
 # %% ../notebooks/01_sequences.ipynb #2289b3a3
 @dataclass(init=False)

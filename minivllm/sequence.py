@@ -57,7 +57,7 @@ def check_token_ids(token_ids) -> list[int]:
     return [int(t) for t in token_ids]
 
 # %% auto #0
-__all__ = ['DEFAULT_BLOCK_SIZE', 'SequenceStatus', 'check_token_ids', 'Sequence']
+__all__ = ['DEFAULT_BLOCK_SIZE', 'SequenceStatus', 'check_token_ids', 'Sequence', 'blocks_needed', 'token_block']
 
 # %% ../notebooks/01_sequences.ipynb #e24b82e9
 class Sequence:
@@ -99,18 +99,16 @@ class Sequence:
     completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
     is_finished = property(lambda self: self.status.is_finished)
     finish_reason = property(lambda self: self.status.finish_reason)  # "stop", "length", "abort" or None
-    num_blocks = property(lambda self: -(-len(self.token_ids) // self.block_size))  # ceil(num_tokens / block_size)
+    num_blocks = property(lambda self: blocks_needed(len(self.token_ids), self.block_size))  # section 5.2
     num_cached_blocks = property(lambda self: self.num_cached_tokens // self.block_size)
 
     def block(self, i: int) -> list[int]:
-        """Token ids of logical block `i` (the last one may be partial).
+        """Token ids of logical block `i` (the last one may be partial); see `token_block`.
 
         Raises:
             IndexError: `i` is not in `range(num_blocks)`.
         """
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block {i} out of range for a sequence of {self.num_blocks} blocks")
-        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+        return token_block(self.token_ids, self.block_size, i)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -118,3 +116,30 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
                 f"num_prompt_tokens={self.num_prompt_tokens}, num_completion_tokens={self.num_completion_tokens})")
+
+# %% ../notebooks/01_sequences.ipynb #330d5de9
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """How many blocks of `block_size` token slots hold `num_tokens` tokens (an int; `Sequence.num_blocks`).
+
+    Args: num_tokens >= 0 and block_size >= 1, ints (the caller has checked them).
+    """
+    # EXERCISE ch01_ex2 (2 points): the fewest blocks of block_size slots that hold num_tokens tokens, in ints
+    ### BEGIN SOLUTION
+    return -(-num_tokens // block_size)  # ceiling division: floor division of the negated count
+    ### END SOLUTION
+
+
+def token_block(token_ids: list[int], block_size: int, i: int) -> list[int]:
+    """The token ids of logical block `i`, as a new list: block 0 holds the first `block_size` tokens,
+    and the last block may be partial (`Sequence.block(i)`).
+
+    Raises:
+        IndexError: `i` is not in `range(blocks_needed(len(token_ids), block_size))` (negative included).
+    """
+    # EXERCISE ch01_ex2 (2 points): block i's token ids; IndexError for an i outside range(number of blocks)
+    ### BEGIN SOLUTION
+    num_blocks = blocks_needed(len(token_ids), block_size)
+    if not 0 <= i < num_blocks:
+        raise IndexError(f"block {i} out of range for a sequence of {num_blocks} blocks")
+    return token_ids[i * block_size:(i + 1) * block_size]
+    ### END SOLUTION
