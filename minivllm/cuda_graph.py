@@ -39,21 +39,26 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTU
     """
     top = min(require_int("max_num_seqs", max_num_seqs, minimum=1),
               require_int("max_capture_size", max_capture_size, minimum=1))
+    # EXERCISE ch08_ex1 (2 points): the sizes of SMALL_CAPTURE_SIZES below top, the multiples of CAPTURE_SIZE_STEP below top, then top; ascending
+    ### BEGIN SOLUTION
     small = [s for s in SMALL_CAPTURE_SIZES if s < top]
     return small + list(range(CAPTURE_SIZE_STEP, top, CAPTURE_SIZE_STEP)) + [top]
+    ### END SOLUTION
 
 
 def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
     """The smallest captured size that holds `num_seqs` sequences; None when none does (run eagerly).
 
-    Args:
-        num_seqs: sequences in the decode step (>= 1).
-        capture_sizes: ascending, as `cudagraph_capture_sizes` returns them.
+    Args: num_seqs, sequences in the decode step (>= 1); capture_sizes, ascending (`cudagraph_capture_sizes`).
     Raises:
         ValueError: `num_seqs` is not an int >= 1.
     """
-    i = bisect.bisect_left(capture_sizes, require_int("num_seqs", num_seqs, minimum=1))
+    num_seqs = require_int("num_seqs", num_seqs, minimum=1)
+    # EXERCISE ch08_ex2 (2 points): the smallest size in capture_sizes (ascending) that is >= num_seqs; None if there is none
+    ### BEGIN SOLUTION
+    i = bisect.bisect_left(capture_sizes, num_seqs)
     return capture_sizes[i] if i < len(capture_sizes) else None
+    ### END SOLUTION
 
 # %% auto #0
 __all__ = ['MAX_CAPTURE_SIZE', 'SMALL_CAPTURE_SIZES', 'CAPTURE_SIZE_STEP', 'DECODE_INPUTS', 'HOST_READS', 'CUDAGRAPH_BACKENDS',
@@ -125,6 +130,8 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
                          "(ceil(max_model_len / block_size))")
     if buffers.last_copy is not None:
         buffers.last_copy.synchronize()  # the host tensors are about to change: the last copies must be done
+    # EXERCISE ch08_ex3 (4 points): fill the host rows (the batch, then padding up to num_rows) and copy rows [:num_rows] to the static tensors
+    ### BEGIN SOLUTION
     h, buffers.table_width = buffers.host, max(buffers.table_width, width)
     for name, value in zip(DECODE_INPUTS, (input_ids, positions, md.slot_mapping, md.context_lens)):
         h[name][:n] = value
@@ -135,6 +142,7 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
         getattr(buffers, name)[:num_rows].copy_(h[name][:num_rows], non_blocking=True)
     w = buffers.table_width
     buffers.block_tables[:num_rows, :w].copy_(h["block_tables"][:num_rows, :w], non_blocking=True)
+    ### END SOLUTION
     if buffers.device.type == "cuda":
         buffers.last_copy = torch.cuda.Event()
         buffers.last_copy.record()

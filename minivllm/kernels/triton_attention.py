@@ -23,6 +23,8 @@ def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_pt
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # one program per new token; int64: token * stride cannot overflow
+    # EXERCISE ch07_ex1 (3 points): copy this token's K and V ([NUM_KV_HEADS, HEAD_DIM]) into its slot of the flat caches; slot -1 writes nothing
+    ### BEGIN SOLUTION
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # a padded row: nothing to store
         return
@@ -34,6 +36,7 @@ def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_pt
     dst = (slot * NUM_KV_HEADS + h) * HEAD_DIM + d  # slot is int64: no overflow on big caches
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+    ### END SOLUTION
 
 # %% auto #0
 __all__ = ['LOG2E', 'KERNEL_DTYPES', 'DECODE_BLOCK_N', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS', 'PROGRAMS_PER_SM', 'NUM_WARPS',
@@ -149,6 +152,8 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         kv_off = row[:, None] * HEAD_DIM + d[None, :]
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where t >= end), then the online-softmax update of m_i, l_i and acc (exp2)
+        ### BEGIN SOLUTION
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale  # log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -158,6 +163,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
         m_i = m_new
+        ### END SOLUTION
     o_off = seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + d[None, :]
     if ONE_SPLIT:  # normalise and write the output (an empty sequence: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -184,6 +190,8 @@ def reduce_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_se
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     part = (seq * NUM_HEADS + head) * num_splits + p  # rows of the [num_seqs, num_heads, num_splits] buffers
+    # EXERCISE ch07_ex3 (3 points): merge the splits' (m, l, acc) with weights exp2(m - max m) (empty splits weigh 0); store acc / l (zeros if all are empty)
+    ### BEGIN SOLUTION
     m = tl.load(m_ptr + part, mask=p < num_splits, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=p < num_splits, other=0.0)
     m_max = tl.max(m, 0)
@@ -194,6 +202,7 @@ def reduce_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_se
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
+    ### END SOLUTION
 
 
 @functools.cache
@@ -313,6 +322,8 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         kv_off = ((block * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where t >= kv_end or t > pos), then the online-softmax update (exp2)
+        ### BEGIN SOLUTION
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale
         s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))  # causal
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
@@ -322,6 +333,7 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
         m_i = m_new
+        ### END SOLUTION
     tl.store(out_ptr + (q_start + r[:, None]) * stride_o_tok + head * stride_o_head + d[None, :],
              (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
 
