@@ -15,9 +15,8 @@ from .layers.sampler import make_generator, sample
 from .models.llama import LlamaForCausalLM
 from .sequence import Sequence
 
-# A prefill step runs its sequences in forward passes of at most this many new tokens on CPU. The
-# tokens are the same; smaller activations stay in the CPU's caches (chapter 09's profile reports
-# the tokens per forward pass and the linear layers' rate with this setting).
+# A CPU prefill step runs in forward passes of at most this many new tokens: the same tokens, smaller
+# activations that stay in the CPU's caches (chapter 09's profile reports the rates with this setting).
 PREFILL_MICROBATCH_TOKENS = 2048
 
 

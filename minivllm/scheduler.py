@@ -79,10 +79,7 @@ class SchedulerBase:
 
 # %% ../notebooks/04_scheduler.ipynb #9f1f4fd4
 class Scheduler(SchedulerBase):
-    """Continuous batching, prefill first, first come first served (nano-vllm's and vLLM V0's policy).
-
-    Args: as `SchedulerBase`.
-    """
+    """Continuous batching, prefill first, first come first served (nano-vllm's, vLLM V0's); args as `SchedulerBase`."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """This step's batch: `(seqs, is_prefill)`; empty only when nothing is waiting or running."""

@@ -36,7 +36,11 @@ class PaddedBatch:
     batch_size = property(lambda self: self.input_ids.shape[0])
     max_prompt_len = property(lambda self: self.input_ids.shape[1])
 
+# %% auto #0
+__all__ = ['PAD_POSITION', 'PADDING', 'PROMPT', 'OUTPUT', 'IDLE', 'SLOT_NAMES', 'PaddedBatch', 'pad_batch', 'padded_attention',
+           'StaticBatchKVCache', 'StaticBatchResult', 'static_generate', 'slot_grid', 'slot_fractions']
 
+# %% ../notebooks/03_batching.ipynb #9beb834c
 def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | torch.device = "cpu") -> PaddedBatch:
     """Left-pad token-id prompts to the longest one (transformers' `padding_side="left"`).
 
@@ -63,10 +67,6 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
     positions = (columns[None, :] - pad_lens[:, None]).clamp(min=PAD_POSITION)
     ### END SOLUTION
     return PaddedBatch(input_ids, positions, pad_lens)
-
-# %% auto #0
-__all__ = ['PAD_POSITION', 'PADDING', 'PROMPT', 'OUTPUT', 'IDLE', 'SLOT_NAMES', 'PaddedBatch', 'pad_batch', 'padded_attention',
-           'StaticBatchKVCache', 'StaticBatchResult', 'static_generate', 'slot_grid', 'slot_fractions']
 
 # %% ../notebooks/03_batching.ipynb #e52b972c
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens: torch.Tensor,
