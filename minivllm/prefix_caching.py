@@ -65,10 +65,8 @@ __all__ = ['NO_HASH', 'NO_PARENT', 'compute_hash', 'CachedBlock', 'BlockCache', 
 class BlockCache(BlockManager):
     """A `BlockManager` whose full blocks can stay cached, findable by hash, while used or free.
 
-    Args, errors: as `BlockManager`; `blocks` holds `CachedBlock`s.
-    Attributes:
-        hash_to_block_id: hash -> the cached block with that hash (one per hash: the first block
-            cached under a hash keeps it; a later one with the same hash is not cached).
+    Args, errors: as `BlockManager`; `blocks` holds `CachedBlock`s. `hash_to_block_id`: hash -> the
+    cached block with that hash (the first block cached under a hash keeps it; later ones are not cached).
     """
 
     block_cls = CachedBlock
@@ -119,8 +117,7 @@ class BlockCache(BlockManager):
         return block
 
     def discard_unwritten(self, seqs: list[Sequence]) -> None:
-        """A step failed before writing its K/V: uncache these sequences' blocks past their cached
-        prefix, so nobody reuses content never written (valid entries may go too: only hits lost)."""
+        """A step failed before writing its K/V: uncache its blocks past the cached prefix (never reused)."""
         for seq in seqs:
             for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
                 self._uncache(block_id)
