@@ -256,7 +256,9 @@ def edition_hashes(root: Path) -> dict[str, str]:
 
 
 def sync_package(root: Path) -> str:
-    """In a student edition, re-export `minivllm/` from the chapters if they changed since the release.
+    """In a student edition, re-export `minivllm/` from the chapters if they changed since the release
+    or the last export; after an export the edition's record holds the new hashes (the next edit of a
+    chapter is compared with them).
 
     Returns a line saying what was done.
     Raises:
@@ -270,6 +272,7 @@ def sync_package(root: Path) -> str:
     export = [sys.executable, str(root / "scripts" / "export.py")]
     if now["package_sha256"] != edition["package_sha256"]:
         if subprocess.run(export + ["--check"], cwd=root, capture_output=True).returncode == 0:
+            _record_hashes(root, edition)
             return "minivllm/ is up to date with the chapters"
         raise RuntimeError("both notebooks/ and minivllm/ were edited since the release, and minivllm/ is not what "
                            "the notebooks export. minivllm/ is generated from the chapters: put your work in the "
@@ -278,7 +281,13 @@ def sync_package(root: Path) -> str:
     r = subprocess.run(export, cwd=root, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"exporting the chapters failed:\n{r.stdout}{r.stderr}")
+    _record_hashes(root, edition)
     return "re-exported minivllm/ from the chapters"
+
+
+def _record_hashes(root: Path, edition: dict) -> None:
+    """The package now is what the chapters export: remember both, as the release did."""
+    (root / EDITION_FILE).write_text(json.dumps({**edition, **edition_hashes(root)}, indent=1) + "\n")
 
 
 def find_root(start: str | Path = ".") -> Path:

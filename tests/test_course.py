@@ -198,3 +198,16 @@ def test_grade_command_refuses_unknown_ids(capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_each_saved_edit_of_a_chapter_is_exported_again(edition, tmp_path):
+    """A student saves the chapter, grades, edits again and grades again: each time the package is
+    re-exported from the chapter (the edition's record follows the last export), never refused."""
+    edition = shutil.copytree(edition, tmp_path / "editing")
+    nb_path = edition / CH05
+    for k in range(2):
+        nb = nbformat.read(nb_path, as_version=4)
+        nb.cells[0].source += f"\n\nA note of my own, number {k}."
+        nbformat.write(nb, nb_path)
+        assert grading.sync_package(edition) == "re-exported minivllm/ from the chapters"
+    assert grading.sync_package(edition).startswith("chapters unchanged")
