@@ -113,7 +113,7 @@ def mass_ranked_before(logits: torch.Tensor, probs: torch.Tensor, token_ids: tor
     """The probability of the tokens ranked before each row's `token_ids` (see `ranked_before`):
     `[rows]`. Args: logits, probs `[rows, vocab_size]` (probs zero where a token is filtered out)."""
     order = (logits - logits.gather(1, token_ids[:, None])).sign_()  # +1 ranked above, 0 tied, -1 below
-    num_tied = logits.shape[1] - order.count_nonzero(dim=-1)  # the token itself and any of equal logit
+    num_tied = logits.shape[1] - order.abs().sum(dim=-1)  # the token itself and any of equal logit
     mass = order.clamp_(min=0).mul_(probs).sum(dim=-1)  # in place: one temporary row batch, not three
     if len(tied := (num_tied > 1).nonzero().squeeze(1)):  # the tied tokens of smaller id rank before it
         mass[tied] = (probs[tied] * ranked_before(logits[tied], token_ids[tied])).sum(dim=-1)
