@@ -100,9 +100,8 @@ class Processor:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_manager, supported_fields=None):
-        self.tokenizer, self.vocab_size, self.max_model_len, self.kv_manager = (
-            tokenizer, vocab_size, max_model_len, kv_manager)
-        self.supported_fields = supported_fields
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.kv_manager, self.supported_fields = kv_manager, supported_fields
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         """Check a request and wrap it in a `Sequence` (not yet queued).
