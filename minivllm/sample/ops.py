@@ -31,6 +31,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     Args: the token ids `[num_seqs, len]` int64 padded with `vocab_size`; the penalties `[num_seqs]`
         in the logits' dtype (1.0, 0.0 and 0.0 leave a row exactly as it was).
     """
+    # EXERCISE ch10_ex4 (3 points): repetition on tokens seen in prompt or output, then frequency and presence
+    ### BEGIN SOLUTION
     vocab_size = logits.shape[1]
     output_counts = bin_counts(output_token_ids, vocab_size, logits.dtype)
     seen = (bin_counts(prompt_token_ids, vocab_size, logits.dtype) > 0) | (output_counts > 0)
@@ -38,6 +40,7 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency_penalties[:, None] * output_counts
     return logits - presence_penalties[:, None] * (output_counts > 0).to(logits.dtype)
+    ### END SOLUTION
 
 # %% auto #0
 __all__ = ['bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 'inverse_transform', 'random_sample',
@@ -46,12 +49,13 @@ __all__ = ['bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 
 # %% ../../notebooks/10_sampling.ipynb #cf74a173
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens less likely than `min_p` times the likeliest one (Nguyen et al., 2024): -inf.
-
-    Args: logits `[num_seqs, vocab_size]`; min_p `[num_seqs]` in [0, 1] (0: the row is unchanged).
-    """
+    Args: logits `[num_seqs, vocab_size]`; min_p `[num_seqs]` in [0, 1] (0: the row is unchanged)."""
+    # EXERCISE ch10_ex5 (2 points): -inf on tokens less likely than min_p times the row's likeliest
+    ### BEGIN SOLUTION
     probs = logits.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(~keep, float("-inf"))
+    ### END SOLUTION
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -65,6 +69,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         top_p `[num_seqs]` in (0, 1] (1: off) or None. Sources: Fan et al. 2018 (top-k),
         Holtzman et al. 2020 (top-p); vLLM's `apply_top_k_top_p`.
     """
+    # EXERCISE ch10_ex6 (3 points): stable sort; keep the top_k first, then those with < top_p before them
+    ### BEGIN SOLUTION
     if top_k is None and top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
@@ -77,6 +83,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    ### END SOLUTION
 
 
 def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -112,12 +119,15 @@ def ranked_before(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor
 def mass_ranked_before(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """The probability of the tokens ranked before each row's `token_ids` (see `ranked_before`):
     `[rows]`. Args: logits, probs `[rows, vocab_size]` (probs zero where a token is filtered out)."""
+    # EXERCISE ch10_ex7 (2 points): the probability of the tokens ranked before each row's token (ties: smaller ids)
+    ### BEGIN SOLUTION
     order = (logits - logits.gather(1, token_ids[:, None])).sign_()  # +1 ranked above, 0 tied, -1 below
     num_tied = logits.shape[1] - order.abs().sum(dim=-1)  # the token itself and any of equal logit
     mass = order.clamp_(min=0).mul_(probs).sum(dim=-1)  # in place: one temporary row batch, not three
     if len(tied := (num_tied > 1).nonzero().squeeze(1)):  # the tied tokens of smaller id rank before it
         mass[tied] = (probs[tied] * ranked_before(logits[tied], token_ids[tied])).sum(dim=-1)
     return mass
+    ### END SOLUTION
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
