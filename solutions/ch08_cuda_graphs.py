@@ -1,0 +1,94 @@
+"""Chapter 08's extend exercise. Your answer goes between the TODO lines; see the chapter notebook
+(the rebuild exercises ch08_ex1-ex3 are in the chapter's export cells).
+
+Exercise 4 (ch08_ex4) — capture sizes chosen from the workload instead of by a fixed rule. Given how
+often each decode batch size occurred in a recorded run, choose at most `max_sizes` sizes to capture,
+the largest always `max_num_seqs` (so that every batch has a graph), that minimise the padded rows:
+the sum over the recorded steps of `padded size - batch size`, where a batch runs the graph of the
+smallest captured size that holds it (`padded_batch_size`). Write `choose_capture_sizes`. Graded
+against the optimum found by trying every choice on small histograms (hypothesis), on a histogram of
+256 sizes that trying every choice could not finish in time, and by the ValueError each invalid
+input must raise: `python -m minivllm.grade ch08_ex4`.
+"""
+from __future__ import annotations
+
+import bisect
+
+
+def padded_rows(batch_size_counts: dict[int, int], capture_sizes: list[int]) -> int:
+    """The rows computed for nothing: `sum(count * (padded - n))` over the recorded batch sizes `n`,
+    where `padded` is the smallest size of `capture_sizes` (ascending) >= n. Every `n` must fit."""
+    total = 0
+    for n, count in batch_size_counts.items():
+        total += count * (capture_sizes[bisect.bisect_left(capture_sizes, n)] - n)
+    return total
+
+
+def choose_capture_sizes(batch_size_counts: dict[int, int], max_num_seqs: int, max_sizes: int) -> list[int]:
+    """At most `max_sizes` decode batch sizes to capture, ascending, the last `max_num_seqs`, that
+    minimise `padded_rows(batch_size_counts, sizes)` (any of the best choices, if several tie).
+
+    Args:
+        batch_size_counts: decode steps observed per batch size, `{batch size: steps}`; sizes are ints
+            in `[1, max_num_seqs]`, steps ints >= 0 (a size missing from the dict was never seen).
+        max_num_seqs: the largest batch the scheduler forms, an int >= 1; always captured.
+        max_sizes: the most sizes to capture (graphs cost start-up time and memory), an int >= 1.
+    Returns:
+        the sizes, a list of distinct ints, ascending, `len <= max_sizes`, ending in `max_num_seqs`.
+    Raises:
+        ValueError: naming the argument, for a value that is not an int (bools are not ints) or out of
+            its range, or a batch size or step count in `batch_size_counts` that is not.
+    Hint: a best choice only ever captures sizes that were observed (besides `max_num_seqs`): a
+    captured size with no observed batch at it can be lowered to the largest observed size below it
+    without padding any more rows. Then dynamic programming over the observed sizes, ascending:
+    the cheapest way to serve every size up to the j-th with t captured sizes, the j-th among them.
+    It must handle 256 observed sizes and `max_sizes=8` in well under a second.
+    """
+    # TODO: check the arguments (ValueError), then choose the sizes
+    ### BEGIN SOLUTION
+    def require(name, value, minimum, maximum=None):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(f"{name} must be in [{minimum}, {maximum if maximum is not None else 'inf'}], got {value}")
+
+    require("max_num_seqs", max_num_seqs, 1)
+    require("max_sizes", max_sizes, 1)
+    if not isinstance(batch_size_counts, dict):
+        raise ValueError(f"batch_size_counts must be a dict {{batch size: steps}}, got {type(batch_size_counts).__name__}")
+    for n, count in batch_size_counts.items():
+        require("a batch size in batch_size_counts", n, 1, max_num_seqs)
+        require(f"the step count of batch size {n}", count, 0)
+    sizes = sorted(n for n, c in batch_size_counts.items() if c > 0 and n < max_num_seqs) + [max_num_seqs]
+    steps = [batch_size_counts.get(n, 0) for n in sizes]
+    # prefix sums over the candidate sizes: steps, and steps * size
+    cum_n, cum_s = [0], [0]
+    for n, c in zip(sizes, steps):
+        cum_n.append(cum_n[-1] + c)
+        cum_s.append(cum_s[-1] + c * n)
+
+    def cost(i: int, j: int) -> int:  # sizes[i..j] all padded to sizes[j]
+        return sizes[j] * (cum_n[j + 1] - cum_n[i]) - (cum_s[j + 1] - cum_s[i])
+
+    m = len(sizes)
+    best = [cost(0, j) for j in range(m)]  # one captured size, sizes[j], serving sizes[0..j]
+    choice = [[None] * m]  # choice[t][j]: the previous captured index in the best with t + 1 sizes
+    for _ in range(1, min(max_sizes, m)):
+        new, prev = list(best), [None] * m
+        for j in range(m):
+            for i in range(j):
+                c = best[i] + cost(i + 1, j)
+                if c < new[j]:
+                    new[j], prev[j] = c, i
+        best = new
+        choice.append(prev)
+    out, j, t = [], m - 1, len(choice) - 1
+    while j is not None:
+        out.append(sizes[j])
+        while t >= 0 and choice[t][j] is None:
+            t -= 1
+        if t < 0:
+            break
+        j, t = choice[t][j], t - 1
+    return out[::-1]
+    ### END SOLUTION
