@@ -94,6 +94,41 @@ def test_kernel_equals_plain_torch_decode(shape, dtype, threads):
     torch.testing.assert_close(paged_decode_attention_planned(q, k_cache, v_cache, plan, scale), out, atol=tol, rtol=0)
 
 
+# bfloat16: the kernel reads bfloat16 K/V and q, computes in float32 and rounds the output once. The
+# reference is float64 attention over the same bfloat16 values (widening to float64 is exact), so the
+# only differences are float32 arithmetic (relative ~1e-6, hence the absolute 1e-5 for outputs near
+# zero) and that one rounding to bfloat16's 8 significant bits: at most 2**-8 of the value.
+BF16_ROUNDING = 2.0 ** -8
+FLOAT32_ARITHMETIC = 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bfloat16_kernel_against_the_float64_reference(shape, threads):
+    q, k_cache, v_cache, tables, lens = random_batch(*shape, torch.bfloat16, seed=1)
+    scale = shape[2] ** -0.5
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), plain(tables), lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), exact, atol=FLOAT32_ARITHMETIC, rtol=BF16_ROUNDING)
+    # the plain-torch bfloat16 decode rounds its output too, and also its attention probabilities
+    # (relative 2**-8 each, weighting V rows: at most 2**-8 * max|V| in all), so the two agree within
+    # the sum of both sides' rounding
+    torch_bf16 = paged_decode_attention(q, k_cache, v_cache, plain(tables), lens, scale).double()
+    bound = 2 * FLOAT32_ARITHMETIC + BF16_ROUNDING * (2 * exact.abs() + v_cache.abs().max().double())
+    assert ((out.double() - torch_bf16).abs() <= bound).all()
+    # and the kernel does not merely round like the reference: a float32 cache gives float32 accuracy
+    out32 = paged_decode_attention_cpu(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out32.double(), exact, atol=2e-6, rtol=0)
+    assert (out.double() != exact).any()
+
+
 @needs_kernel
 def test_kernel_on_an_empty_batch():
     q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)
@@ -120,7 +155,7 @@ def test_kernel_refuses_bad_input_with_a_clear_error():
         "multiple of num_kv_heads": dict(q=torch.randn(7, 3, 16, dtype=torch.float64)),
         "one row per sequence": dict(context_lens=lens[:-1]),
         "contiguous": dict(k_cache=k_cache.transpose(0, 1).contiguous().transpose(0, 1)),
-        "float32 or float64": dict(q=q.bfloat16(), k_cache=k_cache.bfloat16(), v_cache=v_cache.bfloat16()),
+        "float32, float64 or bfloat16": dict(q=q.half(), k_cache=k_cache.half(), v_cache=v_cache.half()),
         "must be positive": dict(k_cache=k_cache[:, :, :0], v_cache=v_cache[:, :, :0]),
         "CPU tensors": dict(context_lens=torch.empty(7, dtype=torch.int64, device="meta")),
     }
@@ -172,23 +207,25 @@ def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
 
 
 @needs_kernel
-def test_backend_uses_the_kernel_only_for_cpu_float32_and_float64(monkeypatch):
+def test_backend_uses_the_kernel_only_for_cpu_float32_float64_and_bfloat16(monkeypatch):
     assert CPUPagedAttention.is_available("cpu", torch.float32)
     assert CPUPagedAttention.is_available(torch.device("cpu"), torch.float64)
-    assert not CPUPagedAttention.is_available("cpu", torch.bfloat16)
+    assert CPUPagedAttention.is_available("cpu", torch.bfloat16)
+    assert not CPUPagedAttention.is_available("cpu", torch.float16)
     assert not CPUPagedAttention.is_available("meta", torch.float32)
     calls = []
     real = cpu_decode_kernel()
     monkeypatch.setattr(cd, "cpu_decode_kernel", lambda: (lambda *a: calls.append(a[0].dtype) or real(*a)))
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, dtype)
         backend = CPUPagedAttention(torch.stack([k_cache, v_cache])[:, None], 0.25)
         md = AttentionMetadata(False, torch.arange(8), lens, torch.zeros(7, dtype=torch.int64), plain(tables))
         plain_backend = PagedAttention(backend.kv_cache, 0.25)
-        tol = 1e-12 if dtype == torch.float64 else 2e-2 if dtype == torch.bfloat16 else 2e-6
+        # outputs within a few units (|x| < 4): bfloat16's last place there is 2**-6, float16's 2**-9
+        tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2 * 2.0 ** -6, torch.float16: 4 * 2.0 ** -9}[dtype]
         torch.testing.assert_close(backend.decode(q, k_cache, v_cache, md),
                                    plain_backend.decode(q, k_cache, v_cache, md), atol=tol, rtol=0)
-    assert calls == [torch.float32, torch.float64]  # bfloat16 went to plain torch
+    assert calls == [torch.float32, torch.float64, torch.bfloat16]  # float16 went to plain torch
 
 
 def test_build_folder_is_per_source_flags_python_torch_and_cpu(monkeypatch, tmp_path):

@@ -25,7 +25,7 @@ from ..paged_attention import PagedAttention
 
 KERNEL_NAME = "minivllm_paged_decode_cpu"  # the Python module the library defines
 KERNEL_SOURCE = Path(minivllm.kernels.__file__).parent / "paged_decode_cpu.cpp"
-CPU_KERNEL_DTYPES = (torch.float32, torch.float64)
+CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # bfloat16: float32 inside
 CPU_KERNEL_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]  # -march=native: AVX-512 where the CPU has it
 CPU_KERNEL_LDFLAGS = ["-fopenmp"]
 CPUINFO = "/proc/cpuinfo"  # Linux: the CPU's model and instruction-set flags
@@ -181,7 +181,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """`paged_decode_attention` computed by the C++ kernel: K/V read in place, no padding, no copies.
 
     Args:
-        q: `[num_seqs, num_heads, head_dim]`, float32 or float64, CPU.
+        q: `[num_seqs, num_heads, head_dim]`, float32, float64 or bfloat16 (computed in float32), CPU.
         k_cache, v_cache: one layer's `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, dtype of `q`.
         block_tables: `[num_seqs, max_blocks]` int64 (entries past a sequence's last block are not read).
         context_lens: `[num_seqs]` int64, each in `[1, max_blocks * block_size]`.
@@ -200,12 +200,12 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 class CPUPagedAttention(PagedAttention):
-    """`PagedAttention` whose decode runs the C++ kernel on CPU tensors of float32 or float64 (other
+    """`PagedAttention` whose decode runs the C++ kernel on CPU tensors of `CPU_KERNEL_DTYPES` (other
     devices and dtypes, or no kernel: the plain-torch decode). Args: as `PagedAttention`."""
 
     @staticmethod
     def is_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-        """True on a CPU in float32 or float64 where the kernel is built or builds now (first call)."""
+        """True on a CPU in a dtype of `CPU_KERNEL_DTYPES` where the kernel is built or builds now (first call)."""
         return torch.device(device).type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
 
     def decode(self, q, k_cache, v_cache, md):

@@ -2,7 +2,9 @@
 // place through its block table (no gather, no padding). The contract of vLLM's paged_attention
 // kernels (Kwon et al., SOSP 2023); the work split follows vLLM's CPU backend (csrc/cpu/attention.cpp).
 // Hand-written (not generated); built and loaded by minivllm/kernels/cpu_decode.py, explained in the
-// appendix of notebooks/05_paged_attention.ipynb.
+// appendix of notebooks/05_paged_attention.ipynb. float32, float64 and bfloat16: a bfloat16 cache
+// and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
+// sum of V stay in float32, and the output is rounded to bfloat16 once, at the end.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -18,6 +20,7 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
                                 const scalar_t* __restrict k_cache, const scalar_t* __restrict v_cache,
                                 const int64_t* __restrict block_table, int64_t len, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
+                                std::vector<at::opmath_type<scalar_t>>& q_wide,
                                 std::vector<at::opmath_type<scalar_t>>& scores,
                                 std::vector<at::opmath_type<scalar_t>>& acc,
                                 std::vector<at::opmath_type<scalar_t>>& denom) {
@@ -26,9 +29,12 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   const int64_t group = num_heads / num_kv_heads;     // query heads per K/V head
   const int64_t token_stride = num_kv_heads * D;      // one token's row in a block
   const int64_t block_stride = block_size * token_stride;
+  q_wide.resize(num_heads * D);
   scores.resize(num_heads * len);
   acc.assign(num_heads * D, acc_t(0));
   denom.resize(num_heads);
+  acc_t* __restrict qw = q_wide.data();  // the query widened once, not once per cached token
+  for (int64_t i = 0; i < num_heads * D; ++i) qw[i] = acc_t(q[i]);
   acc_t* __restrict s = scores.data();  // s[h * len + t]
   acc_t* __restrict a = acc.data();     // a[h * D + d]
 
@@ -36,11 +42,11 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   for (int64_t t = 0; t < len; ++t) {
     const scalar_t* k_t = k_cache + block_table[t / block_size] * block_stride + (t % block_size) * token_stride;
     for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* qh = q + h * D;
+      const acc_t* qh = qw + h * D;
       const scalar_t* kh = k_t + (h / group) * D;
       acc_t dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += acc_t(qh[d]) * acc_t(kh[d]);
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * acc_t(kh[d]);
       s[h * len + t] = dot * acc_t(scale);
     }
   }
@@ -84,12 +90,12 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::opmath_type<scalar_t>> scores, acc, denom;  // this thread's scratch
+    std::vector<at::opmath_type<scalar_t>> q_wide, scores, acc, denom;  // this thread's scratch
     for (int64_t b = begin; b < end; ++b)
       for (int64_t seq : bins[b])
         decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
                                                 tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
-                                                D, block_size, scale, scores, acc, denom);
+                                                D, block_size, scale, q_wide, scores, acc, denom);
   });
 }
 
@@ -101,8 +107,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                         block_tables.device().is_cpu() && context_lens.device().is_cpu(),
                     "the CPU decode kernel takes CPU tensors");
-  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble,
-                    "the CPU decode kernel takes float32 or float64, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble ||
+                        q.scalar_type() == torch::kBFloat16,
+                    "the CPU decode kernel takes float32, float64 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK_VALUE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
                     "q, k_cache and v_cache must have one dtype");
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
@@ -146,7 +153,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     load[b] += lens[seq];
   }
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     const int64_t D = q.size(2);
     if (D == 64) decode_batch<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
     else if (D == 128) decode_batch<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
