@@ -162,9 +162,11 @@ def _mass_ranked_before_stand_in(logits, probs, token_ids):
     return (probs * ((logits > pivot) | ((logits == pivot) & smaller)).to(probs.dtype)).sum(-1)
 
 
-STAND_INS = {"ch10_ex4": ("apply_penalties", _penalties_stand_in), "ch10_ex5": ("apply_min_p", _min_p_stand_in),
-             "ch10_ex6": ("apply_top_k_top_p", _top_k_top_p_stand_in),
-             "ch10_ex7": ("mass_ranked_before", _mass_ranked_before_stand_in)}
+# exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
+STAND_INS = {"ch10_ex4": [(ops, "apply_penalties", _penalties_stand_in)],
+             "ch10_ex5": [(ops, "apply_min_p", _min_p_stand_in)],
+             "ch10_ex6": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
+             "ch10_ex7": [(ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
 
 
 @contextmanager
@@ -172,11 +174,12 @@ def graded(ex: str | None):
     """The package's (the student's) piece for `ex`, the grader's stand-ins for chapter 10's other
     graded pieces, in `sample.ops` and wherever the sampler imported them (None: stand-ins for all)."""
     with ExitStack() as stack:
-        for other, (name, fn) in STAND_INS.items():
-            if other != ex:
-                for module in (ops, sampler_module):
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        for other, patches in STAND_INS.items():
+            for owner, name, fn in patches if other != ex else ():
+                for module in {owner, sampler_module}:
                     if hasattr(module, name):
-                        stack.enter_context(pytest.MonkeyPatch.context()).setattr(module, name, fn)
+                        mp.setattr(module, name, fn)
         yield
 
 
@@ -376,7 +379,7 @@ def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
 def test_ch10_ex6_rows_alone_and_known_cases():
     """A row's result does not depend on its batch mates; the cases from public bug reports: top_p=0.6
     over probabilities 0.1, 0.2, 0.3, 0.4 keeps exactly 0.3 and 0.4; top_k=1 with tied maxima keeps the
-    smaller id; both filters None return the logits as they are."""
+    smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); both filters None return the logits as they are."""
     at = "ch10_ex6: apply_top_k_top_p"
     logits = _random_logits(5, 6, 30)
     top_k, top_p = torch.tensor([30, 3, 30, 10, 1, 30]), torch.tensor([1.0, 0.5, 0.3, 1.0, 0.9, 0.8], dtype=torch.float64)
@@ -391,6 +394,9 @@ def test_ch10_ex6_rows_alone_and_known_cases():
     kept = _ids(ops.apply_top_k_top_p(four, None, torch.tensor([0.6], dtype=torch.float64))[0] > INF)
     _expect(kept == [2, 3], f"{at}: top_p=0.6 over probabilities [0.1, 0.2, 0.3, 0.4] keeps tokens {kept}, "
             "expected [2, 3] (0.4 alone holds less than 0.6, so 0.3 stays; 0.4 + 0.3 reach it)")
+    kept = _ids(ops.apply_top_k_top_p(four, torch.tensor([2]), torch.tensor([0.5], dtype=torch.float64))[0] > INF)
+    _expect(kept == [3], f"{at}: top_k=2 then top_p=0.5 over probabilities [0.1, 0.2, 0.3, 0.4] keeps tokens {kept}, "
+            "expected [3] (top-p measures what top-k left: 0.4 / 0.7 = 0.57 already reaches 0.5)")
     tied = torch.tensor([[1.0, 3.0, 0.5, 3.0]])
     kept = _ids(ops.apply_top_k_top_p(tied, torch.tensor([1]), None)[0] > INF)
     _expect(kept == [1], f"{at}: top_k=1 over logits [1, 3, 0.5, 3] keeps {kept}, expected [1] (the argmax: "

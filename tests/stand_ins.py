@@ -1,0 +1,114 @@
+"""The grader's stand-ins for graded regions of OTHER chapters, in a student edition that releases
+several chapters at once.
+
+Each chapter's graders already grade its exercises one at a time, with the grader's own code standing
+in for the chapter's other regions. But the engine also runs code from other chapters: a chapter 05
+grader builds `SamplingParams` (chapter 01's `check_sampling_filters`), runs the decoder (chapter 02's
+RMSNorm, RoPE and MLP) and lays batches out (chapter 04). In an edition that releases chapters 01 and
+05 together, those would be stubs, and a correct chapter 05 answer would fail on chapter 01's
+`NotImplementedError`. So, when a grading run selects the exercises of some chapters (`-m ch05_ex1 or
+...`, as `python -m minivllm.grade` runs one chapter at a time), `conftest.py` puts the stand-ins below
+in place of every region the edition released in the other chapters, for the whole run
+(`edition_stand_ins`). In the book (no `EDITION.json`) nothing is replaced.
+
+The stand-ins are the grader's own working code (most of it in the chapters' grader files), written
+differently from the book's. Chapter 07's kernels have none: the engine on a CPU does not run them.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+EXERCISE_ID = re.compile(r"\bch\d\d_ex\d+\b")
+
+
+def _paged_decode_stand_in(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Paged decode attention, sequence by sequence, through the model's `attention_reference`."""
+    from minivllm.models.llama import attention_reference
+
+    out, block_size = torch.empty_like(q), k_cache.shape[1]
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, :-(-n // block_size)].long()
+        k, v = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
+        out[i] = attention_reference(q[i:i + 1], k, v, scale)[0]
+    return out
+
+
+def _patches(ex: str) -> list[tuple[object, str, object]]:
+    """(owner, attribute, stand-in) for exercise `ex`; [] where the grader has none."""
+    ch = ex[:4]
+    if ch == "ch01":
+        return list(importlib.import_module("test_grading_ch01_regions").STAND_INS.get(ex, []))
+    if ch == "ch02":
+        cls, fn = importlib.import_module("test_grading_ch02_regions").STAND_INS[ex]
+        return [(cls, "forward", fn)]
+    if ch == "ch03":
+        t, sb = importlib.import_module("test_grading_ch03_regions"), importlib.import_module("minivllm.static_batching")
+        return {"ch03_ex2": [(sb, "pad_batch", t._grader_pad_batch)],
+                "ch03_ex3": [(sb, "padded_attention", t._grader_padded_attention)]}.get(ex, [])
+    if ch == "ch04":
+        t = importlib.import_module("test_grading_ch04_regions")
+        kvm, mr = importlib.import_module("minivllm.kv_cache_manager"), importlib.import_module("minivllm.model_runner")
+        from minivllm.scheduler import Scheduler
+        return {"ch04_ex2": [(kvm, "slot_mapping", t._grader_slots)],
+                "ch04_ex3": [(Scheduler, "schedule_prefill", t._GraderScheduler.schedule_prefill)],
+                "ch04_ex4": [(Scheduler, "schedule_decode", t._GraderScheduler.schedule_decode)],
+                "ch04_ex5": [(mr, "prepare_batch", t._grader_prepare_batch)]}.get(ex, [])
+    if ch == "ch05":
+        from minivllm import paged_attention
+        from minivllm.block_manager import BlockManager
+        scaffold = importlib.import_module("test_grading_ch04_06")._Scaffold
+        return {"ch05_ex1": [(BlockManager, "allocate", scaffold.allocate)],
+                "ch05_ex2": [(BlockManager, "deallocate", scaffold.deallocate)],
+                "ch05_ex3": [(BlockManager, "may_append", scaffold.may_append)],
+                "ch05_ex4": [(paged_attention, "paged_decode_attention", _paged_decode_stand_in)]}.get(ex, [])
+    if ch == "ch06":
+        t, pc = importlib.import_module("test_grading_ch06_regions"), importlib.import_module("minivllm.prefix_caching")
+        return {"ch06_ex2": [(pc, "compute_hash", t._grader_hash)],
+                "ch06_ex3": [(pc.PrefixCachingBlockManager, "allocate", t._Scaffold.allocate)],
+                "ch06_ex4": [(pc.BlockCache, "_uncache", t._Scaffold._uncache)]}.get(ex, [])
+    if ch == "ch08":
+        cg = importlib.import_module("minivllm.cuda_graph")
+        name, fn = importlib.import_module("test_grading_ch08_regions").STAND_INS[ex]
+        return [(cg, name, fn)]
+    if ch == "ch10":
+        t = importlib.import_module("test_grading_ch10_regions")
+        return list(getattr(t, "STAND_INS", {}).get(ex, []))
+    return []
+
+
+@contextmanager
+def stand_ins_for(exercises: list[str]):
+    """Within: the grader's stand-ins replace the package's code of `exercises` (rebuild regions),
+    in their module and in every `minivllm` module that imported the same function by name."""
+    with ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        for ex in exercises:
+            for owner, name, fn in _patches(ex):
+                original = owner.__dict__.get(name)
+                mp.setattr(owner, name, fn)
+                for mod_name, module in list(sys.modules.items()):
+                    if mod_name.startswith("minivllm.") and module is not owner and original is not None \
+                            and getattr(module, name, None) is original:
+                        mp.setattr(module, name, fn)
+        yield
+
+
+def released_elsewhere(root: Path, markexpr: str) -> list[str]:
+    """The rebuild exercises an edition at `root` released in chapters that `markexpr` (pytest's `-m`)
+    does not select ([] in the book, or when `-m` names no exercise)."""
+    edition = root / "EDITION.json"
+    chosen = {e[:4] for e in EXERCISE_ID.findall(markexpr or "")}
+    if not edition.exists() or not chosen:
+        return []
+    from minivllm.grade import EXERCISES
+
+    released = json.loads(edition.read_text())["exercises"]
+    return [e for e in released if e in EXERCISES and EXERCISES[e].kind == "rebuild" and e[:4] not in chosen]
