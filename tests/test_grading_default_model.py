@@ -53,6 +53,7 @@ LOGITS_ATOL = 1e-3  # float32: the package and transformers sum in other orders;
 ENGINE_TOKENS, BLOCK_SIZE, NUM_BLOCKS = 6, 4, 14
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+pytestmark = pytest.mark.slow  # the project's marker for tests on the default model
 
 
 def _expect(ok: bool, message: str) -> None:
