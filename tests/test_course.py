@@ -1,8 +1,12 @@
 """The course tooling, tried as a student and an instructor would: a student edition of chapter 05
 (`scripts/release.py`), graded with `minivllm.grade` before and after the student's work.
 
-The edition is written once per module into a temporary folder; each grading run is one pytest
-subprocess in it (about half a minute), so this file runs two.
+The edition also releases one exercise each of chapters 01 and 02 (the sampling filters' checks,
+RMSNorm), which chapter 05's engine graders run through: their stubs must not cost a chapter 05
+answer its points (the graders' stand-ins replace them, `tests/stand_ins.py`).
+
+The edition is written once per module into a temporary folder; grading runs one pytest subprocess
+per chapter in it (about half a minute each).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from minivllm.grade import EXERCISES, find_regions, resolve
 ROOT = Path(__file__).resolve().parent.parent
 CH05 = "notebooks/05_paged_attention.ipynb"
 REBUILD = [e for e in resolve(["ch05"]) if EXERCISES[e].kind == "rebuild"]
+ELSEWHERE = ["ch01_ex3", "ch02_ex3"]  # released with chapter 05: stubs that its engine graders run through
+RELEASED = resolve(ELSEWHERE + ["ch05"])
 
 
 def _script(name: str):
@@ -47,7 +53,7 @@ def _regions(nb_path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("course") / "ch05-student"
-    _script("release").release(["ch05"], out)
+    _script("release").release(ELSEWHERE + ["ch05"], out)
     return out
 
 
@@ -93,23 +99,23 @@ def test_edition_has_no_answers(edition):
         assert answer not in package and answer not in chapter, ex
         assert f'NotImplementedError("{ex}: ' in package or f"NotImplementedError('{ex}: " in package, ex
     assert _regions(edition / CH05) == {}  # the delimiters are gone with the answers
-    assert json.loads((edition / "EDITION.json").read_text())["exercises"] == resolve(["ch05"])
+    assert json.loads((edition / "EDITION.json").read_text())["exercises"] == RELEASED
     # earlier chapters keep their code
     assert (edition / "minivllm/scheduler.py").read_text() == (ROOT / "minivllm/scheduler.py").read_text()
 
 
 def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
     rep = grading.grade(None, edition, json_path=tmp_path / "r.json", junit_path=tmp_path / "r.xml", verbose=False)
-    assert list(rep["exercises"]) == resolve(["ch05"]) and rep["total"] == 0
+    assert list(rep["exercises"]) == RELEASED and rep["total"] == 0
     for ex, r in rep["exercises"].items():
         assert r["tests"] > 0 and not r["passed"], ex
         for f in r["failed"]:
             assert "NotImplementedError" in f["message"], (ex, f["test"], f["message"])
-            if ex in REBUILD:
+            if ex in REBUILD + ELSEWHERE:  # its own stub, never another chapter's
                 assert ex in f["message"], (ex, f["message"])
-    assert json.loads((tmp_path / "r.json").read_text())["max_total"] == sum(EXERCISES[e].points for e in resolve(["ch05"]))
+    assert json.loads((tmp_path / "r.json").read_text())["max_total"] == sum(EXERCISES[e].points for e in RELEASED)
     suite = ET.parse(tmp_path / "r.xml").getroot()
-    assert suite.get("tests") == str(len(REBUILD) + 2) and suite.get("failures") == suite.get("tests")
+    assert suite.get("tests") == str(len(RELEASED)) and suite.get("failures") == suite.get("tests")
 
 
 def _fill(edition: Path, bodies: dict[str, str]) -> None:
@@ -134,8 +140,8 @@ def _dedent(text: str) -> str:
 
 def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
     """ch05_ex1 gets the book's answer; ch05_ex2 leaks the tail block; ch05_ex3 delegates to super();
-    ch05_ex4 is an empty stub. Only ch05_ex1 passes, each failure says why; an instructor's private
-    test counts towards its exercise."""
+    ch05_ex4 is an empty stub. Only ch05_ex1 passes (chapters 01 and 02's released regions still
+    stubs), each failure says why; an instructor's private test counts towards its exercise."""
     edition = shutil.copytree(edition, tmp_path / "submission")  # other tests see the untouched edition
     answers = {ex: _dedent(a) for ex, a in _regions(ROOT / CH05).items()}
     leaky = answers["ch05_ex2"].replace("if block.ref_count == 0:", "if block.ref_count == 0 and block_id != seq.block_table[-1]:")
@@ -153,7 +159,7 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
     passed = [ex for ex, r in rep["exercises"].items() if r["passed"]]
     assert passed == ["ch05_ex1"], {ex: r["failed"][:1] for ex, r in rep["exercises"].items()}
     assert rep["total"] == EXERCISES["ch05_ex1"].points
-    assert rep["exercises"]["ch05_ex1"]["tests"] == 3  # the contract, the engine, the private test
+    assert rep["exercises"]["ch05_ex1"]["tests"] == 4  # the contract, the engine (tiny, default model), the private test
     ex2 = " ".join(f["message"] for f in rep["exercises"]["ch05_ex2"]["failed"])
     assert "ch05_ex2" in ex2 and "never freed" in ex2, ex2
     ex2_details = " ".join(f["details"] for f in rep["exercises"]["ch05_ex2"]["failed"])
