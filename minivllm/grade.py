@@ -324,10 +324,10 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         private_tests: a folder of extra test files (marked with the exercises' markers) kept
             outside the release; they count towards the same exercises.
         verbose: print pytest's report of the failures and a score table.
-        timeout_s: each chapter's run's limit (an endless loop scores nothing, with an error saying so).
-    The graders run once per chapter (a pytest subprocess each): in an edition that releases several
-    chapters, the other chapters' released regions are then the graders' stand-ins (`tests/stand_ins.py`),
-    so an exercise scores by its own code alone.
+        timeout_s: each run's limit (an endless loop scores nothing, with an error saying so).
+    The graders run in one pytest subprocess per chapter and kind (rebuild, extend): in an edition,
+    the released regions a run does not grade are then the graders' stand-ins (`tests/stand_ins.py`),
+    so an exercise scores by its own code alone, whatever else the edition released.
     In the book (not an edition), a chapter executed by the test suite (nbmake) does not run the
     graders again: the suite runs them itself; the report then says `"skipped"`.
     Returns:
@@ -362,8 +362,8 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     # an edition grades the student's exercises/, whatever else its folder holds
     impl = "solutions" if edition is None and (root / "solutions").is_dir() else "exercises"
     outcomes, logs = {}, []
-    for chapter in dict.fromkeys(e[:4] for e in wanted):  # one run per chapter: see tests/stand_ins.py
-        ids_here = [e for e in wanted if e.startswith(chapter)]
+    for group in dict.fromkeys((e[:4], EXERCISES[e].kind) for e in wanted):  # see tests/stand_ins.py
+        ids_here = [e for e in wanted if (e[:4], EXERCISES[e].kind) == group]
         files = sorted({t for e in ids_here for t in EXERCISES[e].tests if (root / t).exists()})
         r, found = _run_graders(root, ids_here, files + ([str(private_tests)] if private_tests else []), impl,
                                 timeout_s)

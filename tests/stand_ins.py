@@ -7,9 +7,10 @@ grader builds `SamplingParams` (chapter 01's `check_sampling_filters`), runs the
 RMSNorm, RoPE and MLP) and lays batches out (chapter 04). In an edition that releases chapters 01 and
 05 together, those would be stubs, and a correct chapter 05 answer would fail on chapter 01's
 `NotImplementedError`. So, when a grading run selects the exercises of some chapters (`-m ch05_ex1 or
-...`, as `python -m minivllm.grade` runs one chapter at a time), `conftest.py` puts the stand-ins below
-in place of every region the edition released in the other chapters, for the whole run
-(`edition_stand_ins`). In the book (no `EDITION.json`) nothing is replaced.
+...`; `python -m minivllm.grade` runs one chapter's rebuild exercises, then its extend exercises, each
+in its own run), `conftest.py` puts the stand-ins below in place of every region the edition released
+that the run does not grade (`released_elsewhere`), for the whole run. In the book (no
+`EDITION.json`) nothing is replaced.
 
 The stand-ins are the grader's own working code (most of it in the chapters' grader files), written
 differently from the book's. Chapter 07's kernels have none: the engine on a CPU does not run them.
@@ -84,10 +85,20 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
     return []
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ours(name: str, module) -> bool:
+    """A module of this edition: the package, or a file under its root (an extend exercise)."""
+    where = getattr(module, "__file__", None) or ""
+    return name.startswith("minivllm.") or (where.startswith(str(ROOT)) and "site-packages" not in where)
+
+
 @contextmanager
 def stand_ins_for(exercises: list[str]):
     """Within: the grader's stand-ins replace the package's code of `exercises` (rebuild regions),
-    in their module and in every `minivllm` module that imported the same function by name."""
+    in their module and in every module that imported the same function by name (the package's, an
+    extend exercise's)."""
     with ExitStack() as stack:
         mp = stack.enter_context(pytest.MonkeyPatch.context())
         for ex in exercises:
@@ -95,20 +106,25 @@ def stand_ins_for(exercises: list[str]):
                 original = owner.__dict__.get(name)
                 mp.setattr(owner, name, fn)
                 for mod_name, module in list(sys.modules.items()):
-                    if mod_name.startswith("minivllm.") and module is not owner and original is not None \
+                    if module is not owner and original is not None and _ours(mod_name, module) \
                             and getattr(module, name, None) is original:
                         mp.setattr(module, name, fn)
         yield
 
 
 def released_elsewhere(root: Path, markexpr: str) -> list[str]:
-    """The rebuild exercises an edition at `root` released in chapters that `markexpr` (pytest's `-m`)
-    does not select ([] in the book, or when `-m` names no exercise)."""
+    """The rebuild exercises an edition at `root` released that the run selected by `markexpr`
+    (pytest's `-m`) does not grade: those of chapters with no rebuild exercise selected (a chapter's
+    own graders stand in for its other regions). An extend exercise builds on its chapter's regions,
+    so a run of extend exercises only gets stand-ins for all of them. [] in the book, or when `-m`
+    names no exercise."""
     edition = root / "EDITION.json"
-    chosen = {e[:4] for e in EXERCISE_ID.findall(markexpr or "")}
-    if not edition.exists() or not chosen:
+    selected = set(EXERCISE_ID.findall(markexpr or ""))
+    if not edition.exists() or not selected:
         return []
     from minivllm.grade import EXERCISES
 
+    rebuilding = {e[:4] for e in selected if e in EXERCISES and EXERCISES[e].kind == "rebuild"}
     released = json.loads(edition.read_text())["exercises"]
-    return [e for e in released if e in EXERCISES and EXERCISES[e].kind == "rebuild" and e[:4] not in chosen]
+    return [e for e in released if e in EXERCISES and EXERCISES[e].kind == "rebuild" and e not in selected
+            and e[:4] not in rebuilding]
