@@ -47,15 +47,15 @@ class Workload:
 
 # %% auto #0
 __all__ = ['DEFAULT_NUM_REQUESTS', 'DEFAULT_INPUT_LEN', 'DEFAULT_OUTPUT_LEN', 'WARMUP_PROMPT_LEN', 'WARMUP_OUTPUT_LEN',
-           'DEFAULT_HF_BATCH_SIZE', 'CPU_ISA_FLAGS', 'PEAK_SIZES', 'PEAK_REPEATS', 'LADDER', 'RUNGS',
+           'DEFAULT_HF_BATCH_SIZE', 'CPU_ISA_FLAGS', 'FAST_BF16_FLAGS', 'PEAK_SIZES', 'PEAK_REPEATS', 'LADDER', 'RUNGS',
            'PLAIN_TORCH_BACKENDS', 'MODEL_CONFIGS', 'MODEL_CONFIG_ALIASES', 'DUMMY_DONE', 'ENGINE_FLAGS', 'Workload',
            'make_workload', 'RunResult', 'timed', 'release_memory', 'StepLog', 'warm_up_engine', 'generate_until',
-           'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment', 'ModelCost',
-           'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline', 'agreement', 'roofline_fields',
-           'benchmark', 'format_peaks', 'format_report', 'Rung', 'RungSkipped', 'rung_engine_args', 'greedy',
-           'run_naive', 'run_static', 'workload_bound', 'run_rung', 'run_entry', 'ladder', 'format_ladder_report',
-           'resolve_model_config', 'model_config', 'dummy_weights', 'dummy_model', 'parse_rung_requests', 'parse_rungs',
-           'check_args', 'sampling_fields', 'write_json', 'run', 'add_cli']
+           'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment',
+           'cpu_bf16_note', 'ModelCost', 'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline',
+           'agreement', 'roofline_fields', 'benchmark', 'format_peaks', 'format_report', 'Rung', 'RungSkipped',
+           'rung_engine_args', 'greedy', 'run_naive', 'run_static', 'workload_bound', 'run_rung', 'run_entry', 'ladder',
+           'format_ladder_report', 'resolve_model_config', 'model_config', 'dummy_weights', 'dummy_model',
+           'parse_rung_requests', 'parse_rungs', 'check_args', 'sampling_fields', 'write_json', 'run', 'add_cli']
 
 # %% ../notebooks/09_benchmark.ipynb #46981727
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
@@ -381,7 +381,8 @@ import transformers
 
 import minivllm
 
-CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")  # from /proc/cpuinfo
+CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve",
+                 "bf16")  # from /proc/cpuinfo (x86 flags, Arm features)
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -441,6 +442,19 @@ def environment() -> dict:
                               python=platform.python_version()),
                 threads=torch.get_num_threads(), hardware=hardware,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # CPU instructions that multiply bfloat16 numbers
+
+
+def cpu_bf16_note(dtype: str, device: str | torch.device, hardware: dict) -> str | None:
+    """For a bfloat16 run on a CPU whose `hardware["cpu_isa"]` (from `environment`) has none of
+    `FAST_BF16_FLAGS`: a line saying that bfloat16 is emulated there. None for other runs."""
+    if dtype != "bfloat16" or torch.device(device).type != "cpu" or set(FAST_BF16_FLAGS) & set(hardware["cpu_isa"]):
+        return None
+    return ("note: this CPU has no bfloat16 instructions (none of " + ", ".join(FAST_BF16_FLAGS) + "), so its "
+            "bfloat16 matmuls are emulated in float32 and slower than float32 ones; the engine's default on a "
+            "CPU stays float32")
 
 # %% ../notebooks/09_benchmark.ipynb #4960b7a1
 from .models.llama import MODEL_REGISTRY, load_config
@@ -630,7 +644,7 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
         A dict: `engine_tok_s`, `hf_tok_s`, `ratio` (None without `compare_hf`), `roofline_ratio` (None
         without `measure_roofline`), the timings (seconds) and warm-ups, token counts,
         `prompt_tokens_total`/`prompt_tokens_computed`, the workload, `peaks`, `model_cost` and
-        `environment()`. Throughputs are output tokens per second of wall time.
+        `environment()`, and `note` (`cpu_bf16_note`). Throughputs are output tokens per second of wall time.
     Raises:
         ValueError: a bad workload parameter, dtype or thread count.
     """
@@ -665,7 +679,7 @@ def benchmark(model: str | None = None, num_requests: int = DEFAULT_NUM_REQUESTS
         record.update(hf_s=hf.seconds, hf_tok_s=hf.tok_s, ratio=engine.tok_s / hf.tok_s, hf_batch_size=hf_batch_size,
                       hf_warmup_s=hf.extra["warmup_s"], hf_match_fraction=None if sampling else agreement(engine, hf))
     record.update(environment())
-    return record
+    return record | dict(note=cpu_bf16_note(dtype, resolve_device(engine_args.get("device")), record["hardware"]))
 
 # %% ../notebooks/09_benchmark.ipynb #56c32b1b
 def format_peaks(p: dict) -> str:
@@ -687,6 +701,8 @@ def format_report(r: dict) -> str:
              f"({r['output_tokens']} in all), shared prefix {w['shared_prefix']:g}, seed {w['seed']}",
              f"engine: {r['engine_tok_s']:8.1f} output tok/s ({r['engine_s']:.1f} s{warm}); prompt tokens computed "
              f"{r['prompt_tokens_computed']} of {r['prompt_tokens_total']}"]
+    if r.get("note"):
+        lines.insert(1, r["note"])
     if r.get("roofline_ratio") is not None:
         lines.append(f"roofline: the engine's {r['roofline']['steps']} steps need at least {r['roofline_s']:.2f} s "
                      f"at {format_peaks(r['peaks'])}: ratio {r['roofline_ratio']:.3f}")

@@ -160,6 +160,38 @@ def test_cpu_model_names_the_cpu(monkeypatch):
     assert "0xd0c" in bench.cpu_model()
 
 
+def test_cpu_bf16_note_only_for_bfloat16_on_a_cpu_without_bfloat16_instructions():
+    slow, fast = dict(cpu_isa=["avx2", "fma"]), dict(cpu_isa=["avx2", "avx512f", "avx512_bf16", "amx_bf16"])
+    note = bench.cpu_bf16_note("bfloat16", "cpu", slow)
+    assert "no bfloat16 instructions" in note and "emulated" in note and "float32" in note
+    assert bench.cpu_bf16_note("float32", "cpu", slow) is None
+    assert bench.cpu_bf16_note("bfloat16", "cuda", slow) is None
+    assert bench.cpu_bf16_note("bfloat16", "cpu", fast) is None
+    assert bench.cpu_bf16_note("bfloat16", torch.device("cpu"), dict(cpu_isa=["asimd", "bf16"])) is None  # Arm
+
+
+@pytest.mark.parametrize("flags", ["fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16"])
+def test_bf16_bench_compares_with_transformers_in_bf16_and_says_when_bf16_is_emulated(tiny_llama, capsys,
+                                                                                     monkeypatch, flags):
+    folder, _ = tiny_llama
+    monkeypatch.setattr(bench, "_cpuinfo", lambda: {"model name": "Some CPU", "flags": flags})
+    hf_dtypes = []
+    real_load_hf = bench.load_hf
+    monkeypatch.setattr(bench, "load_hf", lambda *a: hf_dtypes.append(a[1]) or real_load_hf(*a))
+    assert main(["bench", "--model", str(folder), "--dtype", "bfloat16", "--num-requests", "3", "--input-len", "2",
+                 "9", "--output-len", "1", "4", "--compare", "hf", "--no-roofline", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["dtype"] == "bfloat16" and hf_dtypes == ["bfloat16"] and r["hf_tok_s"] > 0
+    emulated = "avx512_bf16" not in flags
+    assert (r["note"] is not None) == emulated
+    report = bench.format_report(r)
+    assert report.startswith("CPU: Some CPU") and ("emulated" in report) == emulated
+    assert main(["bench", "--model", str(folder), "--num-requests", "2", "--input-len", "2", "4", "--output-len",
+                 "1", "2", "--no-roofline", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["dtype"] == "float32" and r["note"] is None  # the default stays float32
+
+
 def test_bench_prints_the_cpu_it_ran_on(tiny_llama, capsys):
     folder, _ = tiny_llama
     assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "2", "--input-len", "2",
