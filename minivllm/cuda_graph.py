@@ -62,7 +62,7 @@ def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
 
 # %% auto #0
 __all__ = ['MAX_CAPTURE_SIZE', 'SMALL_CAPTURE_SIZES', 'CAPTURE_SIZE_STEP', 'DECODE_INPUTS', 'HOST_READS', 'CUDAGRAPH_BACKENDS',
-           'SMOLLM2_135M_SHAPE', 'cudagraph_capture_sizes', 'padded_batch_size', 'DecodeBuffers',
+           'COMPILE_OPTIONS', 'SMOLLM2_135M_SHAPE', 'cudagraph_capture_sizes', 'padded_batch_size', 'DecodeBuffers',
            'prepare_decode_inputs', 'CUDAGraph', 'graph_pool', 'storages', 'StandInGraph', 'supports_cudagraph',
            'CapturablePagedAttention', 'DecodeGraphs', 'CUDAGraphModelRunner', 'compile_small_ops',
            'decode_step_seconds', 'CompiledOpsGraphRunner', 'decode_step_benchmark']
@@ -355,13 +355,18 @@ class CUDAGraphModelRunner(ModelRunner):
         return super().forward_logits(seqs, is_prefill) if logits is None else logits
 
 # %% ../notebooks/08_cuda_graphs.ipynb #a46057fe
-def compile_small_ops(model) -> None:
+COMPILE_OPTIONS = {"emulate_precision_casts": True}  # round where the code casts (see the text)
+
+
+def compile_small_ops(model, options: dict | None = COMPILE_OPTIONS) -> None:
     """`torch.compile` each RMSNorm and the rotary embedding of `model` in place (`nn.Module.compile`,
     dynamic shapes): each chain of small elementwise operations becomes one generated kernel.
-    After nano-vllm, which compiles its RMSNorm, rotary embedding and activation."""
+    `options` go to the compiler (inductor's config); the default makes a fused kernel round to the
+    model's dtype wherever the eager code casts, as eager does. After nano-vllm, which compiles its
+    RMSNorm, rotary embedding and activation."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding)):
-            module.compile(dynamic=True)
+            module.compile(dynamic=True, options=options)
 
 # %% ../notebooks/08_cuda_graphs.ipynb #3ee22fe8
 SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
