@@ -56,9 +56,9 @@ def choose_capture_sizes(batch_size_counts: dict[int, int], max_num_seqs: int, m
     require("max_sizes", max_sizes, 1)
     if not isinstance(batch_size_counts, dict):
         raise ValueError(f"batch_size_counts must be a dict {{batch size: steps}}, got {type(batch_size_counts).__name__}")
-    for n, count in batch_size_counts.items():
-        require("a batch size in batch_size_counts", n, 1, max_num_seqs)
-        require(f"the step count of batch size {n}", count, 0)
+    for size, steps_seen in batch_size_counts.items():
+        require("a batch size in batch_size_counts", size, 1, max_num_seqs)
+        require(f"the step count of batch size {size}", steps_seen, 0)
     sizes = sorted(n for n, c in batch_size_counts.items() if c > 0 and n < max_num_seqs) + [max_num_seqs]
     steps = [batch_size_counts.get(n, 0) for n in sizes]
     # prefix sums over the candidate sizes: steps, and steps * size

