@@ -71,9 +71,10 @@ grade:
 
 ## courses: grade a class, one student edition per subfolder of SUBMISSIONS, into CSV (default scores.csv)
 grade-class:
-	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade-class SUBMISSIONS=dir [CSV=scores.csv] [IDS=ch05]"; exit 2; }
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade-class SUBMISSIONS=dir [CSV=scores.csv] [IDS=ch05] [REPORTS=dir] [TESTS_FROM=edition]"; exit 2; }
 	OMP_NUM_THREADS=1 $(PY) -m minivllm.grade $(IDS) --class $(SUBMISSIONS) --csv $(or $(CSV),scores.csv) \
-		$(if $(PRIVATE),--private-tests $(PRIVATE))
+		$(if $(PRIVATE),--private-tests $(PRIVATE)) $(if $(REPORTS),--reports $(REPORTS)) \
+		$(if $(TESTS_FROM),--tests-from $(TESTS_FROM))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -34,12 +34,18 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree as ET
+
+try:
+    import pytest as _pytest
+except ImportError:  # the table and the release work without pytest; grading needs it
+    _pytest = None
 
 
 @dataclass(frozen=True)
@@ -226,12 +232,69 @@ def stub_line(region: Region) -> str:
 
 # --- the pytest plugin (loaded in the grading run with `-p minivllm.grade`) ----------------------
 _outcomes: dict[str, dict] = {}
+TEST_TIMEOUT_S = int(os.environ.get("MINIVLLM_GRADE_TEST_TIMEOUT_S", "600"))  # one test's limit in a grading
+# run, seconds: an endless loop fails its own test, not the whole run
+STUDENT_DIRS = ("minivllm", "exercises", "notebooks")  # where a student's code runs from
+
+
+def _save_outcomes() -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps(_outcomes, indent=1))
 
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
         marks = sorted({m.name for m in item.iter_markers() if m.name in EXERCISES})
         _outcomes[item.nodeid] = {"exercises": marks, "outcome": "passed", "message": "", "details": ""}
+
+
+class GradeTimeout(BaseException):
+    """A test of a grading run ran past `TEST_TIMEOUT_S` (a BaseException: hypothesis does not retry
+    it as a failing example, and an answer's `except Exception` does not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise GradeTimeout(f"this test ran past {TEST_TIMEOUT_S} s and was stopped (an endless loop?)")
+
+
+def pytest_runtest_call(item):
+    """Each test of a grading run stops after `TEST_TIMEOUT_S` (SIGALRM, where the platform has it)."""
+    timed = os.environ.get(RESULTS_ENV) and hasattr(signal, "SIGALRM")
+    if timed:
+        previous = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S, 5.0)  # then every 5 s, should the first be caught
+    try:
+        yield
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+if _pytest is not None:  # a hook wrapper around each test's call (grading runs need pytest anyway)
+    pytest_runtest_call = _pytest.hookimpl(hookwrapper=True)(pytest_runtest_call)
+
+
+def _skipped_by_student_code(report) -> str | None:
+    """The reason, where a test was skipped from the code under grading (a `pytest.skip` in the
+    package, an exercise or a chapter) rather than by its grader (a GPU or the default model absent)."""
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        where, _, reason = report.longrepr
+        try:
+            first = Path(str(where)).resolve().relative_to(_root[0]).parts[0] if _root else ""
+        except (ValueError, IndexError):
+            first = ""
+        if first in STUDENT_DIRS:
+            return f"skipped from the code under grading ({where}): {reason}"
+    return None
+
+
+_root: list[Path] = []  # the grading run's root folder
+
+
+def pytest_configure(config):
+    _root[:] = [Path(str(config.rootpath)).resolve()]
 
 
 def pytest_runtest_logreport(report):
@@ -242,14 +305,15 @@ def pytest_runtest_logreport(report):
         crash = getattr(report.longrepr, "reprcrash", None)
         rec.update(outcome="failed", message=(crash.message if crash else str(report.longrepr))[:MESSAGE_CHARS],
                    details=report.longreprtext[-MESSAGE_CHARS:])
+    elif report.skipped and (why := _skipped_by_student_code(report)):
+        rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
     elif report.skipped and rec["outcome"] == "passed":
         rec["outcome"] = "skipped"
+    _save_outcomes()  # after every test: a run stopped later keeps what it had
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get(RESULTS_ENV)
-    if path:
-        Path(path).write_text(json.dumps(_outcomes, indent=1))
+    _save_outcomes()
 
 
 # --- running the graders -----------------------------------------------------------------------
@@ -371,10 +435,17 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         if r.returncode or not found:
             logs.append(r)
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
+    borrowed = graders_code_used(root) if edition else []  # in the book, tests/ may be imported at will
+    if borrowed:
+        report["graders_code_used"] = borrowed
     for ex in wanted:
         tests = {n: o for n, o in outcomes.items() if ex in o["exercises"]}
         failed = [{"test": n, "message": o["message"], "details": o["details"]}
                   for n, o in tests.items() if o["outcome"] == "failed"]
+        if borrowed:
+            failed.insert(0, {"test": "(the code under grading)", "details": "\n".join(borrowed),
+                              "message": f"{ex}: not graded: the code uses the graders' own code from tests/ "
+                                         f"(their stand-ins are not your answer): {borrowed[0]}"})
         passed = bool(tests) and not failed and any(o["outcome"] == "passed" for o in tests.values())
         pts = EXERCISES[ex].points
         report["exercises"][ex] = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
@@ -394,6 +465,26 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     if junit_path:
         write_junit(report, junit_path)
     return report
+
+
+GRADER_NAMES = re.compile(r"\b(_grader\w*|_Grader\w*|_Scaffold|STAND_INS)\b")
+
+
+def graders_code_used(root: Path) -> list[str]:
+    """Places where the code under grading (the package but this module, and `exercises/`) imports a
+    module of `tests/` or uses a grader's stand-in by name: the stand-ins are working answers written
+    for the graders, not answers of the student's. Returns `path:line: text` for each."""
+    modules = "|".join(sorted(re.escape(p.stem) for p in (root / "tests").glob("*.py")))
+    importing = re.compile(rf"\b({modules})\b") if modules else None
+    found = []
+    files = [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]
+    for f in sorted(files):
+        if f.name == "grade.py" and f.parent.name == "minivllm":
+            continue
+        for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if GRADER_NAMES.search(line) or ("import" in line and importing and importing.search(line)):
+                found.append(f"{f.relative_to(root)}:{i}: {line.strip()[:120]}")
+    return found
 
 
 def _run_graders(root: Path, ids: list[str], files: list[str], impl: str, timeout_s: float):
@@ -443,36 +534,86 @@ def write_junit(report: dict, path: str | Path) -> None:
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
+CLEAN_COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints",
+                                           "solutions", "*.egg-info", ".hypothesis")
+
+
+def student_files(ids: list[str]) -> list[str]:
+    """The files a student's work lives in for `ids`: the chapters holding their graded regions and
+    the `exercises/` files of the extend ones (paths relative to an edition's root)."""
+    return sorted({EXERCISES[e].where for e in ids})
+
+
 def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | None = None,
                 private_tests: str | Path | None = None, tests_from: str | Path | None = None,
-                verbose: bool = True) -> list[dict]:
+                reports: str | Path | None = None, verbose: bool = True) -> list[dict]:
     """Grade every subfolder of `submissions` (one student edition each) into one CSV: a row per
     subfolder with its points per exercise and the total (a folder that cannot be graded gets an
-    `error` column). With `tests_from` (an edition or the book), each submission's `tests/` is first
-    replaced by that folder's `tests/`, so that a student's edits to the graders do not count.
-    Submissions run arbitrary code: grade them in a sandbox or container."""
-    folders = sorted(p for p in Path(submissions).iterdir() if p.is_dir())
-    wanted = resolve(ids) if ids else None
+    `error` column).
+
+    Each submission is graded in a fresh copy of the instructor's edition (`tests_from`: the edition,
+    or the book, the command runs from), into which only the student's work is copied: the chapters
+    holding the graded regions of `ids` and the `exercises/` files of its extend exercises
+    (`student_files`). The package is exported from those chapters. Nothing else a submission holds
+    counts: not its `tests/`, conftest or pytest files, `scripts/`, `EDITION.json`, nor a
+    hand-edited `minivllm/`; the submission's folder is not changed.
+
+    Args:
+        ids: the exercises (default: those of `tests_from`'s `EDITION.json`, or all).
+        reports: a folder for each submission's report (`NAME.json`, `NAME.xml`), with the failures.
+    Raises:
+        ValueError: `submissions` or `tests_from` is not a folder, or `submissions` has no subfolder.
+    The student's code still runs in the grading process and can tamper with it: grade a class in a
+    sandbox or container, and read the code of a surprising score.
+    """
+    submissions, base = Path(submissions), find_root() if tests_from is None else Path(tests_from).resolve()
+    if not submissions.is_dir():
+        raise ValueError(f"submissions folder {submissions} does not exist")
+    if not (base / "minivllm").is_dir() or not (base / "tests").is_dir() or not (base / "notebooks").is_dir():
+        raise ValueError(f"{base} is not a minivllm edition (it needs minivllm/, notebooks/ and tests/)")
+    folders = sorted(p for p in submissions.iterdir() if p.is_dir())
+    if not folders:
+        raise ValueError(f"{submissions} has no submission folder (one edition per subfolder)")
+    edition = json.loads((base / EDITION_FILE).read_text()) if (base / EDITION_FILE).exists() else None
+    wanted = resolve(ids or (edition["exercises"] if edition else None))
+    if reports is not None:
+        Path(reports).mkdir(parents=True, exist_ok=True)
     rows = []
-    for folder in folders:
-        row: dict = {"submission": folder.name}
-        try:
-            if tests_from is not None:
-                shutil.rmtree(folder / "tests", ignore_errors=True)
-                shutil.copytree(Path(tests_from) / "tests", folder / "tests",
-                                ignore=shutil.ignore_patterns("__pycache__"))
-            rep = grade(wanted, folder, private_tests=private_tests, verbose=False)
-            row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
-            row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
-        except (ValueError, RuntimeError, OSError, json.JSONDecodeError) as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-        if verbose:
-            print(f"{folder.name}: {row.get('total', '-')}/{row.get('max_total', '-')} {row.get('error', '')}".rstrip())
-    columns = ["submission", *dict.fromkeys(k for r in rows for k in r if k.startswith("ch")), "total", "max_total",
-               "error"]
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = Path(tmp) / "base"
+        shutil.copytree(base, clean, ignore=CLEAN_COPY_IGNORE, symlinks=True)
+        for folder in folders:
+            row: dict = {"submission": folder.name}
+            work = Path(tmp) / "work"
+            try:
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.copytree(clean, work, symlinks=True)
+                missing = [f for f in student_files(wanted) if not (folder / f).is_file()]
+                if missing:
+                    raise ValueError(f"missing {', '.join(missing)}")
+                for f in student_files(wanted):
+                    shutil.copyfile(folder / f, work / f)
+                r = subprocess.run([sys.executable, str(work / "scripts" / "export.py")], cwd=work,
+                                   capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"exporting the chapters failed: {(r.stdout + r.stderr)[-300:]}")
+                released = [*dict.fromkeys([*(edition["exercises"] if edition else []), *wanted])]
+                (work / EDITION_FILE).write_text(json.dumps({"exercises": released, **edition_hashes(work)}) + "\n")
+                out = {} if reports is None else dict(json_path=Path(reports) / f"{folder.name}.json",
+                                                      junit_path=Path(reports) / f"{folder.name}.xml")
+                rep = grade(wanted, work, private_tests=private_tests, export=False, verbose=False, **out)
+                row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
+                row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
+                if rep.get("graders_code_used"):
+                    row["error"] = f"uses the graders' code: {rep['graders_code_used'][0]}"[:300]
+            except (ValueError, RuntimeError, OSError, json.JSONDecodeError) as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            if verbose:
+                print(f"{folder.name}: {row.get('total', '-')}/{row.get('max_total', '-')} {row.get('error', '')}".rstrip())
+    columns = ["submission", *wanted, "total", "max_total", "error"]
     with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return rows
@@ -488,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-export", action="store_true", help="grade minivllm/ as it is (no export from the chapters)")
     ap.add_argument("--class", dest="submissions", help="grade each subfolder of this folder (one edition each)")
     ap.add_argument("--csv", help="with --class: the scores' CSV (default: scores.csv)")
-    ap.add_argument("--tests-from", help="with --class: replace each submission's tests/ by this edition's "
-                                         "(default: the book or edition holding the current folder; 'none': keep them)")
+    ap.add_argument("--tests-from", help="with --class: the instructor's edition (or the book) each submission is "
+                                         "graded in (default: the one holding the current folder)")
+    ap.add_argument("--reports", help="with --class: a folder for each submission's JSON and JUnit report")
     ap.add_argument("--list", action="store_true", help="list the exercises and their points")
     args = ap.parse_args(argv)
     try:
@@ -497,11 +639,14 @@ def main(argv: list[str] | None = None) -> int:
             for e in EXERCISES.values():
                 print(f"{e.id} {e.points:>2} points  {e.kind:<7} {e.title}  ({e.where})")
             return 0
+        if not args.submissions and (args.csv or args.tests_from or args.reports):
+            raise ValueError("--csv, --tests-from and --reports go with --class SUBMISSIONS")
         if args.submissions:
-            tests_from = None if args.tests_from == "none" else (args.tests_from or find_root())
-            if tests_from is not None:
-                print(f"graders taken from {tests_from}/tests")
-            grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests, tests_from)
+            rows = grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests,
+                               args.tests_from, args.reports)
+            errors = sum(bool(r.get("error")) for r in rows)
+            print(f"{len(rows)} submissions graded into {args.csv or 'scores.csv'}"
+                  + (f"; {errors} with an error (see its row)" if errors else ""))
             return 0
         rep = grade(args.ids, args.root, json_path=args.json, junit_path=args.junit,
                     private_tests=args.private_tests, export=False if args.no_export else None)

@@ -169,32 +169,59 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
         "NotImplementedError" not in f["message"] for f in rep["exercises"]["ch05_ex4"]["failed"])
 
 
-def test_grade_a_class_into_one_csv(tmp_path, monkeypatch):
-    """One row per submission folder, points per exercise and the total; a folder that cannot be
-    graded gets its error; the instructor's graders replace the submissions' (the grading itself is
-    the function tested above)."""
-    for name in ("alice", "bob", "carol"):
-        (tmp_path / "subs" / name).mkdir(parents=True)
+FORGED_CONFTEST = """import pytest
 
-    def fake_grade(ids, root, **kw):
-        if root.name == "carol":
-            raise RuntimeError("no minivllm/ here")
-        pts = {"alice": 3, "bob": 0}[root.name]
-        return {"exercises": {"ch05_ex1": {"points": pts}, "ch05_ex2": {"points": 0}}, "total": pts, "max_total": 6}
 
-    monkeypatch.setattr(grading, "grade", fake_grade)
-    (tmp_path / "subs" / "alice" / "tests").mkdir()
-    (tmp_path / "subs" / "alice" / "tests" / "test_grading_ch04_06.py").write_text("# graders edited away\n")
-    (tmp_path / "book" / "tests").mkdir(parents=True)
-    (tmp_path / "book" / "tests" / "test_grading_ch04_06.py").write_text("# the released graders\n")
-    grading.grade_class(tmp_path / "subs", tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"],
-                        tests_from=tmp_path / "book", verbose=False)
-    for name in ("alice", "bob"):  # every submission graded with the instructor's graders
-        assert (tmp_path / "subs" / name / "tests" / "test_grading_ch04_06.py").read_text() == "# the released graders\n"
-    rows = list(csv.DictReader(open(tmp_path / "scores.csv")))
-    assert [r["submission"] for r in rows] == ["alice", "bob", "carol"]
-    assert rows[0]["ch05_ex1"] == "3" and rows[0]["total"] == "3" and rows[1]["total"] == "0"
-    assert "no minivllm" in rows[2]["error"] and rows[2]["total"] == ""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+def test_grade_a_class_into_one_csv(edition, tmp_path):
+    """Each submission is graded in a fresh copy of the instructor's edition with only its chapter
+    copied in: alice's answer to ch05_ex1 scores, while her conftest.py that passes every test and her
+    emptied graders change nothing; bob's untouched chapter scores 0 despite a forged conftest.py, a
+    pytest.py and an EDITION.json that lists one exercise; carol's folder has no chapter (an error
+    row). The submissions are left as they were, and each gets a report."""
+    subs, answers = tmp_path / "subs", {ex: _dedent(a) for ex, a in _regions(ROOT / CH05).items()}
+    alice = shutil.copytree(edition, subs / "alice")
+    _fill(alice, {"ch05_ex1": answers["ch05_ex1"]})
+    (alice / "conftest.py").write_text(FORGED_CONFTEST)
+    (alice / "tests" / "test_grading_ch04_06.py").write_text("# graders edited away\n")
+    bob = shutil.copytree(edition, subs / "bob")
+    (bob / "conftest.py").write_text(FORGED_CONFTEST)
+    (bob / "pytest.py").write_text("raise SystemExit(0)\n")
+    record = json.loads((bob / "EDITION.json").read_text())
+    (bob / "EDITION.json").write_text(json.dumps({**record, "exercises": ["ch05_ex1"]}))
+    (subs / "carol").mkdir()
+    grading.grade_class(subs, tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"], tests_from=edition,
+                        reports=tmp_path / "reports", verbose=False)
+    rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "scores.csv"))}
+    assert (rows["alice"]["ch05_ex1"], rows["alice"]["ch05_ex2"], rows["alice"]["total"]) == ("3", "0", "3"), rows
+    assert rows["bob"]["total"] == "0" and rows["bob"]["max_total"] == "6", rows["bob"]
+    assert "missing notebooks/05_paged_attention.ipynb" in rows["carol"]["error"] and rows["carol"]["total"] == ""
+    assert (alice / "tests" / "test_grading_ch04_06.py").read_text() == "# graders edited away\n"  # left as it was
+    report = json.loads((tmp_path / "reports" / "alice.json").read_text())
+    assert "NotImplementedError" in report["exercises"]["ch05_ex2"]["failed"][0]["message"]
+    assert (tmp_path / "reports" / "bob.xml").exists()
+
+
+def test_graders_code_is_not_an_answer(tmp_path):
+    """An answer that imports a grader's stand-in is found and named (in an edition it scores 0)."""
+    root = tmp_path / "ed"
+    (root / "tests").mkdir(parents=True)
+    (root / "tests" / "test_grading_ch04_regions.py").write_text("def _grader_slots(): ...\n")
+    (root / "minivllm").mkdir()
+    (root / "minivllm" / "kv_cache_manager.py").write_text(
+        "def slot_mapping(*a):\n    from test_grading_ch04_regions import _grader_slots\n    return _grader_slots(*a)\n")
+    (root / "exercises").mkdir()
+    assert grading.graders_code_used(root) == [
+        "minivllm/kv_cache_manager.py:2: from test_grading_ch04_regions import _grader_slots",
+        "minivllm/kv_cache_manager.py:3: return _grader_slots(*a)"]
+    (root / "minivllm" / "kv_cache_manager.py").write_text("def slot_mapping(*a):\n    return []\n")
+    assert grading.graders_code_used(root) == []
 
 
 def test_grade_command_refuses_unknown_ids(capsys):
