@@ -49,6 +49,35 @@ def _expect(ok: bool, message: str) -> None:
         raise AssertionError(message)
 
 
+@contextmanager
+def your_code(ex: str, what: str):
+    """Within: an error raised by the code under grading, other than a stub's NotImplementedError (its
+    message names the exercise and the task) or a check's AssertionError, is re-raised as an
+    AssertionError naming `ex`, `what` was running and the error (the traceback still shows where)."""
+    try:
+        yield
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as e:  # noqa: BLE001  (an error in the student's code: say whose and where)
+        raise AssertionError(f"{ex}: {what} raised {type(e).__name__}: {e} (the traceback shows where)") from e
+
+
+def run_graded(ex: str, engine, prompts, params):
+    """`run_engine` (which checks the engine's invariants after every step) with the failures named:
+    a broken invariant or an error in the code under grading becomes an AssertionError naming `ex`; a
+    stub's NotImplementedError stays as it is."""
+    try:
+        return run_engine(engine, prompts, params)
+    except NotImplementedError:
+        raise
+    except AssertionError as e:
+        raise AssertionError(f"{ex}: with your code the engine broke an invariant of its KV cache (reference "
+                             f"counts, free and used blocks; the traceback shows which): {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{ex}: the engine with your code raised {type(e).__name__}: {e} (the traceback "
+                             "shows where)") from e
+
+
 # --- the grader's stand-ins ----------------------------------------------------------------------
 def _grader_slots(block_table, block_size, start, end):
     """Token t lives at offset t % block_size of block block_table[t // block_size]."""
@@ -147,14 +176,15 @@ def _tables(draw):
 
 @pytest.mark.ch04
 @pytest.mark.ch04_ex2
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, report_multiple_bugs=False)
 @given(case=_tables())
 def test_ch04_ex2_slot_mapping_by_its_definition(case):
     """Random block tables (shuffled, unique ids), block sizes and ranges: slot of position t ==
     block_table[t // block_size] * block_size + t % block_size, as a list of end - start ints."""
     table, bs, start, end = case
-    got = kvm.slot_mapping(list(table), bs, start, end)
     call = f"ch04_ex2: slot_mapping(block_table={table}, block_size={bs}, start={start}, end={end})"
+    with your_code("ch04_ex2", call[10:]):
+        got = kvm.slot_mapping(list(table), bs, start, end)
     _expect(isinstance(got, list) and all(isinstance(x, int) for x in got),
             f"{call} should return a list of ints, got {type(got).__name__} {got!r}"[:400])
     _expect(len(got) == end - start, f"{call} should give {end - start} slots (one per position in "
@@ -165,10 +195,15 @@ def test_ch04_ex2_slot_mapping_by_its_definition(case):
             continue
         t = start + i
         hint = ""
-        if g - w in (-1, 1) or all(a - b == g - w for a, b in zip(got, want)):
-            hint = f" — off by {g - w:+d}"
+        if len({a - b for a, b in zip(got, want)}) == 1:
+            hint = f" — every slot is off by {g - w:+d}"
         if got == [table[u // bs] * bs + u % bs for u in range(end - start)]:
             hint = " — positions counted from 0 instead of from start"
+        elif got == [table[0] * bs + u for u in range(start, end)]:
+            hint = (f" — the block table is ignored: slots counted on from block {table[0]} as if the blocks "
+                    "were contiguous (each position must look up its own block)")
+        elif got == list(range(start, end)):
+            hint = " — the block table is ignored: the slot equals the position"
         _expect(False, f"{call}: position {t} lies in block_table[{t} // {bs}] = block {table[t // bs]} at offset "
                 f"{t} % {bs} = {t % bs}, so in slot {table[t // bs]} * {bs} + {t % bs} = {w}; got {g}{hint}")
 
@@ -194,7 +229,9 @@ def _ch04_step(ex: str, sched, step: int) -> list[Sequence]:
     needs = [int(len(s.block_table) < s.num_blocks) for s in running]  # blocks each running one needs
     held = [len(s.block_table) for s in running]  # what preempting each would free (no block is shared here)
     preempts_before = sched.num_preemptions
-    batch, is_prefill = sched.schedule()
+    with your_code(ex, f"step {step}: schedule() with waiting {[s.seq_id for s in waiting]} and running "
+                   f"{[s.seq_id for s in running]}"):
+        batch, is_prefill = sched.schedule()
     names = lambda seqs: [s.seq_id for s in seqs]  # noqa: E731
     _expect(isinstance(batch, list) and (bool(batch) or (not waiting and not running)),
             f"{at}nothing scheduled although sequences {names(waiting)} wait and {names(running)} run")
@@ -253,6 +290,13 @@ def _ch04_step(ex: str, sched, step: int) -> list[Sequence]:
     return batch
 
 
+def _named_invariants(ex: str, sched, after: str) -> None:
+    try:
+        check_invariants(sched)
+    except AssertionError as e:
+        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e}") from e
+
+
 def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: int, budget: int) -> None:
     # max_model_len = the budget, as the engine ensures (max_num_batched_tokens >= max_model_len): a
     # preempted sequence always fits a prefill again
@@ -270,18 +314,16 @@ def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: in
             batch = _ch04_step(ex, sched, step)
             sched.postprocess(batch, [3 if a == 0 else 1] * len(batch))
         elif seqs:
-            sched.abort(seqs[a % len(seqs)])
-        try:
-            check_invariants(sched)
-        except AssertionError as e:
-            raise AssertionError(f"{ex}: after {op} (step {step}): a KV-cache invariant broke: {e}") from e
+            with your_code(ex, f"abort of sequence {seqs[a % len(seqs)].seq_id} (step {step})"):
+                sched.abort(seqs[a % len(seqs)])
+        _named_invariants(ex, sched, f"{op} (step {step})")
     for _ in range(500):  # drain: every request finishes
         if sched.is_finished():
             break
         step += 1
         batch = _ch04_step(ex, sched, step)
         sched.postprocess(batch, [1] * len(batch))
-        check_invariants(sched)
+        _named_invariants(ex, sched, f"step {step}")
     left = [s.seq_id for s in [*sched.waiting, *sched.running]]
     _expect(sched.is_finished(), f"{ex}: sequences {left} never finished")
     _expect(sched.block_manager.num_free_blocks == num_blocks, f"{ex}: blocks still held after every request finished")
@@ -289,7 +331,7 @@ def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: in
 
 @pytest.mark.ch04
 @pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in SCHEDULER_METHODS])
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, report_multiple_bugs=False)
 @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
        budget=st.integers(10, 24))
 def test_ch04_scheduler_contract(ex, ops, block_size, num_blocks, max_num_seqs, budget):
@@ -300,7 +342,7 @@ def test_ch04_scheduler_contract(ex, ops, block_size, num_blocks, max_num_seqs, 
 
 @pytest.mark.ch04
 @pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in SCHEDULER_METHODS])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, report_multiple_bugs=False)
 @given(lens=st.lists(st.integers(1, 6), min_size=2, max_size=5), block_size=st.integers(1, 3),
        spare=st.integers(0, 2), max_tokens=st.integers(2, 8))
 def test_ch04_scheduler_under_memory_pressure(ex, lens, block_size, spare, max_tokens):
@@ -316,7 +358,7 @@ def test_ch04_scheduler_under_memory_pressure(ex, lens, block_size, spare, max_t
             break
         batch = _ch04_step(ex, sched, step)
         sched.postprocess(batch, [1] * len(batch))
-        check_invariants(sched)
+        _named_invariants(ex, sched, f"step {step}")
     _expect(sched.is_finished(), f"{ex}: sequences {[s.seq_id for s in [*sched.waiting, *sched.running]]} never finished")
 
 
@@ -333,7 +375,8 @@ def test_ch04_ex4_preempts_the_newest_back_to_the_front():
     batch, _ = sched.schedule()
     sched.postprocess(batch, [9, 9, 9])
     sched.add(late)  # waits behind the preempted ones
-    batch, is_prefill = sched.schedule()
+    with your_code("ch04_ex4", "schedule() of three running sequences that each need a new block, none free"):
+        batch, is_prefill = sched.schedule()
     _expect(not is_prefill and [s.seq_id for s in batch] == [0], f"ch04_ex4: three running sequences each need "
             f"a new block and none is free: preempting the newest (2, then 1) leaves a decode of sequence 0 alone;"
             f" expected [0], got {[s.seq_id for s in batch]}")
@@ -360,13 +403,13 @@ def _batches(draw):
 
 @pytest.mark.ch04
 @pytest.mark.ch04_ex5
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, report_multiple_bugs=False)
 @given(case=_batches())
 def test_ch04_ex5_flat_batch_by_its_definition(case):
     """Random sequences (shuffled block tables, cached prefixes at a prefill): each field equals its
     definition, written here from the sequences alone."""
     seqs, is_prefill, bs = case
-    with stand_ins("ch04_ex5"):
+    with stand_ins("ch04_ex5"), your_code("ch04_ex5", "prepare_batch"):
         ids, pos, md, last = mr.prepare_batch(seqs, is_prefill, bs, torch.device("cpu"))
     starts = [s.num_cached_tokens if is_prefill else s.num_tokens - 1 for s in seqs]
     lens = [s.num_tokens - a for s, a in zip(seqs, starts)]
@@ -413,14 +456,11 @@ def test_ch04_engine_equals_transformers(ex, engine_case):
     greedy tokens equal transformers', every block free at the end."""
     folder, prompts, ref = engine_case
     with stand_ins(ex):
-        engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
-                           max_num_seqs=4, max_num_batched_tokens=64, kv_manager=BlockManager,
-                           attention_backend=PagedAttention, scheduler_cls=graded_scheduler(ex))
-        try:  # run_engine checks the engine's invariants after every step
-            outs = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        except AssertionError as e:
-            raise AssertionError(f"{ex}: with your code the engine broke an invariant (the traceback shows which): "
-                                 f"{e}") from e
+        with your_code(ex, "building the engine"):
+            engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
+                               max_num_seqs=4, max_num_batched_tokens=64, kv_manager=BlockManager,
+                               attention_backend=PagedAttention, scheduler_cls=graded_scheduler(ex))
+        outs = run_graded(ex, engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for i, (o, r) in enumerate(zip(outs, ref)):
         g = o.outputs[0].token_ids
         j = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
