@@ -21,4 +21,4 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> bo
     Otherwise leave the sequence unchanged (status included) and return False. Never add or remove tokens.
     """
     # TODO: read seq.last_token, seq.num_completion_tokens, seq.num_tokens and seq.sampling_params
-    raise NotImplementedError()
+    raise NotImplementedError('ch01_sequences.check_stop: read seq.last_token, seq.num_completion_tokens, seq.num_tokens and seq.sampling_params')

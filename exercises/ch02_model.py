@@ -23,7 +23,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     `1 + weight` — and cast back to x's dtype only at the very end (the opposite order from Llama).
     """
     # TODO: upcast x and weight to float32, normalise, scale by (1 + weight), cast back
-    raise NotImplementedError()
+    raise NotImplementedError('ch02_model.gemma_rms_norm: upcast x and weight to float32, normalise, scale by (1 + weight), cast back')
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     `(a * cos - b * sin, a * sin + b * cos)`, written back to dimensions 2i and 2i+1.
     """
     # TODO: take even and odd dimensions, rotate each pair, interleave the results again
-    raise NotImplementedError()
+    raise NotImplementedError('ch02_model.apply_rope_interleaved: take even and odd dimensions, rotate each pair, interleave the results again')
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = True,
@@ -48,4 +48,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     Returns `[Tq, num_heads, head_dim]`. Run the softmax in at least float32.
     """
     # TODO: repeat K/V heads, scores = q.k * scale, mask (causal, window), softmax, weighted sum of v
-    raise NotImplementedError()
+    raise NotImplementedError('ch02_model.attention: repeat K/V heads, scores = q.k * scale, mask (causal, window), softmax, weighted sum of v')

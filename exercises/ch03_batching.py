@@ -21,4 +21,4 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     in q's dtype; run the softmax in at least float32.
     """
     # TODO: find each token's sequence, build the [N, N] mask (same sequence and not in the future), attend
-    raise NotImplementedError()
+    raise NotImplementedError("ch03_batching.varlen_attention: find each token's sequence, build the [N, N] mask (same sequence and not in the future), attend")

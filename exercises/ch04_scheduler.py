@@ -36,4 +36,4 @@ class MyScheduler(Scheduler):
         tokens), and only what `self.block_manager.can_allocate`. Stop at the first that does not fit.
         Return the admitted sequences in the order admitted (empty if none)."""
         # TODO: walk the waiting sequences shortest first; admit each that fits, stop at the first that does not
-        raise NotImplementedError()
+        raise NotImplementedError('ch04_scheduler.schedule_prefill: walk the waiting sequences shortest first; admit each that fits, stop at the first that does not')

@@ -52,27 +52,27 @@ class MyBlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """True if `seq`'s blocks are free and at least `watermark_blocks` stay free afterwards."""
         # TODO: compare the free blocks left after allocating seq.num_blocks with the watermark
-        raise NotImplementedError()
+        raise NotImplementedError('ch05_paged_attention.can_allocate: compare the free blocks left after allocating seq.num_blocks with the watermark')
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` (no blocks yet) `seq.num_blocks` free blocks; its `num_cached_tokens` becomes 0."""
         # TODO: take free ids, set their ref counts to 1, append them to seq.block_table
-        raise NotImplementedError()
+        raise NotImplementedError('ch05_paged_attention.allocate: take free ids, set their ref counts to 1, append them to seq.block_table')
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop `seq`'s reference to each of its blocks (free those nobody holds); empty its table."""
         # TODO: decrement ref counts, free ids at zero, empty the table, reset num_cached_tokens
-        raise NotImplementedError()
+        raise NotImplementedError('ch05_paged_attention.deallocate: decrement ref counts, free ids at zero, empty the table, reset num_cached_tokens')
 
     def can_append(self, seq: Sequence) -> bool:
         """True if `seq` can take a decode step: a free block when its newest token starts a block."""
         # TODO: the newest token needs a block when the table is shorter than seq.num_blocks (no watermark)
-        raise NotImplementedError()
+        raise NotImplementedError('ch05_paged_attention.can_append: the newest token needs a block when the table is shorter than seq.num_blocks (no watermark)')
 
     def may_append(self, seq: Sequence) -> None:
         """Before a decode step: give `seq` one more block if its newest token starts one."""
         # TODO: allocate and append one block when needed
-        raise NotImplementedError()
+        raise NotImplementedError('ch05_paged_attention.may_append: allocate and append one block when needed')
 
 
 def paged_decode_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,4 +86,4 @@ def paged_decode_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     window touches.
     """
     # TODO: for each sequence, find the window's first token and block, gather those blocks, attend (GQA!)
-    raise NotImplementedError()
+    raise NotImplementedError("ch05_paged_attention.paged_decode_attention_window: for each sequence, find the window's first token and block, gather those blocks, attend (GQA!)")

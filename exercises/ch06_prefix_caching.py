@@ -30,7 +30,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         Every full block may be found, the one holding the prompt's last token included.
         """
         # TODO: walk the full blocks, chaining hashes and parents, until the first miss
-        raise NotImplementedError()
+        raise NotImplementedError('ch06_prefix_caching.cached_prefix: walk the full blocks, chaining hashes and parents, until the first miss')
 
     def allocate(self, seq: Sequence) -> None:
         """Given: share the blocks `cached_prefix` found, take fresh blocks for the rest (making the

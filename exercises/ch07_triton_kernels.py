@@ -32,7 +32,7 @@ def copy_blocks_kernel(cache_ptr, block_mapping_ptr, stride_cache, stride_block,
     cache = tl.program_id(0).to(tl.int64)
     pair = tl.program_id(1).to(tl.int64)
     # TODO: load the pair's source and destination ids, then copy the block tile by tile (masked)
-    raise NotImplementedError()
+    raise NotImplementedError("ch07_triton_kernels.copy_blocks_kernel: load the pair's source and destination ids, then copy the block tile by tile (masked)")
 
 
 def check_block_mapping(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -71,4 +71,4 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor, tile: int =
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two, got {tile}")
     # TODO: view the cache as [num_caches, num_blocks, block_numel]; launch one program per (cache, pair)
-    raise NotImplementedError()
+    raise NotImplementedError('ch07_triton_kernels.copy_blocks: view the cache as [num_caches, num_blocks, block_numel]; launch one program per (cache, pair)')

@@ -46,4 +46,4 @@ def choose_capture_sizes(batch_size_counts: dict[int, int], max_num_seqs: int, m
     It must handle 256 observed sizes and `max_sizes=8` in well under a second.
     """
     # TODO: check the arguments (ValueError), then choose the sizes
-    raise NotImplementedError()
+    raise NotImplementedError('ch08_cuda_graphs.choose_capture_sizes: check the arguments (ValueError), then choose the sizes')

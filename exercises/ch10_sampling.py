@@ -32,7 +32,7 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
         typical_p: `[num_seqs]`, each in (0, 1].
     """
     # TODO: entropy, distances, a stable sort, a cumulative sum, and a scatter back to the vocabulary order
-    raise NotImplementedError()
+    raise NotImplementedError('ch10_sampling.apply_typical_p: entropy, distances, a stable sort, a cumulative sum, and a scatter back to the vocabulary order')
 
 
 class MyIncrementalDetokenizer:
@@ -59,7 +59,7 @@ class MyIncrementalDetokenizer:
         it whenever the completion so far ends on a whole character.
         """
         # TODO: decode the window with and without the unread tokens and return the difference
-        raise NotImplementedError()
+        raise NotImplementedError('ch10_sampling.decode_next: decode the window with and without the unread tokens and return the difference')
 
 
 def apply_no_repeat_ngram(logits: torch.Tensor, token_ids: list, ngram_size: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ def apply_no_repeat_ngram(logits: torch.Tensor, token_ids: list, ngram_size: int
         ngram_size: n >= 1.
     """
     # TODO: for each row, find the earlier n-grams that start with the last n - 1 tokens
-    raise NotImplementedError()
+    raise NotImplementedError('ch10_sampling.apply_no_repeat_ngram: for each row, find the earlier n-grams that start with the last n - 1 tokens')
 
 
 class NoRepeatNGramSampler(Sampler):

@@ -460,6 +460,11 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         for r in logs:
             print(r.stdout[-20000:] + r.stderr[-4000:])
         print(format_report(report))
+        stubs = [ex for ex, r in report["exercises"].items()
+                 if any(f"NotImplementedError: {ex}: " in f["message"] for f in r["failed"])]
+        if stubs and note.startswith("chapters unchanged"):
+            print(f"{', '.join(stubs)}: still the release's stub, and no chapter changed since the release: "
+                  "if you filled it in, save the notebook (the grader reads the saved file) and grade again")
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     if junit_path:

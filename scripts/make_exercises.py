@@ -4,7 +4,8 @@
     python scripts/make_exercises.py --check  # exit 1 if exercises/ is stale or leaks a solution
 
 Every region between a `### BEGIN SOLUTION` line and a `### END SOLUTION` line is replaced by
-`raise NotImplementedError()` at the same indentation; everything else (docstrings, the TODO line
+`raise NotImplementedError("<file>.<function>: <the TODO line above it>")` at the same indentation
+(so that a grader's report names what is left to do); everything else (docstrings, the TODO line
 above each region) is kept. exercises/ is generated: edit solutions/ only.
 """
 from __future__ import annotations
@@ -20,20 +21,24 @@ HEADER = "# GENERATED from solutions/{name} by scripts/make_exercises.py: your w
 
 
 def strip_solutions(text: str, name: str) -> str:
-    """Return `text` with each solution region replaced by `raise NotImplementedError()`.
+    """Return `text` with each solution region replaced by a `raise NotImplementedError(...)` naming it.
 
     Raises:
         ValueError: unbalanced or nested markers.
     """
-    out, inside = [HEADER.format(name=name)], False
+    out, inside, where, todo = [HEADER.format(name=name)], False, Path(name).stem, ""
     for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         stripped = line.strip()
+        if m := re.match(r"(?:async\s+)?def\s+(\w+)", stripped):
+            where, todo = f"{Path(name).stem}.{m[1]}", ""
+        elif stripped.startswith("# TODO:"):
+            todo = stripped[len("# TODO:"):].strip()
         if stripped == BEGIN:
             if inside:
                 raise ValueError(f"{name}:{lineno}: nested {BEGIN}")
             inside = True
             indent = re.match(r"\s*", line).group(0)
-            out.append(f"{indent}raise NotImplementedError()\n")
+            out.append(f"{indent}raise NotImplementedError({(where + (': ' + todo if todo else ''))!r})\n")
         elif stripped == END:
             if not inside:
                 raise ValueError(f"{name}:{lineno}: {END} without {BEGIN}")
