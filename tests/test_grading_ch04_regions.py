@@ -269,6 +269,9 @@ def _ch04_step(ex: str, sched, step: int) -> list[Sequence]:
                    if sum(needs[:j]) <= free + sum(held[j:]))
         _expect(names(batch) == names(running[:k]), f"{at}a decode batch must be the oldest running sequences in "
                 f"admission order, {names(running)}; got {names(batch)}")
+        for s in batch:
+            _expect(len(s.block_table) == s.num_blocks, f"{at}sequence {s.seq_id} ({s.num_tokens} tokens) decodes "
+                    f"with block_table {s.block_table}: it needs {s.num_blocks} blocks for its new token's K/V")
         _expect(k == best, f"{at}running {names(running)} need {needs} new block(s) with {free} free: preempting "
                 f"the newest until the rest fit leaves {names(running[:best])} to decode; got {names(batch)}")
         gone = running[k:]
@@ -282,9 +285,6 @@ def _ch04_step(ex: str, sched, step: int) -> list[Sequence]:
         for s in gone:
             _expect(s.status == SequenceStatus.WAITING and not s.block_table, f"{at}preempted sequence {s.seq_id} "
                     f"must be WAITING and hold no blocks (recompute preemption), is {s.status.name} with {s.block_table}")
-        for s in batch:
-            _expect(len(s.block_table) == s.num_blocks, f"{at}sequence {s.seq_id} ({s.num_tokens} tokens) decodes "
-                    f"with block_table {s.block_table}: it needs {s.num_blocks} blocks for its new token's K/V")
     _expect(len(sched.running) <= sched.max_num_seqs and len(batch) <= sched.max_num_seqs,
             f"{at}{len(sched.running)} running, more than max_num_seqs={sched.max_num_seqs}")
     return batch
@@ -377,6 +377,9 @@ def test_ch04_ex4_preempts_the_newest_back_to_the_front():
     sched.add(late)  # waits behind the preempted ones
     with your_code("ch04_ex4", "schedule() of three running sequences that each need a new block, none free"):
         batch, is_prefill = sched.schedule()
+    for s in batch:
+        _expect(len(s.block_table) == s.num_blocks, f"ch04_ex4: sequence {s.seq_id} ({s.num_tokens} tokens) decodes "
+                f"with block_table {s.block_table}: it needs {s.num_blocks} blocks for its new token's K/V")
     _expect(not is_prefill and [s.seq_id for s in batch] == [0], f"ch04_ex4: three running sequences each need "
             f"a new block and none is free: preempting the newest (2, then 1) leaves a decode of sequence 0 alone;"
             f" expected [0], got {[s.seq_id for s in batch]}")
