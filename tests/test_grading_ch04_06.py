@@ -90,7 +90,7 @@ OPS = st.lists(st.builds(_op, st.sampled_from(["add"] * 5 + ["step"] * 7 + ["abo
 
 
 def _seqs(seqs) -> str:
-    return "[" + ", ".join(f"{s.seq_id} ({s.num_tokens} tokens)" for s in seqs) + "]"
+    return "[" + ", ".join(f"{s.seq_id} ({s.num_tokens} token{'s' * (s.num_tokens != 1)})" for s in seqs) + "]"
 
 
 def _invariants(ex: str, sched, after: str) -> None:
