@@ -98,7 +98,50 @@ def _invariants(ex: str, sched, after: str) -> None:
     try:
         check_invariants(sched)
     except AssertionError as e:
-        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e}") from e
+        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e or 'the traceback shows which'}") \
+            from e
+
+
+def _ch04_step(sched, step: int, sampled: list[int]) -> None:
+    """One `schedule()` checked against the shortest-prompt-first contract, then `postprocess`."""
+    bm, max_num_seqs, budget = sched.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens
+    at = f"ch04_ex1: step {step} ({type(bm).__name__} of {bm.num_blocks} blocks of {bm.block_size}, " \
+         f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={budget}): "
+    waiting, running = list(sched.waiting), list(sched.running)
+    shortest = min(waiting, key=lambda s: s.num_tokens) if waiting else None  # the first of the shortest
+    fits = (shortest is not None and len(running) < max_num_seqs and shortest.num_tokens <= budget
+            and bm.can_allocate(shortest))
+    with your_code("ch04_ex1", f"step {step}: schedule() with waiting {_seqs(waiting)}"):
+        batch, is_prefill = sched.schedule()
+    _expect(bool(batch) or sched.is_finished(), f"{at}nothing scheduled although sequences "
+            f"{_seqs(sched.waiting)} wait and {_seqs(sched.running)} run")
+    if fits:
+        _expect(is_prefill, f"{at}the shortest waiting sequence, {_seqs([shortest])}, fits ({len(running)} "
+                f"running, {bm.num_free_blocks} free blocks), so this must be a prefill step; got a decode of "
+                f"{_seqs(batch)}")
+    if is_prefill:
+        _expect(bool(batch) and all(s in waiting for s in batch) and len(set(map(id, batch))) == len(batch),
+                f"{at}a prefill admits waiting sequences, each once: waiting was {_seqs(waiting)}, got {_seqs(batch)}")
+        left = [s for s in waiting if s not in batch]
+        _expect(not left or max(s.num_tokens for s in batch) <= min(s.num_tokens for s in left),
+                f"{at}admitted {_seqs(batch)} while {_seqs(left)} wait: a longer prompt was admitted while a "
+                f"shorter one waits (waiting was {_seqs(waiting)})")
+        used = sum(s.num_tokens - s.num_cached_tokens for s in batch)
+        _expect(used <= budget, f"{at}the prefill of {_seqs(batch)} computes {used} tokens (their tokens minus "
+                f"their num_cached_tokens), over max_num_batched_tokens={budget}")
+        _expect(list(sched.waiting) == left, f"{at}after admitting {_seqs(batch)}, waiting should be "
+                f"{_seqs(left)} (the others, in their order), got {_seqs(sched.waiting)}")
+        _expect(list(sched.running)[:len(running)] == running, f"{at}after admitting {_seqs(batch)}, "
+                f"running should start with those already running, {_seqs(running)}; got {_seqs(sched.running)}")
+    else:
+        _expect(all(s in running for s in batch) and set(map(id, sched.running)) == set(map(id, batch)),
+                f"{at}a decode step runs the running sequences {_seqs(running)}; got {_seqs(batch)}, running "
+                f"after it {_seqs(sched.running)}")
+        _expect(list(sched.waiting)[len(sched.waiting) - len(waiting):] == waiting, f"{at}after a decode, "
+                f"waiting should end with {_seqs(waiting)}, got {_seqs(sched.waiting)}")
+    _expect(len(sched.running) <= max_num_seqs, f"{at}{len(sched.running)} running, more than "
+            f"max_num_seqs={max_num_seqs}")
+    sched.postprocess(batch, (sampled * 10)[:len(batch)])
 
 
 def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_len=24):
@@ -113,56 +156,15 @@ def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_
                 sched.add(seq)
         elif op[0] == "step":
             step += 1
-            at = f"ch04_ex1: step {step} ({type(bm).__name__} of {bm.num_blocks} blocks of {bm.block_size}, " \
-                 f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={budget}): "
-            waiting, running = list(sched.waiting), list(sched.running)
-            shortest = min(waiting, key=lambda s: s.num_tokens) if waiting else None  # the first of the shortest
-            fits = (shortest is not None and len(running) < max_num_seqs and shortest.num_tokens <= budget
-                    and bm.can_allocate(shortest))
-            with your_code("ch04_ex1", f"step {step}: schedule() with waiting {_seqs(waiting)}"):
-                batch, is_prefill = sched.schedule()
-            _expect(bool(batch) or sched.is_finished(), f"{at}nothing scheduled although sequences "
-                    f"{_seqs(sched.waiting)} wait and {_seqs(sched.running)} run")
-            if fits:
-                _expect(is_prefill, f"{at}the shortest waiting sequence, {_seqs([shortest])}, fits ({len(running)} "
-                        f"running, {bm.num_free_blocks} free blocks), so this must be a prefill step; got a decode of "
-                        f"{_seqs(batch)}")
-            if is_prefill:
-                _expect(bool(batch) and all(s in waiting for s in batch) and len(set(map(id, batch))) == len(batch),
-                        f"{at}a prefill admits waiting sequences, each once: waiting was {_seqs(waiting)}, got "
-                        f"{_seqs(batch)}")
-                left = [s for s in waiting if s not in batch]
-                _expect(not left or max(s.num_tokens for s in batch) <= min(s.num_tokens for s in left),
-                        f"{at}admitted {_seqs(batch)} while {_seqs(left)} wait: a longer prompt was admitted while a "
-                        f"shorter one waits (waiting was {_seqs(waiting)})")
-                used = sum(s.num_tokens - s.num_cached_tokens for s in batch)
-                _expect(used <= budget, f"{at}the prefill of {_seqs(batch)} computes {used} tokens, over "
-                        f"max_num_batched_tokens={budget}")
-                _expect(list(sched.waiting) == left, f"{at}after admitting {_seqs(batch)}, waiting should be "
-                        f"{_seqs(left)} (the others, in their order), got {_seqs(sched.waiting)}")
-                _expect(list(sched.running)[:len(running)] == running, f"{at}after admitting {_seqs(batch)}, "
-                        f"running should start with those already running, {_seqs(running)}; got {_seqs(sched.running)}")
-            else:
-                _expect(all(s in running for s in batch) and set(map(id, sched.running)) == set(map(id, batch)),
-                        f"{at}a decode step runs the running sequences {_seqs(running)}; got {_seqs(batch)}, running "
-                        f"after it {_seqs(sched.running)}")
-                _expect(list(sched.waiting)[len(sched.waiting) - len(waiting):] == waiting, f"{at}after a decode, "
-                        f"waiting should end with {_seqs(waiting)}, got {_seqs(sched.waiting)}")
-            _expect(len(sched.running) <= max_num_seqs, f"{at}{len(sched.running)} running, more than "
-                    f"max_num_seqs={max_num_seqs}")
-            sched.postprocess(batch, (op[1] * 10)[:len(batch)])
+            _ch04_step(sched, step, op[1])
         elif seqs:
             sched.abort(seqs[op[1] % len(seqs)])
         _invariants("ch04_ex1", sched, f"{op[0]} (step {step})")
-    for _ in range(2000):  # drain: nothing hangs
+    for _ in range(2000):  # drain, each step checked as above: nothing hangs
         if sched.is_finished():
             break
         step += 1
-        with your_code("ch04_ex1", f"step {step}: schedule() with waiting {_seqs(sched.waiting)}"):
-            batch, _ = sched.schedule()
-        _expect(bool(batch), f"ch04_ex1: step {step}: nothing scheduled although sequences {_seqs(sched.waiting)} "
-                f"wait and {_seqs(sched.running)} run")
-        sched.postprocess(batch, [1] * len(batch))
+        _ch04_step(sched, step, [1])
         _invariants("ch04_ex1", sched, f"step {step}")
     _expect(sched.is_finished(), f"ch04_ex1: sequences {_seqs([*sched.waiting, *sched.running])} never finished")
     _expect(bm.num_free_blocks == bm.num_blocks, f"ch04_ex1: {bm.num_blocks - bm.num_free_blocks} blocks still held "
@@ -171,17 +173,18 @@ def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_
 
 @pytest.mark.ch04
 @pytest.mark.ch04_ex1
-@settings(max_examples=150, deadline=None, report_multiple_bugs=False)
+@settings(max_examples=300, deadline=None, report_multiple_bugs=False)  # short workloads: many of them
 @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
-       manager=st.sampled_from(["paged", "prefix", "contiguous"]))
-def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max_num_seqs, manager):
+       manager=st.sampled_from(["paged", "prefix", "contiguous"]), budget=st.integers(8, 24))
+def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max_num_seqs, manager, budget):
     """Random adds, steps and aborts: shortest prompts admitted first, limits and invariants kept."""
     from minivllm.kv_cache_manager import ContiguousKVManager
 
     bm = {"paged": lambda: BlockManager(num_blocks, block_size),
           "prefix": lambda: PrefixCachingBlockManager(num_blocks, block_size),
           "contiguous": lambda: ContiguousKVManager(num_blocks, 24)}[manager]()
-    _ch04_drive(_with_grader_decode(ch04.MyScheduler), bm, ops, max_num_seqs)
+    # max_model_len = the budget, as the engine ensures: a preempted sequence always fits a prefill again
+    _ch04_drive(_with_grader_decode(ch04.MyScheduler), bm, ops, max_num_seqs, budget, budget)
 
 
 @pytest.mark.ch04
@@ -625,7 +628,7 @@ def test_ch06_ex1_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
 
 @pytest.mark.ch06
 @pytest.mark.ch06_ex1
-@settings(max_examples=150, deadline=None, report_multiple_bugs=False)
+@settings(max_examples=300, deadline=None, report_multiple_bugs=False)  # short workloads: many of them
 @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4))
 def test_ch06_ex1_invariants_under_random_operations(ch06, ops, block_size, num_blocks, max_num_seqs):
     """Adds, steps (with preemption) and aborts: reference counts, the hash table and the parent

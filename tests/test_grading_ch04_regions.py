@@ -294,7 +294,8 @@ def _named_invariants(ex: str, sched, after: str) -> None:
     try:
         check_invariants(sched)
     except AssertionError as e:
-        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e}") from e
+        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e or 'the traceback shows which'}") \
+            from e
 
 
 def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: int, budget: int) -> None:
