@@ -19,15 +19,7 @@ WORKLOAD=${1:-small}
 PREFIX=${2:-results/cpu_bf16}
 THREAD_ARGS=(${THREADS:+--threads "$THREADS"})
 
-record() {  # record FILE COMMAND...: write the command's JSON line to FILE only if it succeeds
-    local out=$1
-    shift
-    echo "== $* > $out" >&2
-    "$@" > "$out.tmp" || return 1
-    "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$out.tmp" \
-        || { echo "not one JSON line: $out.tmp" >&2; return 1; }
-    mv "$out.tmp" "$out"
-}
+source scripts/record_lib.sh  # record FILE COMMAND...
 
 case $WORKLOAD in
     small) ARGS=(--num-requests 8 --input-len 16 128 --output-len 16 64) ;;

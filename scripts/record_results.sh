@@ -9,15 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 
-record() {  # record FILE COMMAND...: write the command's JSON line to FILE only if it succeeds
-    local out=$1
-    shift
-    echo "== $* > $out" >&2
-    "$@" > "$out.tmp" || return 1
-    "$PY" -c 'import json, sys; json.loads(open(sys.argv[1]).read())' "$out.tmp" \
-        || { echo "not one JSON line: $out.tmp" >&2; return 1; }
-    mv "$out.tmp" "$out"
-}
+source scripts/record_lib.sh  # record FILE COMMAND...
 
 HEADLINE=(--num-requests 64 --input-len 16 512 --output-len 16 256)
 record results/cpu_bench_headline.json "$PY" -m minivllm bench "${HEADLINE[@]}" --compare hf --json

@@ -14,7 +14,6 @@ CPU tensors and tiny shapes; with CUDA, compiled.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -30,10 +29,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from adapters import load  # noqa: E402
 from engine_helpers import one_thread  # noqa: E402
 
-try:  # Triton's interpreter wraps what a kernel raises
-    from triton.runtime.errors import InterpreterError
-except ImportError:  # pragma: no cover - older Triton
-    InterpreterError = RuntimeError
+from test_grading_ch07_regions import _in_kernel  # noqa: E402  (a stub's error as itself, others name the exercise)
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,17 +42,6 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 @pytest.fixture(scope="module")
 def ch07(impl_name):
     return load("ch07_triton_kernels", impl_name)
-
-
-@contextmanager
-def _in_kernel():
-    """A stub's NotImplementedError comes out as itself; any other failure inside a kernel names ch07_ex4."""
-    try:
-        yield
-    except InterpreterError as e:
-        if isinstance(e.__cause__, NotImplementedError):
-            raise e.__cause__ from None
-        raise AssertionError(f"ch07_ex4: the kernel raised under Triton's interpreter: {e.__cause__ or e!r}") from e
 
 
 def _guarded_cache(shape, dtype, seed):
@@ -116,7 +101,7 @@ def test_ch07_ex4_copy_blocks_copies_each_pair_and_nothing_else(ch07, dtype, cas
     buf, cache = _guarded_cache(shape, dtype, case["seed"])
     before = cache.cpu().clone()
     mapping = torch.tensor(case["pairs"], dtype=torch.int64, device=DEVICE)
-    with _in_kernel():
+    with _in_kernel("ch07_ex4"):
         ch07.copy_blocks(cache, mapping, tile=case["tile"])
     _check(before, buf, cache, case["pairs"],
            f"{dtype}, pairs (src, dst) {case['pairs']}, cache {list(shape)}, tile {case['tile']} elements "
@@ -131,7 +116,7 @@ def test_ch07_ex4_copy_blocks_empty_pair_list_changes_nothing(ch07, dtype):
     shape = (2, 2, 3, 4, 2, 8)
     buf, cache = _guarded_cache(shape, dtype, 0)
     before = cache.cpu().clone()
-    with _in_kernel():
+    with _in_kernel("ch07_ex4"):
         ch07.copy_blocks(cache, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
     _check(before, buf, cache, [], f"{dtype}, an empty block_mapping [0, 2]")
 
@@ -145,6 +130,6 @@ def test_ch07_ex4_copy_blocks_a_real_block_size(ch07):
     buf, cache = _guarded_cache(shape, torch.bfloat16, 1)
     before = cache.cpu().clone()
     pairs = [(1, 3), (1, 0)]
-    with _in_kernel():
+    with _in_kernel("ch07_ex4"):
         ch07.copy_blocks(cache, torch.tensor(pairs, dtype=torch.int64, device=DEVICE))
     _check(before, buf, cache, pairs, f"bfloat16, pairs (src, dst) {pairs}, cache {list(shape)}, the default tile")
