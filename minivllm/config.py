@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 # %% auto #0
 __all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
-           'EngineArgs']
+           'EngineArgs', 'check_engine_args']
 
 # %% ../notebooks/04_scheduler.ipynb #c88ab384
 def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
@@ -121,19 +121,31 @@ class EngineArgs:
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range (nothing is loaded yet). Numbers
-        given as NumPy scalars become Python ints and floats (NumPy's int64 would overflow silently)."""
-        self.block_size = require_int("block_size", self.block_size, minimum=1)
-        self.max_num_seqs = require_int("max_num_seqs", self.max_num_seqs, minimum=1)
-        for name in ("num_kvcache_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) is not None:
-                setattr(self, name, require_int(name, getattr(self, name), minimum=1))
-        require_bool("enable_prefix_caching", self.enable_prefix_caching)
-        require_bool("enforce_eager", self.enforce_eager)
-        self.gpu_memory_utilization = require_number("gpu_memory_utilization", self.gpu_memory_utilization,
-                                                     minimum=1e-3, maximum=1)
-        self.seed = require_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
-        for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
-                     "output_processor_cls"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), type):
-                raise ValueError(f"{name} must be a class or None, got {getattr(self, name)!r}")
-        resolve_dtype(self.dtype, resolve_device(self.device))
+        given as NumPy scalars become Python ints and floats (NumPy's int64 would overflow silently).
+        The checks are `check_engine_args`'s."""
+        check_engine_args(self)
+
+# %% ../notebooks/04_scheduler.ipynb #410af902
+def check_engine_args(args: "EngineArgs") -> None:
+    """Check `args` field by field (`EngineArgs.check`); sizes, the memory fraction and the seed are
+    written back as Python numbers.
+
+    Raises:
+        ValueError: the first setting out of range (its name, the value and the limit), a part's class
+            that is not a class, an unknown dtype or device, or a CUDA device this machine lacks.
+    """
+    args.block_size = require_int("block_size", args.block_size, minimum=1)
+    args.max_num_seqs = require_int("max_num_seqs", args.max_num_seqs, minimum=1)
+    for name in ("num_kvcache_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_model_len"):
+        if getattr(args, name) is not None:
+            setattr(args, name, require_int(name, getattr(args, name), minimum=1))
+    require_bool("enable_prefix_caching", args.enable_prefix_caching)
+    require_bool("enforce_eager", args.enforce_eager)
+    args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,
+                                                 minimum=1e-3, maximum=1)
+    args.seed = require_int("seed", args.seed, minimum=SEED_MIN, maximum=SEED_MAX)
+    for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
+                 "output_processor_cls"):
+        if getattr(args, name) is not None and not isinstance(getattr(args, name), type):
+            raise ValueError(f"{name} must be a class or None, got {getattr(args, name)!r}")
+    resolve_dtype(args.dtype, resolve_device(args.device))

@@ -40,7 +40,7 @@ def engine_args_from_vllm(model, kwargs: dict) -> EngineArgs:
     return EngineArgs(model=model, **known_arguments("LLM", kwargs, fields, VLLM_ONLY_LLM_ARGS))
 
 # %% auto #0
-__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'LLM']
+__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'validate_and_add_requests', 'LLM']
 
 # %% ../notebooks/04_scheduler.ipynb #04356bcc
 def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
@@ -75,6 +75,38 @@ def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) 
         if bar is not None:
             bar.close()
     return [results[i] for i in ids]
+
+# %% ../notebooks/04_scheduler.ipynb #ac408733
+def validate_and_add_requests(engine: LLMEngine, prompts, sampling_params) -> list[str]:
+    """Check a `generate` call's prompts and sampling parameters, then add them all to `engine`.
+
+    Args: as `LLM.generate`; each request asks for its final output only (as vLLM's `LLM` does).
+    Returns: the request ids, in the order of the prompts.
+    Raises:
+        ValueError: a bad prompt or parameter (naming the prompt's index; nothing is queued then), not
+            one `SamplingParams` per prompt, or the engine still holds requests added with `add_request`.
+    Source: vLLM's `LLM._validate_and_add_requests`.
+    """
+    prompts = [prompts] if is_single_prompt(prompts) else prompts
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
+    if engine.has_unfinished_requests():  # generate() steps the whole engine and would drop their outputs
+        raise ValueError(f"the engine has {engine.get_num_unfinished_requests()} unfinished requests added "
+                         "with llm_engine.add_request; step them with llm_engine.step() or abort them first")
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+    seqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            seqs.append(engine.processor.process(p, sp))
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    for s in seqs:  # only final outputs are read (vLLM's LLM asks for the same)
+        s.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+    return [engine.output_processor.add_request(None, s) for s in seqs]  # checked: adding cannot fail
 
 # %% ../notebooks/04_scheduler.ipynb #ebe142f1
 class LLM:
@@ -119,28 +151,8 @@ class LLM:
             ValueError: a bad prompt or parameter (naming the prompt's index; nothing is queued then),
                 or the engine still holds requests added with `llm_engine.add_request`.
         """
-        prompts = [prompts] if is_single_prompt(prompts) else prompts
-        try:
-            prompts = list(prompts)
-        except TypeError:
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
-        engine = self.llm_engine
-        if engine.has_unfinished_requests():  # generate() steps the whole engine and would drop their outputs
-            raise ValueError(f"the engine has {engine.get_num_unfinished_requests()} unfinished requests added "
-                             "with llm_engine.add_request; step them with llm_engine.step() or abort them first")
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        seqs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                seqs.append(engine.processor.process(p, sp))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        for s in seqs:  # only final outputs are read (vLLM's LLM asks for the same)
-            s.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
-        ids = [engine.output_processor.add_request(None, s) for s in seqs]  # checked: adding cannot fail
-        return run_to_completion(engine, ids, use_tqdm)
+        ids = validate_and_add_requests(self.llm_engine, prompts, sampling_params)  # all checked, then added
+        return run_to_completion(self.llm_engine, ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
         """Generate for one conversation or a list of them (see `processor.chat_prompts`)."""

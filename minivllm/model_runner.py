@@ -102,8 +102,26 @@ def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
     itemsize = next(model.parameters()).element_size()
     return 2 * len(model.model.layers) * attn0.num_kv_heads * attn0.head_dim * itemsize
 
+# %% ../notebooks/04_scheduler.ipynb #37c076da
+class _RequestSampling:
+    """`ModelRunner`'s per-request sampling: it uses `sampler`, `generator` (requests without a seed),
+    `generators` (seq_id -> the generator of a seeded request) and `device`, set by its `__init__`."""
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order (`self.sampler`)."""
+        return self.sampler(logits, seqs, self.generators, self.generator)
+
+    def add_generator(self, seq: Sequence) -> None:
+        """Give a seeded request its own generator (a request without a seed shares `self.generator`)."""
+        if seq.sampling_params.seed is not None:
+            self.generators[seq.seq_id] = make_generator(seq.sampling_params.seed, self.device)
+
+    def drop_generator(self, seq: Sequence) -> None:
+        """Forget a finished request's generator (nothing to do for a request without a seed)."""
+        self.generators.pop(seq.seq_id, None)
+
 # %% ../notebooks/04_scheduler.ipynb #7fd079f0
-class ModelRunner:
+class ModelRunner(_RequestSampling):
     """Runs one scheduled batch through the model and samples one token per sequence.
 
     Args:
@@ -162,14 +180,3 @@ class ModelRunner:
         finally:
             self.attn.metadata = None
         return self.model.compute_logits(hidden[last_rows])
-
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        return self.sampler(logits, seqs, self.generators, self.generator)
-
-    def add_generator(self, seq: Sequence) -> None:
-        """Give a seeded request its own generator (a request without a seed shares `self.generator`)."""
-        if seq.sampling_params.seed is not None:
-            self.generators[seq.seq_id] = make_generator(seq.sampling_params.seed, self.device)
-
-    def drop_generator(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_id, None)

@@ -14,8 +14,33 @@ from .sequence import Sequence, SequenceStatus
 # %% auto #0
 __all__ = ['SchedulerBase', 'Scheduler']
 
+# %% ../notebooks/04_scheduler.ipynb #81b98bbd
+class _PreemptAndAbort:
+    """The two ways a sequence leaves the queues before it has finished; mixed into `SchedulerBase`,
+    whose `waiting`, `running`, `block_manager` and `num_preemptions` they update."""
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption)."""
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def abort(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> bool:
+        """Remove `seq` wherever it is, free its blocks and give it `status` (aborted, or stopped from
+        outside the scheduler); False if it had already finished."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return False
+        seq.status = status
+        return True
+
 # %% ../notebooks/04_scheduler.ipynb #501a5751
-class SchedulerBase:
+class SchedulerBase(_PreemptAndAbort):
     """The queues and their bookkeeping, which every scheduling policy shares.
 
     Args:
@@ -56,26 +81,6 @@ class SchedulerBase:
     def is_finished(self) -> bool:
         """True when no sequence is waiting or running."""
         return not self.waiting and not self.running
-
-    def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption)."""
-        seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-
-    def abort(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> bool:
-        """Remove `seq` wherever it is, free its blocks and give it `status` (aborted, or stopped from
-        outside the scheduler); False if it had already finished."""
-        if seq in self.running:
-            self.running.remove(seq)
-            self.block_manager.deallocate(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        else:
-            return False
-        seq.status = status
-        return True
 
 # %% ../notebooks/04_scheduler.ipynb #9f1f4fd4
 class Scheduler(SchedulerBase):
