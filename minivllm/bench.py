@@ -53,9 +53,10 @@ __all__ = ['DEFAULT_NUM_REQUESTS', 'DEFAULT_INPUT_LEN', 'DEFAULT_OUTPUT_LEN', 'W
            'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf', 'cpu_model', 'environment',
            'cpu_bf16_note', 'ModelCost', 'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline',
            'agreement', 'roofline_fields', 'benchmark', 'format_peaks', 'format_report', 'Rung', 'RungSkipped',
-           'rung_engine_args', 'greedy', 'run_naive', 'run_static', 'workload_bound', 'run_rung', 'run_entry', 'ladder',
-           'format_ladder_report', 'resolve_model_config', 'model_config', 'dummy_weights', 'dummy_model',
-           'parse_rung_requests', 'parse_rungs', 'check_args', 'sampling_fields', 'write_json', 'run', 'add_cli']
+           'rung_engine_args', 'greedy', 'run_naive', 'run_static', 'workload_bound', 'run_rung', 'run_entry',
+           'ladder_record', 'ladder', 'format_ladder_report', 'resolve_model_config', 'model_config', 'dummy_weights',
+           'dummy_model', 'parse_rung_requests', 'parse_rungs', 'check_args', 'sampling_fields', 'write_json', 'run',
+           'add_cli']
 
 # %% ../notebooks/09_benchmark.ipynb #46981727
 def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
@@ -949,6 +950,18 @@ def _summarize(record: dict) -> None:
                       hf_ratio=ran[best]["tok_s"] / hf["tok_s"] if hf else None)
 
 
+def ladder_record(model: str, workload: Workload, dtype: str, device: torch.device, cost: ModelCost,
+                  chosen: list[Rung], time_limit: float | None, engine_args: dict) -> dict:
+    """A ladder's record before any run: the workload, the settings, every chosen rung "pending", the
+    environment; `ladder` fills in the peaks, the runs and the comparisons as they come."""
+    return dict(kind="ladder", model=str(model), dtype=dtype, device=str(device), workload=workload.spec,
+                prompt_tokens_total=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
+                engine_args={k: v if isinstance(v, (int, float, str)) else str(v) for k, v in engine_args.items()},
+                time_limit=time_limit, model_cost=asdict(cost), peaks=None, workload_bound=None,
+                rungs={r.name: dict(status="pending", label=r.label, chapter=r.chapter) for r in chosen},
+                hf=None, best_rung=None, best_tok_s=None, hf_ratio=None, roofline_ratio=None, **environment())
+
+
 def _measure(what: str, fn, total: int, cost: ModelCost, peaks: DevicePeaks | None) -> tuple[bool, dict]:
     """`(ran, entry)` for `fn()`, a run of `total` requests or fewer: the entry `run_entry` makes (or
     "skipped"/"failed" and why, see `_attempt`), with `wall_s`, the seconds loading and warm-up included."""
@@ -992,12 +1005,7 @@ def ladder(model: str, workload: Workload, dtype: str = "float32", rungs: list[s
                            max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens)))
     chosen = [r for r in LADDER if rungs is None or r.name in rungs]
     requests = {r.name: r.num_requests for r in LADDER} | {"hf": None} | (rung_requests or {})
-    record = dict(kind="ladder", model=str(model), dtype=dtype, device=str(device), workload=spec,
-                  prompt_tokens_total=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
-                  engine_args={k: v if isinstance(v, (int, float, str)) else str(v) for k, v in engine_args.items()},
-                  time_limit=time_limit, model_cost=asdict(cost), peaks=None, workload_bound=None,
-                  rungs={r.name: dict(status="pending", label=r.label, chapter=r.chapter) for r in chosen},
-                  hf=None, best_rung=None, best_tok_s=None, hf_ratio=None, roofline_ratio=None, **environment())
+    record = ladder_record(model, workload, dtype, device, cost, chosen, time_limit, engine_args)
     update = on_update or (lambda r: None)
     peaks = measure_peaks(device, torch_dtype) if measure_roofline else None
     release_memory()  # the measurement's buffers: the first rung sizes its KV cache from the free memory
