@@ -92,6 +92,7 @@ class PagedAttention(ContiguousAttention):
     """
 
     _plan_for: AttentionMetadata | None = None
+    prefill_sequence = staticmethod(prefill_attention)  # one sequence's causal attention (a backend may swap it)
 
     def decode_plan(self, md: AttentionMetadata, dtype: torch.dtype) -> DecodePlan:
         """This step's `DecodePlan`, made at the first layer and reused by the others. Keyed by the
@@ -118,7 +119,7 @@ class PagedAttention(ContiguousAttention):
             else:
                 ki = gather_kv(k_cache, md.block_tables[i], lens[i])
                 vi = gather_kv(v_cache, md.block_tables[i], lens[i])
-            out.append(prefill_attention(qi, ki, vi, self.scale))
+            out.append(self.prefill_sequence(qi, ki, vi, self.scale))
         return torch.cat(out)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

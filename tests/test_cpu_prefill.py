@@ -1,0 +1,95 @@
+"""Chapter 05's CPU backend prefill: in bfloat16, `CPUPagedAttention` runs each sequence's causal
+attention through torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`), which
+accumulates in float32; other dtypes keep the plain-torch `prefill_attention`.
+
+Oracle: `attention_reference` in float64 on the same bfloat16-rounded inputs."""
+import pytest
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.kernels.cpu_decode import CPUPagedAttention, prefill_attention_sdpa
+from minivllm.models.llama import attention_reference
+from minivllm.paged_attention import PagedAttention, prefill_attention
+
+# The fused kernel keeps scores, softmax and the weighted sum in float32 and rounds its output to
+# bfloat16 once: at most half a bfloat16 spacing, 2^-9 of |output| <= 2^-9 of max |v|. We allow 2^-8
+# of max |v| for float32's summation order. (bfloat16 einsums, which round the scores and the
+# probabilities, miss this bound by up to 6x on these cases.)
+BF16_TOL = 2.0 ** -8
+
+CASES = [(tq, tk) for tq, tk in [(1, 1), (7, 7), (130, 130), (5, 40), (64, 200), (1, 50)]]
+
+
+def qkv(tq, tk, heads, kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = 2 * torch.randn(tq, heads, head_dim, generator=g, dtype=torch.float64)
+    k = 2 * torch.randn(tk, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(tk, kv_heads, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("tq,tk", CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_sdpa_prefill_in_bfloat16_is_within_one_rounding_of_the_float64_reference(tq, tk, heads, kv_heads, head_dim):
+    q, k, v = (x.bfloat16() for x in qkv(tq, tk, heads, kv_heads, head_dim))
+    scale = head_dim ** -0.5
+    ref = attention_reference(q.double(), k.double(), v.double(), scale)
+    out = prefill_attention_sdpa(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (tq, heads, head_dim)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= BF16_TOL * v.double().abs().max().item(), f"max error {err:.3g}"
+
+
+@pytest.mark.parametrize("tq,tk", CASES)
+def test_sdpa_prefill_in_float64_equals_the_reference(tq, tk):
+    q, k, v = qkv(tq, tk, 9, 3, 64, seed=1)
+    torch.testing.assert_close(prefill_attention_sdpa(q, k, v, 0.125), attention_reference(q, k, v, 0.125),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_the_check_can_fail():
+    """A mask aligned to the first key instead of the last (SDPA's own `is_causal` with Tq < Tk) is caught."""
+    q, k, v = (x.bfloat16() for x in qkv(5, 40, 9, 3, 64))
+    wrong = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                             is_causal=True, enable_gqa=True).transpose(0, 1)
+    ref = attention_reference(q.double(), k.double(), v.double(), 64 ** -0.5)
+    assert (wrong.double() - ref).abs().max().item() > BF16_TOL * v.double().abs().max().item()
+
+
+def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: int) -> AttentionMetadata:
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.stack([perm[i * width:(i + 1) * width] for i in range(len(lens))])
+    cu = torch.tensor([0] + lens_q).cumsum(0)
+    return AttentionMetadata(is_prefill=True, cu_seqlens_q=cu, context_lens=torch.tensor(lens), block_tables=tables,
+                             slot_mapping=torch.cat([tables[i, torch.arange(n - m, n) // block_size] * block_size +
+                                                     torch.arange(n - m, n) % block_size
+                                                     for i, (m, n) in enumerate(zip(lens_q, lens))]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backend_prefill_over_a_cached_prefix(dtype):
+    """The whole backend call: the new tokens of three sequences, two of them over a cached prefix read
+    through shuffled block tables. bfloat16 goes through the fused path (within one rounding of plain
+    torch in float64 on the same inputs); float32 gives plain torch's result exactly."""
+    lens_q, lens, block_size, num_blocks = [6, 1, 33], [6, 20, 50], 16, 16
+    md = metadata(lens_q, lens, block_size, num_blocks)
+    q, k, v = qkv(sum(lens_q), sum(lens_q), 9, 3, 64, seed=2)
+    cache = torch.randn(2, 1, num_blocks, block_size, 3, 64, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(4))
+    q, k, v, cache = (x.to(dtype) for x in (q, k, v, cache))
+    backend = CPUPagedAttention(cache.clone(), 0.125)
+    backend.metadata = md
+    out = backend(0, q, k, v)
+    if dtype == torch.float32:
+        plain = PagedAttention(cache.clone(), 0.125)
+        plain.metadata = md
+        assert torch.equal(out, plain(0, q, k, v))
+    else:
+        plain = PagedAttention(cache.double(), 0.125)
+        plain.metadata = md
+        ref = plain(0, q.double(), k.double(), v.double())
+        err = (out.double() - ref).abs().max().item()
+        assert err <= BF16_TOL * max(v.double().abs().max().item(), cache[1].double().abs().max().item()), \
+            f"max error {err:.3g}"
