@@ -129,6 +129,27 @@ def test_bfloat16_kernel_against_the_float64_reference(shape, threads):
     assert (out.double() != exact).any()
 
 
+# The kernel takes a K/V head's query heads in tiles of up to four (a group of five: a tile of four and
+# one of one) and head_dim in whole SIMD registers plus a scalar rest (24 = 16 + 8 values in float32):
+# every tile size and both paths, against the plain-torch decode, with the tolerances used above.
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_every_head_tile_and_head_dim_path(group, head_dim, block_size, dtype):
+    q, k_cache, v_cache, tables, lens = random_batch(2 * group, 2, head_dim, block_size, dtype, seed=group,
+                                                     num_blocks=max(60, 300 // block_size))
+    assert lens.min() == 1 and lens.max() >= 2 * block_size  # ragged: one token, two blocks or more
+    scale = head_dim ** -0.5
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), plain(tables), lens, scale)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), exact, atol=FLOAT32_ARITHMETIC, rtol=BF16_ROUNDING)
+    else:
+        torch.testing.assert_close(out.double(), exact, atol=1e-12 if dtype == torch.float64 else 2e-6, rtol=0)
+
+
 @needs_kernel
 def test_kernel_on_an_empty_batch():
     q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)

@@ -5,16 +5,182 @@
 // appendix of notebooks/05_paged_attention.ipynb. float32, float64 and bfloat16: a bfloat16 cache
 // and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
 // sum of V stay in float32, and the output is rounded to bfloat16 once, at the end.
+//
+// How the work is laid out (after vLLM's CPU attention kernel and FlashDecoding): the `group` query
+// heads that share a K/V head are done together, in tiles of up to kMaxTile heads, so each cached
+// row is read once per tile rather than once per query head, and a tile's running sums stay in SIMD
+// registers: across a K row for its scores (reduced once per row), across a block's tokens for its
+// weighted sum of V (loaded and stored once per block, not once per token). The softmax's exp is a
+// polynomial the compiler vectorises. The next block is prefetched while one is worked on.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
+constexpr int64_t kMaxTile = 4;  // query heads per tile: 4 heads x 2 registers of sums fit AVX2's 16
+
+// exp(x) for x <= 0 in float32 (a softmax's scores minus their max), to about 2 float32 ulp: x =
+// n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial, 2**n put into the exponent bits.
+// Plain arithmetic, so a loop of it is vectorised (one of std::exp is not, without -ffast-math).
+static inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : x;  // keeps 2**n a normal float (exp(-87) ~ 1.6e-38); a NaN stays NaN
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts: n * ln2 exact
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2**n
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+static inline double exp_approx(double x) { return std::exp(x); }  // float64: as exact as the reference
+
+// Softmax numerators in place, exp(s[t] - max s), and their sum.
+template <typename acc_t>
+static acc_t softmax_numerators(acc_t* __restrict s, int64_t len) {
+  acc_t mx = -INFINITY, total = 0;
+#pragma omp simd reduction(max : mx)
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = exp_approx(s[t] - mx);
+    total += s[t];
+  }
+  return total;
+}
+
+// A SIMD register's worth of acc_t values, with the GCC/Clang vector extension: the compiler maps it
+// onto what -march=native offers (AVX2 or AVX-512 on x86, NEON on Arm), no intrinsics named.
+constexpr int64_t kVecBytes = 32;
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> { typedef float type __attribute__((vector_size(kVecBytes))); };
+template <>
+struct VecOf<double> { typedef double type __attribute__((vector_size(kVecBytes))); };
+template <typename T>
+using Vec = typename VecOf<T>::type;
+template <typename T>
+constexpr int64_t kVecLen = kVecBytes / sizeof(T);
+
+// kVecLen<acc_t> values from p, widened to acc_t (bfloat16: its 16 bits are a float32's high half).
+template <typename acc_t, typename scalar_t>
+static inline Vec<acc_t> load_wide(const scalar_t* p) {
+  Vec<acc_t> out;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    using Bits16 = uint16_t __attribute__((vector_size(kVecBytes / 2)));
+    using Bits32 = uint32_t __attribute__((vector_size(kVecBytes)));
+    Bits16 raw;
+    std::memcpy(&raw, p, sizeof(raw));
+    const Bits32 bits = __builtin_convertvector(raw, Bits32) << 16;
+    std::memcpy(&out, &bits, sizeof(out));
+  } else {
+    static_assert(std::is_same_v<scalar_t, acc_t>, "float32 and float64 are read as they are");
+    std::memcpy(&out, p, sizeof(out));
+  }
+  return out;
+}
+
+// The sum of a register's lanes, halving it step by step (a tree: log2(L) dependent adds, not L).
+template <typename V>
+static inline auto sum_lanes(V v) {
+  using acc_t = std::remove_reference_t<decltype(v[0])>;
+  constexpr int64_t L = sizeof(V) / sizeof(acc_t);
+  acc_t t[L];
+  std::memcpy(t, &v, sizeof(v));
+  for (int64_t w = L / 2; w >= 1; w /= 2)
+    for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
+  return t[0];
+}
+
+// Scores of a tile of kTile query heads q [kTile, D] against one cached K row k [D]:
+// s[h * s_stride] = scale * q[h] . k. Two registers of partial sums per head, summed once at the end.
+template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
+static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_t* __restrict q,
+                               const scalar_t* __restrict k, int64_t head_dim, acc_t scale) {
+  constexpr int64_t L = kVecLen<acc_t>;
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  const int64_t D_vec = D / (2 * L) * (2 * L);
+  Vec<acc_t> part[kTile][2] = {};
+  for (int64_t d = 0; d < D_vec; d += 2 * L) {
+    const Vec<acc_t> k0 = load_wide<acc_t>(k + d), k1 = load_wide<acc_t>(k + d + L);
+    for (int64_t h = 0; h < kTile; ++h) {
+      part[h][0] += load_wide<acc_t>(q + h * D + d) * k0;
+      part[h][1] += load_wide<acc_t>(q + h * D + d + L) * k1;
+    }
+  }
+  for (int64_t h = 0; h < kTile; ++h) {
+    acc_t dot = sum_lanes(part[h][0] + part[h][1]);
+    for (int64_t d = D_vec; d < D; ++d) dot += q[h * D + d] * acc_t(k[d]);  // an odd head_dim's rest
+    s[h * s_stride] = dot * scale;
+  }
+}
+
+// A tile's weighted sum over n consecutive cached tokens of a block: a[h] += sum over i < n of
+// p[h * p_stride + i] * v[i * v_stride] (rows of D values), two registers of D at a time, so that
+// the tile's 2 x kTile sums stay in registers across the n tokens.
+template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
+static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
+                                     const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim) {
+  constexpr int64_t L = kVecLen<acc_t>;
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  const int64_t D_vec = D / (2 * L) * (2 * L);
+  for (int64_t d = 0; d < D_vec; d += 2 * L) {
+    Vec<acc_t> sum[kTile][2];
+    for (int64_t h = 0; h < kTile; ++h) {
+      sum[h][0] = load_wide<acc_t>(a + h * D + d);
+      sum[h][1] = load_wide<acc_t>(a + h * D + d + L);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec<acc_t> v0 = load_wide<acc_t>(v + i * v_stride + d), v1 = load_wide<acc_t>(v + i * v_stride + d + L);
+      for (int64_t h = 0; h < kTile; ++h) {
+        sum[h][0] += p[h * p_stride + i] * v0;
+        sum[h][1] += p[h * p_stride + i] * v1;
+      }
+    }
+    for (int64_t h = 0; h < kTile; ++h) {
+      std::memcpy(a + h * D + d, &sum[h][0], sizeof(sum[h][0]));
+      std::memcpy(a + h * D + d + L, &sum[h][1], sizeof(sum[h][1]));
+    }
+  }
+  for (int64_t d = D_vec; d < D; ++d)  // an odd head_dim's rest
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < kTile; ++h) a[h * D + d] += p[h * p_stride + i] * acc_t(v[i * v_stride + d]);
+}
+
+// Asks for a block of the cache to be brought into the caches while the current one is worked on:
+// blocks lie anywhere in memory, so the hardware's stream prefetcher cannot guess the next one.
+template <typename scalar_t>
+static inline void prefetch(const scalar_t* block, int64_t size) {
+  const char* p = reinterpret_cast<const char*>(block);
+  for (int64_t off = 0; off < size * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
+}
+
+// Calls f(std::integral_constant<int64_t, tile>) for tile in 1..kMaxTile: the tile size as a
+// compile-time constant, so that the arrays sized by it are kept in registers.
+template <typename F>
+static inline void with_tile(int64_t tile, F&& f) {
+  static_assert(kMaxTile == 4, "with_tile names each tile size");
+  if (tile == 4) f(std::integral_constant<int64_t, 4>{});
+  else if (tile == 3) f(std::integral_constant<int64_t, 3>{});
+  else if (tile == 2) f(std::integral_constant<int64_t, 2>{});
+  else f(std::integral_constant<int64_t, 1>{});
+}
+
 // One sequence's decode attention: its query heads q [num_heads, D] over its context_len cached
-// tokens, read in place through its block table. D is a compile-time constant when kHeadDim > 0.
+// tokens, read in place through its block table, block by block. D is a compile-time constant when
+// kHeadDim > 0.
 template <typename scalar_t, int64_t kHeadDim>
 static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __restrict q,
                                 const scalar_t* __restrict k_cache, const scalar_t* __restrict v_cache,
@@ -22,57 +188,53 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double scale,
                                 std::vector<at::opmath_type<scalar_t>>& q_wide,
                                 std::vector<at::opmath_type<scalar_t>>& scores,
-                                std::vector<at::opmath_type<scalar_t>>& acc,
-                                std::vector<at::opmath_type<scalar_t>>& denom) {
+                                std::vector<at::opmath_type<scalar_t>>& acc) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t group = num_heads / num_kv_heads;     // query heads per K/V head
   const int64_t token_stride = num_kv_heads * D;      // one token's row in a block
   const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
   q_wide.resize(num_heads * D);
   scores.resize(num_heads * len);
   acc.assign(num_heads * D, acc_t(0));
-  denom.resize(num_heads);
   acc_t* __restrict qw = q_wide.data();  // the query widened once, not once per cached token
   for (int64_t i = 0; i < num_heads * D; ++i) qw[i] = acc_t(q[i]);
   acc_t* __restrict s = scores.data();  // s[h * len + t]
   acc_t* __restrict a = acc.data();     // a[h * D + d]
+  // each tile: kMaxTile (or fewer) query heads h0.. of one K/V head's group
+  auto for_each_tile = [&](auto&& f) {
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv)
+      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kMaxTile)
+        with_tile(std::min(kMaxTile, (kv + 1) * group - h0), [&](auto tile) { f(tile, kv, h0); });
+  };
 
   // 1. scores: s[h, t] = scale * q[h] . k[t, h / group]
-  for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* k_t = k_cache + block_table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const acc_t* qh = qw + h * D;
-      const scalar_t* kh = k_t + (h / group) * D;
-      acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * acc_t(kh[d]);
-      s[h * len + t] = dot * acc_t(scale);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* k_block = k_cache + block_table[b] * block_stride;
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const scalar_t* k_next = k_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      prefetch(k_next + i * token_stride, token_stride);
+      for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
+        tile_scores<decltype(tile)::value, kHeadDim>(s + h0 * len + t0 + i, len, qw + h0 * D,
+                                                     k_block + i * token_stride + kv * D, D, acc_t(scale));
+      });
     }
   }
-  // 2. softmax numerators in place, and their sums
-  for (int64_t h = 0; h < num_heads; ++h) {
-    acc_t* sh = s + h * len;
-    acc_t mx = -INFINITY, total = 0;
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
-      sh[t] = std::exp(sh[t] - mx);
-      total += sh[t];
-    }
-    denom[h] = total;
-  }
+  // 2. softmax numerators in place
+  std::vector<acc_t> denom(num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) denom[h] = softmax_numerators(s + h * len, len);
   // 3. a[h] = sum over t of s[h, t] * v[t, h / group]
-  for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* v_t = v_cache + block_table[t / block_size] * block_stride + (t % block_size) * token_stride;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* vh = v_t + (h / group) * D;
-      const acc_t p = s[h * len + t];
-      acc_t* ah = a + h * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ah[d] += p * acc_t(vh[d]);
-    }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* v_block = v_cache + block_table[b] * block_stride;
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    const scalar_t* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
+      prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);
+      tile_weighted_sum<decltype(tile)::value, kHeadDim>(a + h0 * D, s + h0 * len + t0, len, v_block + kv * D,
+                                                         token_stride, n, D);
+    });
   }
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = scalar_t(a[h * D + d] / denom[h]);
@@ -90,12 +252,12 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::opmath_type<scalar_t>> q_wide, scores, acc, denom;  // this thread's scratch
+    std::vector<at::opmath_type<scalar_t>> q_wide, scores, acc;  // this thread's scratch
     for (int64_t b = begin; b < end; ++b)
       for (int64_t seq : bins[b])
         decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
                                                 tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
-                                                D, block_size, scale, q_wide, scores, acc, denom);
+                                                D, block_size, scale, q_wide, scores, acc);
   });
 }
 
