@@ -6,12 +6,13 @@
 // and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
 // sum of V stay in float32, and the output is rounded to bfloat16 once, at the end.
 //
-// How the work is laid out (after vLLM's CPU attention kernel and FlashDecoding): the `group` query
-// heads that share a K/V head are done together, in tiles of up to kMaxTile heads, so each cached
-// row is read once per tile rather than once per query head, and a tile's running sums stay in SIMD
-// registers: across a K row for its scores (reduced once per row), across a block's tokens for its
-// weighted sum of V (loaded and stored once per block, not once per token). The softmax's exp is a
-// polynomial the compiler vectorises. The next block is prefetched while one is worked on.
+// How the work is laid out: the `group` query heads that share a K/V head are done together, in
+// tiles of up to kMaxTile heads (as GQA-aware decode kernels such as FlashInfer's pack a group into
+// one tile), so each cached row is read once per tile rather than once per query head. A tile's sums
+// stay in SIMD registers: across a K row for its scores (reduced once per row), across a block's
+// tokens for its weighted sum of V (loaded and stored once per block, not once per token). The
+// softmax's exp is a polynomial the compiler vectorises. The next block is prefetched while one is
+// worked on.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
