@@ -9,7 +9,7 @@ import torch
 from minivllm.attention import AttentionMetadata
 from minivllm.kernels.cpu_decode import CPUPagedAttention, prefill_attention_sdpa
 from minivllm.models.llama import attention_reference
-from minivllm.paged_attention import PagedAttention, prefill_attention
+from minivllm.paged_attention import PagedAttention
 
 # The fused kernel keeps scores, softmax and the weighted sum in float32 and rounds its output to
 # bfloat16 once: at most half a bfloat16 spacing, 2^-9 of |output| <= 2^-9 of max |v|. We allow 2^-8
@@ -17,7 +17,7 @@ from minivllm.paged_attention import PagedAttention, prefill_attention
 # probabilities, miss this bound by up to 6x on these cases.)
 BF16_TOL = 2.0 ** -8
 
-CASES = [(tq, tk) for tq, tk in [(1, 1), (7, 7), (130, 130), (5, 40), (64, 200), (1, 50)]]
+CASES = [(1, 1), (7, 7), (130, 130), (5, 40), (64, 200), (1, 50)]  # (Tq, Tk): no prefix, then a cached one
 
 
 def qkv(tq, tk, heads, kv_heads, head_dim, seed=0):

@@ -24,6 +24,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler
 from minivllm.sequence import Sequence
 from test_grading_ch04_regions import _GraderScheduler, run_graded, stand_ins, your_code
+from test_grading_ch04_regions import _named_invariants as _invariants
 from test_prefix_caching import check_cache  # the prefix cache's invariants
 
 
@@ -91,15 +92,6 @@ OPS = st.lists(st.builds(_op, st.sampled_from(["add"] * 5 + ["step"] * 7 + ["abo
 
 def _seqs(seqs) -> str:
     return "[" + ", ".join(f"{s.seq_id} ({s.num_tokens} token{'s' * (s.num_tokens != 1)})" for s in seqs) + "]"
-
-
-def _invariants(ex: str, sched, after: str) -> None:
-    """The KV-cache invariants (`check_invariants`), a failure naming `ex` and the operation before."""
-    try:
-        check_invariants(sched)
-    except AssertionError as e:
-        raise AssertionError(f"{ex}: after {after}: a KV-cache invariant broke: {e or 'the traceback shows which'}") \
-            from e
 
 
 def _ch04_step(sched, step: int, sampled: list[int]) -> None:

@@ -291,6 +291,7 @@ def _ch04_step(ex: str, sched, step: int) -> list[Sequence]:
 
 
 def _named_invariants(ex: str, sched, after: str) -> None:
+    """The KV-cache invariants (`check_invariants`), a failure naming `ex` and the operation before."""
     try:
         check_invariants(sched)
     except AssertionError as e:
