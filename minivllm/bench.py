@@ -487,6 +487,8 @@ class ModelCost:
 def model_cost(config, dtype: torch.dtype) -> ModelCost:
     """The `ModelCost` of the decoder a transformers `config` describes, with parameters and KV cache in
     `dtype`. The decoder is built on the meta device (shapes only, nothing allocated)."""
+    # EXERCISE ch09_ex1 (3 points): count parameters, bytes a step reads, linear weights, LM head, FLOPs per pair, K/V bytes
+    ### BEGIN SOLUTION
     with torch.device("meta"):
         net = MODEL_REGISTRY[config.model_type](config)
     layers, attn = net.model.layers, net.model.layers[0].self_attn
@@ -497,6 +499,7 @@ def model_cost(config, dtype: torch.dtype) -> ModelCost:
                      lm_head_params=net.lm_head.weight.numel(),
                      attention_flops_per_pair=4 * len(layers) * attn.num_heads * attn.head_dim,
                      kv_bytes_per_token=2 * len(layers) * attn.num_kv_heads * attn.head_dim * dtype.itemsize)
+    ### END SOLUTION
 
 # %% ../notebooks/09_benchmark.ipynb #d746a4cf
 def step_cost(cost: ModelCost, query_lens: list[int], context_lens: list[int]) -> tuple[int, int]:
@@ -511,11 +514,14 @@ def step_cost(cost: ModelCost, query_lens: list[int], context_lens: list[int]) -
         pairs`; bytes: `weight_bytes + kv_bytes_per_token * (sum(context_lens) + tokens)` (K/V read, new
         K/V written).
     """
+    # EXERCISE ch09_ex2 (3 points): FLOPs (linears per token, LM head per sequence, causal pairs), bytes (weights, K/V)
+    ### BEGIN SOLUTION
     tokens = sum(query_lens)
     pairs = sum(q * c - q * (q - 1) // 2 for q, c in zip(query_lens, context_lens))
     flops = (2 * cost.matmul_params * tokens + 2 * cost.lm_head_params * len(query_lens)
              + cost.attention_flops_per_pair * pairs)
     return flops, cost.weight_bytes + cost.kv_bytes_per_token * (sum(context_lens) + tokens)
+    ### END SOLUTION
 
 # %% ../notebooks/09_benchmark.ipynb #378f7881
 from .layers.linear import PackedLinear
@@ -593,6 +599,8 @@ def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: D
         A dict: `seconds` (the bound), `flops`, `bytes`, `steps`, `memory_bound_steps` (steps whose
         bytes take longer than their arithmetic).
     """
+    # EXERCISE ch09_ex3 (2 points): per step the slower of FLOPs / matmul rate and bytes / copy rate, summed; counters
+    ### BEGIN SOLUTION
     seconds, flops, num_bytes, memory_bound = 0.0, 0, 0, 0
     for query_lens, context_lens in steps:
         f, b = step_cost(cost, query_lens, context_lens)
@@ -600,6 +608,7 @@ def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: D
         seconds += max(t_compute, t_memory)
         flops, num_bytes, memory_bound = flops + f, num_bytes + b, memory_bound + (t_memory >= t_compute)
     return dict(seconds=seconds, flops=flops, bytes=num_bytes, steps=len(steps), memory_bound_steps=memory_bound)
+    ### END SOLUTION
 
 # %% ../notebooks/09_benchmark.ipynb #8007682e
 from .config import resolve_device, resolve_dtype
@@ -881,6 +890,8 @@ def workload_bound(cost: ModelCost, workload: Workload, peaks: DevicePeaks) -> d
     Returns:
         A dict: `seconds`, `flops`, `bytes`, `tok_s` (the workload's output tokens over `seconds`).
     """
+    # EXERCISE ch09_ex4 (2 points): each request's prefill and output_len - 1 decodes once; weights max(output_lens) times
+    ### BEGIN SOLUTION
     flops = kv_bytes = 0
     for prompt, n in zip(workload.prompts, workload.output_lens):
         for q, c in [(len(prompt), len(prompt)), *((1, len(prompt) + k) for k in range(1, n))]:
@@ -889,6 +900,7 @@ def workload_bound(cost: ModelCost, workload: Workload, peaks: DevicePeaks) -> d
     num_bytes = kv_bytes + cost.weight_bytes * max(workload.output_lens)
     seconds = max(flops / peaks.matmul_flops_per_s, num_bytes / peaks.copy_bytes_per_s)
     return dict(seconds=seconds, flops=flops, bytes=num_bytes, tok_s=workload.num_output_tokens / seconds)
+    ### END SOLUTION
 
 # %% ../notebooks/09_benchmark.ipynb #cf33bb5b
 import sys
