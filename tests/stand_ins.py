@@ -79,6 +79,8 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
         cg = importlib.import_module("minivllm.cuda_graph")
         name, fn = importlib.import_module("test_grading_ch08_regions").STAND_INS[ex]
         return [(cg, name, fn)]
+    if ch == "ch09":
+        return list(importlib.import_module("test_grading_ch09_regions").STAND_INS.get(ex, []))
     if ch == "ch10":
         t = importlib.import_module("test_grading_ch10_regions")
         return list(getattr(t, "STAND_INS", {}).get(ex, []))
