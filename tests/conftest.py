@@ -70,3 +70,19 @@ def pytest_unconfigure(config):
     stand_ins = getattr(config, "_minivllm_stand_ins", None)
     if stand_ins is not None:
         stand_ins.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _graders_own_answers_trip(request):
+    """A test of exercise X fails if the code under grading calls the grader's stand-in for X (or,
+    for some exercises, the chapter's other implementation of it): `stand_ins.tripwires`."""
+    from stand_ins import EXERCISE_ID, tripwires
+
+    exercises = sorted({m.name for m in request.node.iter_markers() if EXERCISE_ID.fullmatch(m.name)})
+    if not exercises:
+        yield
+        return
+    with tripwires(exercises) as tripped:
+        yield
+    if tripped:
+        pytest.fail(tripped[0], pytrace=False)

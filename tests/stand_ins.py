@@ -130,3 +130,115 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
     released = json.loads(edition.read_text())["exercises"]
     return [e for e in released if e in EXERCISES and EXERCISES[e].kind == "rebuild" and e not in selected
             and e[:4] not in rebuilding]
+
+
+# --- tripwires: the grader's own answers, and the chapter's other implementations ---------------------
+# While a test of exercise X runs, the grader's stand-ins FOR X (they stand in for X only in other
+# exercises' tests) are replaced, wherever the graders' files hold them (a module's function, a class's
+# method, an entry of a STAND_INS table), by a tripwire that fails the test: an answer that reaches the
+# grader's code at run time (`importlib`, `sys.modules`, `getattr` on a built name) is not the
+# student's. `minivllm.grade.graders_code_used` finds the answers that name them; neither catches a
+# stand-in's text pasted into the answer (README's course section says so).
+
+# The chapter's other implementations of a graded function, which its answer must not call: X ->
+# (the graded function, [the functions it must not call while it runs]). Called from elsewhere (the
+# engine's own backend in the same test) they work as usual.
+OTHER_IMPLEMENTATIONS = {
+    "ch05_ex4": (("minivllm.paged_attention", "paged_decode_attention"),
+                 [("minivllm.decode_planner", "paged_decode_attention_planned"),
+                  ("minivllm.decode_planner", "plan_decode"),
+                  ("minivllm.kernels.cpu_decode", "paged_decode_attention_cpu"),
+                  ("minivllm.kernels.cpu_decode", "cpu_decode_kernel"),  # the C++ kernel's entry
+                  ("minivllm.kernels.cpu_decode", "load_kernel_library")]),
+}
+
+
+class GradersAnswerCalled(BaseException):
+    """The code under grading called a tripwire (a BaseException: an answer's `except Exception`
+    does not swallow it, and hypothesis does not shrink it; the test fails at teardown anyway)."""
+
+
+def stand_in_functions(ex: str) -> list:
+    """The grader's stand-ins for rebuild exercise `ex` (the functions `_patches` plugs in for it)."""
+    from minivllm.grade import EXERCISES
+
+    if ex not in EXERCISES or EXERCISES[ex].kind != "rebuild":
+        return []
+    try:
+        return [fn for _, _, fn in _patches(ex)]
+    except (KeyError, ImportError):  # a chapter whose graders this edition lacks
+        return []
+
+
+def _graders_modules() -> list:
+    """The graders' modules loaded now: every module from tests/ (this one included)."""
+    tests = str(ROOT / "tests")
+    return [m for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").startswith(tests)]
+
+
+def _swap_entry(entry, fn, wire):
+    """A STAND_INS table's entry (a tuple, or a list of tuples) with `fn` replaced by `wire`; None if it lacks `fn`."""
+    if isinstance(entry, tuple):
+        return tuple(wire if x is fn else x for x in entry) if any(x is fn for x in entry) else None
+    if isinstance(entry, list):
+        swapped = [_swap_entry(x, fn, wire) for x in entry]
+        return [s if s is not None else x for s, x in zip(swapped, entry)] if any(s is not None for s in swapped) \
+            else None
+    return None
+
+
+def _tripwire(message: str, tripped: list[str], call_through=None, graded_code=None):
+    """A function that records `message` and raises `GradersAnswerCalled`; with `graded_code`, only
+    when called (directly or not) from that code, and otherwise it calls `call_through`."""
+    def tripwire(*args, **kwargs):
+        if graded_code is not None:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code is not graded_code:
+                frame = frame.f_back
+            if frame is None:
+                return call_through(*args, **kwargs)
+        tripped.append(message)
+        raise GradersAnswerCalled(message)
+    return tripwire
+
+
+@contextmanager
+def tripwires(exercises: list[str]):
+    """Within (a test of `exercises`): the grader's stand-ins for them, and the implementations of
+    `OTHER_IMPLEMENTATIONS` when called from the graded function, fail the test. Yields the list of
+    messages of the tripwires that went off (the caller fails the test if the answer swallowed them)."""
+    tripped: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for ex in exercises:
+            for fn in stand_in_functions(ex):
+                what = getattr(fn, "__qualname__", repr(fn))
+                wire = _tripwire(f"{ex}: the grader's own answer was called ({what}, the grader's stand-in for "
+                                 f"{ex}): it is not your answer", tripped)
+                for module in _graders_modules():
+                    for name, value in list(vars(module).items()):
+                        if value is fn:
+                            mp.setattr(module, name, wire)
+                        elif isinstance(value, type) and value.__module__ == module.__name__:
+                            for attr, member in list(vars(value).items()):
+                                if member is fn or getattr(member, "__func__", None) is fn:
+                                    mp.setattr(value, attr, staticmethod(wire) if isinstance(member, staticmethod)
+                                               else wire)
+                        elif isinstance(value, dict) and name == "STAND_INS":
+                            for key, entry in list(value.items()):
+                                swapped = _swap_entry(entry, fn, wire)
+                                if swapped is not None:
+                                    mp.setitem(value, key, swapped)
+            if ex in OTHER_IMPLEMENTATIONS:
+                (graded_mod, graded_name), forbidden = OTHER_IMPLEMENTATIONS[ex]
+                graded = getattr(importlib.import_module(graded_mod), graded_name)
+                code = getattr(graded, "__code__", None)
+                for mod_name, name in forbidden:
+                    original = getattr(importlib.import_module(mod_name), name)
+                    wire = _tripwire(f"{ex}: your {graded_name} called the chapter's other implementation "
+                                     f"{mod_name}.{name}: write the computation yourself", tripped, original, code)
+                    for m_name, module in list(sys.modules.items()):
+                        if module is not None and _ours(m_name, module):
+                            for attr, value in list(vars(module).items()):
+                                if value is original:
+                                    mp.setattr(module, attr, wire)
+        yield tripped
