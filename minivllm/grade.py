@@ -340,8 +340,8 @@ def edition_hashes(root: Path) -> dict[str, str]:
 
 
 def sync_package(root: Path) -> str:
-    """In a student edition, re-export `minivllm/` from the chapters if they changed since the release
-    or the last export; after an export the edition's record holds the new hashes (the next edit of a
+    """In a student edition, re-export `minivllm/` from the chapters if they changed since the last export
+    (the release's, or a later one); after an export the edition's record holds the new hashes (the next edit of a
     chapter is compared with them).
 
     Returns a line saying what was done.
@@ -352,13 +352,13 @@ def sync_package(root: Path) -> str:
     edition = json.loads((root / EDITION_FILE).read_text())
     now = edition_hashes(root)
     if now["notebooks_sha256"] == edition["notebooks_sha256"]:
-        return "chapters unchanged since the release: grading minivllm/ as it is"
+        return "chapters unchanged since the last export: grading minivllm/ as it is"
     export = [sys.executable, str(root / "scripts" / "export.py")]
     if now["package_sha256"] != edition["package_sha256"]:
         if subprocess.run(export + ["--check"], cwd=root, capture_output=True).returncode == 0:
             _record_hashes(root, edition)
             return "minivllm/ is up to date with the chapters"
-        raise RuntimeError("both notebooks/ and minivllm/ were edited since the release, and minivllm/ is not what "
+        raise RuntimeError("both notebooks/ and minivllm/ were edited since the last export, and minivllm/ is not what "
                            "the notebooks export. minivllm/ is generated from the chapters: put your work in the "
                            "notebook (then grade again), or grade minivllm/ as it is with --no-export (its files "
                            "are overwritten by the next export).")
@@ -471,7 +471,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         stubs = [ex for ex, r in report["exercises"].items()
                  if any(f"NotImplementedError: {ex}: " in f["message"] for f in r["failed"])]
         if stubs and note.startswith("chapters unchanged"):
-            print(f"{', '.join(stubs)}: still the release's stub, and no chapter changed since the release: "
+            print(f"{', '.join(stubs)}: still a stub, and no chapter changed since the last export: "
                   "if you filled it in, save the notebook (the grader reads the saved file) and grade again")
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))

@@ -26,8 +26,8 @@ def resolve(spec: str) -> dict | None:
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         sys.stderr.write(run.stderr)
-        print("install_torch: pip could not report its choice (see above; the report needs pip 22.2 or later); installing pip's own choice",
-              file=sys.stderr)
+        print("install_torch: pip could not report its choice (see above; the report needs pip 22.2 or "
+              "later); installing pip's own choice", file=sys.stderr)
         return None
     try:
         return json.loads(run.stdout)["install"][0]
