@@ -7,6 +7,7 @@ V1's `OutputProcessor`, `RequestState` and `ParentRequest`, and vLLM V0's block-
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,8 +46,8 @@ def child_sampling_params(params, index: int):
 
 # %% auto #0
 __all__ = ['compute_prompt_logprobs', 'child_sampling_params', 'fork_sequence', 'RequestState', 'ParentRequest', 'make_state',
-           'advance', 'completion_output', 'request_output', 'stop_sequence', 'fork_completions', 'OutputRequests',
-           'StreamingOutputProcessor', 'iter_outputs']
+           'advance', 'completion_output', 'request_output', 'stop_sequence', 'completion_ids', 'fork_completions',
+           'OutputRequests', 'StreamingOutputProcessor', 'iter_outputs']
 
 # %% ../notebooks/10_sampling.ipynb #b7aac12b
 def fork_sequence(core, parent: Sequence, request_id: str, params) -> Sequence:
@@ -183,10 +184,15 @@ def stop_sequence(core, seq: Sequence) -> None:
     core.finish(seq)
 
 
+def completion_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's `n` completions in the engine: its own, then `{i}_{request_id}` (vLLM's)."""
+    return [request_id] + [f"{i}_{request_id}" for i in range(1, n)]
+
+
 def fork_completions(core, parent: ParentRequest, seq: Sequence, tokenizer) -> list[RequestState]:
     """The states of a request's other `n - 1` completions, forked from its first sequence `seq`."""
-    forks = [fork_sequence(core, seq, f"{i}_{parent.request_id}", child_sampling_params(seq.sampling_params, i))
-             for i in range(1, parent.n)]
+    forks = [fork_sequence(core, seq, rid, child_sampling_params(seq.sampling_params, i))
+             for i, rid in enumerate(completion_ids(parent.request_id, parent.n)[1:], start=1)]
     return [make_state(child, i, tokenizer) for i, child in enumerate(forks, start=1)]
 
 # %% ../notebooks/10_sampling.ipynb #ff99b404
@@ -210,10 +216,19 @@ class OutputRequests:
         self.decode = self.tokenizer and (lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         self.requests: dict[str, ParentRequest] = {}
         self.states: dict[int, tuple[ParentRequest, RequestState]] = {}  # seq_id -> its request and state
+        self._ids = itertools.count()
 
     def add_request(self, request_id: str | int | None, seq: Sequence) -> str:
-        """Queue a checked sequence (with its prompt log-probabilities, if asked); returns the request id."""
+        """Queue a checked sequence (with its prompt log-probabilities, if asked); returns the request id
+        (a fresh one for None). Raises ValueError: the id, or one its completions would take, is in use."""
         p = seq.sampling_params
+        taken = set(self.core.requests).union(*(completion_ids(i, r.n) for i, r in self.requests.items()))
+        if request_id is None:  # a fresh id, skipping those in use
+            request_id = next(i for i in map(str, self._ids) if taken.isdisjoint(completion_ids(i, p.n)))
+        clash = [i for i in completion_ids(str(request_id), p.n) if i in taken]
+        if clash:
+            raise ValueError(f"request id {str(request_id)!r} is already in use" if clash[0] == str(request_id) else
+                             f"request id {str(request_id)!r}: its completion id {clash[0]!r} is already in use")
         prompt_logprobs = (None if p.prompt_logprobs is None else
                            compute_prompt_logprobs(self.model, seq.prompt_token_ids, p.prompt_logprobs, self.decode))
         request_id = self.core.add_request(request_id, seq)

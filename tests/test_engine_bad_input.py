@@ -297,3 +297,41 @@ def test_token_ids_without_order_or_as_bytes_are_refused(llm, ids):
 def test_a_model_that_is_not_a_path_is_refused():
     with pytest.raises(ValueError, match="model must be a folder"):
         LLM(123)
+
+
+def test_an_id_taken_by_a_request_or_by_its_completions_is_refused(llm):
+    """A request with n > 1 holds its id until its last completion finishes, and its other completions
+    take `{i}_{id}` (vLLM's names): an id that clashes with either is refused at submission."""
+    engine = llm.llm_engine
+    varied = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    engine.add_request("x", [1, 2, 3], varied)
+    engine.add_request("1_z", [6], GREEDY)
+    engine.step()  # x's second completion "1_x" is forked after x's first step
+    for rid, params in [("x", GREEDY), ("1_x", GREEDY), ("z", varied)]:  # z's second completion would be "1_z"
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(rid, [5], params)
+    engine.abort_request("1_x")  # x's second completion ends first: "x" stays taken until the first one ends
+    engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [5], GREEDY)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        check_invariants(engine)
+    assert set(outs) == {"x", "1_z"} and outs["x"][-1].finished and outs["1_z"][-1].finished
+    engine.add_request("x", [5], varied)  # free again
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_fresh_id_skips_ids_a_requests_completions_would_clash_with(llm):
+    engine = llm.llm_engine
+    engine.add_request("1_0", [1, 2], GREEDY)
+    engine.add_request("1_1", [1, 2], GREEDY)
+    rid = engine.add_request(None, [3, 4], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True))
+    assert f"1_{rid}" not in ("1_0", "1_1")
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == {"1_0", "1_1", rid}
