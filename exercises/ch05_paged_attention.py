@@ -3,8 +3,9 @@
 (the rebuild exercises ch05_ex1-ex4 are in the chapter's export cells).
 
 Exercise 5 (ch05_ex5) — a block manager of your own, with vLLM's admission watermark: the KV-manager
-interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch,
-in any free order you like. Graded by its contract: invariants under random operation sequences
+interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch
+in this file (an inherited method, the package's `BlockManager`'s say, does not count: the grader
+checks where each is written), in any free order you like. Graded by its contract: invariants under random operation sequences
 (hypothesis), the watermark rule, and the engine's outputs with your class equal to transformers':
 `python -m minivllm.grade ch05_ex5`.
 

@@ -6,7 +6,9 @@ whose greedy outputs must equal transformers'.
 """
 from __future__ import annotations
 
+import inspect
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +40,23 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 def _expect(ok: bool, message: str) -> None:
     if not ok:
         raise AssertionError(message)
+
+
+def _written_here(ex: str, module, cls: type, methods: list[str]) -> None:
+    """Each of `methods` of `cls` is a function written in the exercise's file `module.__file__`.
+
+    An inherited method would be the package's: in an edition graded with several regions released
+    its stub is replaced by the grader's stand-in for the whole run (tests/stand_ins.py), so it would
+    work while grading and raise NotImplementedError anywhere else."""
+    where = Path(module.__file__).resolve()
+    for name in methods:
+        fn = inspect.getattr_static(cls, name, None)
+        fn = getattr(fn, "__func__", fn)  # a staticmethod's or classmethod's function
+        code = getattr(fn, "__code__", None)
+        _expect(code is not None and Path(code.co_filename).resolve() == where,
+                f"{ex}: {cls.__name__}.{name} is not written in {where.parent.name}/{where.name} (it is "
+                f"{'missing' if fn is None else getattr(fn, '__qualname__', type(fn).__name__)}"
+                f"{' from ' + code.co_filename if code is not None else ''}): the exercise asks you to write it there")
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +196,13 @@ def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max
           "contiguous": lambda: ContiguousKVManager(num_blocks, 24)}[manager]()
     # max_model_len = the budget, as the engine ensures: a preempted sequence always fits a prefill again
     _ch04_drive(_with_grader_decode(ch04.MyScheduler), bm, ops, max_num_seqs, budget, budget)
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex1
+def test_ch04_ex1_written_in_the_exercise_file(ch04):
+    """The admission policy is the student's own `schedule_prefill`, not the inherited one (`_written_here`)."""
+    _written_here("ch04_ex1", ch04, ch04.MyScheduler, ["schedule_prefill"])
 
 
 @pytest.mark.ch04
@@ -470,6 +496,10 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
     assert bm.num_free_blocks == num_blocks - len(held)
 
 
+# "From scratch": the KV-manager interface is written in the exercise's file, not inherited (`_written_here`).
+CH05_EX5_METHODS = ["can_allocate", "allocate", "deallocate", "can_append", "may_append"]
+
+
 @pytest.mark.ch05
 @pytest.mark.ch05_ex5
 @settings(max_examples=150, deadline=None)
@@ -477,6 +507,7 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
        num_blocks=st.integers(1, 12), watermark=st.integers(0, 3))
 def test_ch05_ex5_invariants_and_watermark(ch05, ops, block_size, num_blocks, watermark):
     """Contract only: any free order passes. Admission keeps `watermark_blocks` free; decode may use them."""
+    _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
     bm = ch05.MyBlockManager(num_blocks, block_size, watermark_blocks=watermark)
     assert bm.num_free_blocks == num_blocks
     live: list[Sequence] = []
@@ -534,6 +565,7 @@ def ch05_engine_case(tmp_path_factory):
 @pytest.mark.ch05
 @pytest.mark.ch05_ex5
 def test_ch05_ex5_engine_equals_transformers(ch05, ch05_engine_case):
+    _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
     folder, prompts, ref = ch05_engine_case
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
                        kv_manager=ch05.MyBlockManager, attention_backend=PagedAttention)
@@ -582,6 +614,13 @@ def _ch06_expected(prompt: list[int], written: set[tuple[int, ...]], block_size:
     while (m + 1) * block_size <= len(prompt) and tuple(prompt[:(m + 1) * block_size]) in written:
         m += 1
     return min(m * block_size, len(prompt) - 1)
+
+
+@pytest.mark.ch06
+@pytest.mark.ch06_ex1
+def test_ch06_ex1_written_in_the_exercise_file(ch06):
+    """The lookup is the student's own `cached_prefix`, written in the exercise's file (`_written_here`)."""
+    _written_here("ch06_ex1", ch06, ch06.MyPrefixCachingBlockManager, ["cached_prefix"])
 
 
 @pytest.mark.ch06
