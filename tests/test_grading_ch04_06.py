@@ -452,6 +452,34 @@ def test_ch05_ex4_paged_decode_equals_attention(dtype, lens, block_size, groups,
             f"{tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
 
 
+# Long contexts (hundreds of keys, ragged, block tables shuffled over a large cache): an answer that
+# reads a fixed number of keys, or a buffer sized for short prompts, fails here. Block sizes 16 and 7
+# (a context rarely ends on a block's edge).
+CH05_LONG = [([300, 517, 1, 129, 452], 16, 2, 11), ([640, 33, 401], 7, 3, 12), ([258, 259], 16, 1, 13)]
+
+
+@pytest.mark.ch05
+@pytest.mark.ch05_ex4
+@pytest.mark.parametrize("dtype", list(CH05_TOL), ids=str)
+@pytest.mark.parametrize("lens,block_size,groups,seed", CH05_LONG, ids=lambda p: None)
+def test_ch05_ex4_long_contexts(dtype, lens, block_size, groups, seed):
+    """Contexts of several hundred tokens, as above: each sequence equals `attention_reference` on its
+    contiguous K/V (float64 from the same rounded inputs; the tolerances above: the softmax's sum over
+    more keys adds rounding of the same relative size)."""
+    q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
+    got = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
+    _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
+            f"ch05_ex4: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}")
+    atol, rtol = CH05_TOL[dtype]
+    for i, n in enumerate(lens):
+        k = k_cache[tables[i]].flatten(0, 1)[:n].double()
+        v = v_cache[tables[i]].flatten(0, 1)[:n].double()
+        want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
+        torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
+            f"ch05_ex4 ({dtype}): long contexts {lens}, block_size {block_size}: sequence {i} ({n} keys over "
+            f"{len(tables[i])} blocks): {m}"))
+
+
 class _ReferenceDecode(PagedAttention):
     """The backend with decode through `paged_decode_attention` (the package's, the student's)."""
 
