@@ -335,3 +335,18 @@ def test_a_fresh_id_skips_ids_a_requests_completions_would_clash_with(llm):
     while engine.has_unfinished_requests():
         done |= {o.request_id for o in engine.step() if o.finished}
     assert done == {"1_0", "1_1", rid}
+
+
+def test_a_request_whose_penalty_overflows_the_logits_does_not_stop_the_others(folder):
+    """`repetition_penalty` > 0 is all vLLM asks; 1e-40 divides float32 logits into +inf. That request
+    still gets tokens of the vocabulary, and its batch mates the tokens they get alone."""
+    llm = LLM(folder, dtype="float32", num_kvcache_blocks=16)
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([[4, 5]], good, use_tqdm=False)[0].outputs[0].token_ids
+    for bad in (SamplingParams(temperature=1.0, repetition_penalty=1e-40, max_tokens=4, ignore_eos=True, seed=1),
+                SamplingParams(temperature=0, repetition_penalty=1e-40, max_tokens=4, ignore_eos=True),
+                SamplingParams(top_p=0.5, repetition_penalty=1e-40, max_tokens=4, ignore_eos=True, seed=2)):
+        outs = llm.generate([[4, 5], [1, 2, 3]], [good, bad], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == alone
+        assert len(outs[1].outputs[0].token_ids) == 4 and all(0 <= t < 128 for t in outs[1].outputs[0].token_ids)
+        check_invariants(llm.llm_engine)

@@ -170,6 +170,30 @@ def test_tiny_temperature_with_top_p_gives_no_nan(dtype):
     assert sampler(logits, [seq], {seq.seq_id: make_generator(0)}, make_generator(0)) == [0]
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0), dict(top_k=3), dict(top_p=0.5),
+                                    dict(min_p=0.1), dict(top_k=3, top_p=0.5, logprobs=2), dict(temperature=1e-3)])
+def test_overflowing_or_nan_logits_still_give_tokens_of_the_vocabulary(params):
+    """A repetition penalty near 0 divides positive logits by it: they overflow to +inf, and softmax
+    of a row with +inf is NaN. Such tokens stay the likeliest (tied), NaN is never drawn, and a row that
+    excludes every token draws from all alike: every token is in the vocabulary, whatever the filters."""
+    vocab, seed = 12, 0
+    rows = torch.tensor([[1.0, 5.0, 5.0, -2.0] + [0.5] * (vocab - 4),
+                         [float("nan")] * vocab,
+                         [float("nan"), 2.0] + [1.0] * (vocab - 2),
+                         [0.25] * vocab], dtype=torch.float32)
+    prompts = [[1, 2], [1], [3], [4]]
+    params_of = [dict(repetition_penalty=1e-40), {}, {}, dict(min_tokens=2)]
+    seqs = [Sequence(p, SamplingParams(**params, **extra, seed=seed + i, stop_token_ids=list(range(vocab))
+                                       if "min_tokens" in extra else None))
+            for i, (p, extra) in enumerate(zip(prompts, params_of))]
+    gens = {s.seq_id: make_generator(seed + i) for i, s in enumerate(seqs)}
+    for _ in range(20):
+        tokens = Sampler(frozenset({0}))(rows, seqs, gens, make_generator(99))
+        assert all(0 <= t < vocab for t in tokens), tokens
+        assert tokens[0] in (1, 2)  # the prompt's tokens: 5 / 1e-40 overflows, so they tie at the top
+        assert tokens[2] != 0  # NaN is never drawn
+
+
 # --- the draws -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params", [dict(top_p=0.9, top_k=10, min_p=0.02, temperature=0.9), dict(temperature=1.3),
