@@ -22,12 +22,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device` as a `torch.device`; None means CUDA when there is one, else the CPU.
 
     Raises:
-        ValueError: a name torch does not know, or a CUDA device this machine does not have.
+        ValueError: a name torch does not know, 'meta', or a CUDA device this machine does not have.
     """
     try:
         resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}: {e}") from None
+    if resolved.type == "meta":
+        raise ValueError("device 'meta' holds shapes without values: the engine needs 'cpu' or 'cuda'")
     if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA devices here")
     return resolved
@@ -137,8 +139,8 @@ def check_engine_args(args: "EngineArgs") -> None:
     args.block_size = require_int("block_size", args.block_size, minimum=1)
     args.max_num_seqs = require_int("max_num_seqs", args.max_num_seqs, minimum=1)
     for name in ("num_kvcache_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_model_len"):
-        if getattr(args, name) is not None:
-            setattr(args, name, require_int(name, getattr(args, name), minimum=1))
+        if getattr(args, name) is not None:  # max_model_len: a prompt token and a generated one at least
+            setattr(args, name, require_int(name, getattr(args, name), minimum=2 if name == "max_model_len" else 1))
     require_bool("enable_prefix_caching", args.enable_prefix_caching)
     require_bool("enforce_eager", args.enforce_eager)
     args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,

@@ -75,14 +75,25 @@ def chat_prompts(tokenizer, messages, add_generation_prompt: bool = True) -> lis
     them, as prompts `{"prompt", "prompt_token_ids"}` through the tokenizer's chat template.
 
     Raises:
-        ValueError: there is no tokenizer or it has no chat template.
+        ValueError: there is no tokenizer or it has no chat template; a conversation is not a non-empty
+            list of messages with a string `role` and `content`; the template refuses one.
     """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat() needs a tokenizer with a chat template; this model folder has none")
-    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    if isinstance(messages, (str, dict)) or not messages:
+        raise ValueError(f"messages must be a conversation (a list of messages) or a list of them, got {messages!r:.80}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
     prompts = []
     for conv in conversations:
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+        if not isinstance(conv, (list, tuple)) or not conv:
+            raise ValueError(f"a conversation must be a non-empty list of messages, got {conv!r:.80}")
+        for m in conv:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"a message must be a dict with a string 'role' and 'content', got {m!r:.80}")
+        try:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:  # the template's own checks (jinja2's TemplateError and others)
+            raise ValueError(f"the chat template refused the conversation: {e}") from None
         prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return prompts
 

@@ -123,6 +123,8 @@ def test_abort_and_duplicate_ids(llm):
     (dict(dtype="float17"), "dtype"),
     (dict(seed=2 ** 64), "seed"),
     (dict(seed=1.5), "seed"),
+    (dict(max_model_len=1), "max_model_len"),  # no room for a prompt token and a generated one
+    (dict(device="meta"), "meta"),
 ])
 def test_bad_engine_args(folder, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -350,3 +352,20 @@ def test_a_request_whose_penalty_overflows_the_logits_does_not_stop_the_others(f
         assert outs[0].outputs[0].token_ids == alone
         assert len(outs[1].outputs[0].token_ids) == 4 and all(0 <= t < 128 for t in outs[1].outputs[0].token_ids)
         check_invariants(llm.llm_engine)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ("hello", "messages must be"), ({"role": "user", "content": "hi"}, "messages must be"), ([], "messages must be"),
+    (["hello"], "conversation"), ([[]], "conversation"), ([{"role": "user"}], "message"),
+    ([{"role": "user", "content": 5}], "message"), ([{"role": "user", "content": None}], "message"),
+    ([[{"role": "user", "content": "hi"}], [{"content": "hi"}]], "message"),
+])
+def test_malformed_chat_messages_are_refused_naming_the_problem(default_model_dir, messages, message):
+    from transformers import AutoTokenizer
+
+    from minivllm.processor import chat_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    assert len(chat_prompts(tokenizer, [{"role": "user", "content": "hi"}])) == 1
+    with pytest.raises(ValueError, match=message):
+        chat_prompts(tokenizer, messages)
