@@ -163,6 +163,10 @@ def test_missing_and_misshapen_weights(tmp_path, tiny_llama):
     save_file(weights, tmp_path / "m" / "model.safetensors")
     with pytest.raises(ValueError, match="model.norm.weight has shape"):
         load_model(tmp_path / "m")
+    data = (folder / "model.safetensors").read_bytes()
+    (tmp_path / "m" / "model.safetensors").write_bytes(data[:len(data) // 2])  # a download cut short
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_model(tmp_path / "m")
 
 
 def test_unknown_dtype(tiny_llama):

@@ -377,16 +377,21 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     parameter's dtype and device.
 
     Raises:
-        ValueError: a tensor's shape differs from its parameter's, a parameter has no tensor, or the
-            checkpoint holds a tensor the model has no place for.
+        ValueError: a tensor's shape differs from its parameter's, a parameter has no tensor, the
+            checkpoint holds a tensor the model has no place for, or a file is not readable as
+            safetensors (a truncated download, say).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded = set()
     for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
             for name in f.keys():
                 if name not in params:
                     if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
