@@ -135,9 +135,10 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # --- tripwires: the grader's own answers, and the chapter's other implementations ---------------------
 # While a test of exercise X runs, the grader's stand-ins FOR X (they stand in for X only in other
 # exercises' tests) are replaced, wherever the graders' files hold them (a module's function, a class's
-# method, an entry of a STAND_INS table), by a tripwire that fails the test: an answer that reaches the
-# grader's code at run time (`importlib`, `sys.modules`, `getattr` on a built name) is not the
-# student's. `minivllm.grade.graders_code_used` finds the answers that name them; neither catches a
+# method, an entry of a STAND_INS table), by a tripwire that fails the test when the code under grading
+# calls it: an answer that reaches the grader's code at run time (`importlib`, `sys.modules`, `getattr`
+# on a built name) is not the student's. Called from the graders' own files (a grader comparing with
+# its stand-in) it is the stand-in. `minivllm.grade.graders_code_used` finds the answers that name them; neither catches a
 # stand-in's text pasted into the answer (README's course section says so).
 
 # The chapter's other implementations of a graded function, which its answer must not call: X ->
@@ -187,10 +188,16 @@ def _swap_entry(entry, fn, wire):
     return None
 
 
-def _tripwire(message: str, tripped: list[str], call_through=None, graded_code=None):
-    """A function that records `message` and raises `GradersAnswerCalled`; with `graded_code`, only
-    when called (directly or not) from that code, and otherwise it calls `call_through`."""
+def _tripwire(message: str, tripped: list[str], call_through, graded_code=None):
+    """A function that records `message` and raises `GradersAnswerCalled`, or calls `call_through`
+    instead: without `graded_code`, when its caller is the graders' own code (a file of tests/: a
+    grader may use its stand-in as the reference it compares with); with `graded_code`, unless
+    called (directly or not) from that code."""
+    tests = str(ROOT / "tests")
+
     def tripwire(*args, **kwargs):
+        if graded_code is None and sys._getframe(1).f_code.co_filename.startswith(tests):
+            return call_through(*args, **kwargs)
         if graded_code is not None:
             frame = sys._getframe(1)
             while frame is not None and frame.f_code is not graded_code:
@@ -213,7 +220,7 @@ def tripwires(exercises: list[str]):
             for fn in stand_in_functions(ex):
                 what = getattr(fn, "__qualname__", repr(fn))
                 wire = _tripwire(f"{ex}: the grader's own answer was called ({what}, the grader's stand-in for "
-                                 f"{ex}): it is not your answer", tripped)
+                                 f"{ex}): it is not your answer", tripped, fn)
                 for module in _graders_modules():
                     for name, value in list(vars(module).items()):
                         if value is fn:

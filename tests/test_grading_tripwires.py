@@ -1,0 +1,199 @@
+"""Answers that pass without being the student's own, each shown to score 0 with a message saying why.
+
+In a student edition of chapter 05 (`scripts/release.py`, written once per module): answers that call
+the grader's own stand-ins for their exercise at run time (`tests/stand_ins.py`'s tripwires), a decode
+that calls the chapter's other implementation, a "from scratch" block manager that inherits the
+package's methods (the grader checks where each is written). In-process (fast): the tripwires
+themselves, the C++ kernel's entry, and a decode that reads at most 72 keys (the long-context cases).
+An answer that pastes a stand-in's text is the student's code to the grader and passes (README's
+course section says so): no test here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+import stand_ins
+from minivllm import grade as grading
+
+ROOT = Path(__file__).resolve().parent.parent
+CH05 = "notebooks/05_paged_attention.ipynb"
+TRIPPED = "the grader's own answer was called"
+
+# The cheating answers (a tester's), as a student would put them in the chapter's stubs.
+ANSWERS = {
+    "ch05_ex1": "import importlib\nreturn getattr(importlib.import_module('test_grading_ch04' + '_06'), "
+                "'_Sca' + 'ffold').allocate(self, seq)",
+    "ch05_ex3": "import sys\nm = sys.modules['test_grading_ch04_06']\n"
+                "return getattr(m, '_Scaf' + 'fold').may_append(self, seq)",
+    "ch05_ex4": "return paged_decode_attention_planned(q, k_cache, v_cache, "
+                "plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype), scale)",
+}
+INHERITING = '''from minivllm.block_manager import BlockManager
+
+
+class MyBlockManager(BlockManager):
+    """Only the watermark written: the rest inherited from the package."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 1):
+        super().__init__(num_blocks, block_size)
+        self.watermark_blocks = watermark_blocks
+
+    @classmethod
+    def from_cache_size(cls, num_tokens, block_size, max_model_len):
+        return cls(num_tokens // block_size, block_size)
+
+    def can_allocate(self, seq):
+        return self.num_free_blocks - seq.num_blocks >= self.watermark_blocks
+
+
+def paged_decode_attention_window('''
+
+
+def _release():
+    spec = importlib.util.spec_from_file_location("_tripwires_release", ROOT / "scripts" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.release
+
+
+def _fill(edition: Path, bodies: dict[str, str]) -> None:
+    """Replace the stubs of `bodies`' exercises in the edition's chapter 05, as a student would."""
+    nb = nbformat.read(edition / CH05, as_version=4)
+    done = set()
+    for cell in nb.cells:
+        lines = cell.source.split("\n")
+        for ex, body in bodies.items():
+            for i, line in enumerate(lines):
+                if "raise NotImplementedError(" in line and f"{ex}: " in line:
+                    indent = line[:len(line) - len(line.lstrip())]
+                    lines[i] = "\n".join(indent + b for b in body.split("\n"))
+                    done.add(ex)
+        cell.source = "\n".join(lines)
+    assert done == set(bodies), done
+    nbformat.write(nb, edition / CH05)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    """Chapter 05's edition with the cheating answers in it, graded once (two pytest runs)."""
+    edition = tmp_path_factory.mktemp("tripwires") / "ch05-student"
+    _release()(["ch05"], edition)
+    _fill(edition, ANSWERS)
+    path = edition / "exercises" / "ch05_paged_attention.py"
+    text = path.read_text()
+    start, end = text.index("class MyBlockManager"), text.index("def paged_decode_attention_window(")
+    path.write_text(text[:start] + INHERITING + text[end + len("def paged_decode_attention_window("):])
+    return grading.grade(["ch05_ex1", "ch05_ex3", "ch05_ex4", "ch05_ex5"], edition, verbose=False)
+
+
+def _messages(report: dict, ex: str) -> str:
+    return "\n".join(f["message"] for f in report["exercises"][ex]["failed"])
+
+
+@pytest.mark.parametrize("ex", ["ch05_ex1", "ch05_ex3"])
+def test_calling_the_graders_answer_at_run_time_scores_0(report, ex):
+    r = report["exercises"][ex]
+    assert r["points"] == 0 and r["tests"] > 0, r
+    assert f"{ex}: {TRIPPED}" in _messages(report, ex), _messages(report, ex)
+    assert "graders_code_used" not in report  # no name to find: the tripwires caught it at run time
+
+
+def test_the_chapters_other_decode_scores_0(report):
+    assert report["exercises"]["ch05_ex4"]["points"] == 0
+    assert "ch05_ex4: your paged_decode_attention called the chapter's other implementation" in \
+        _messages(report, "ch05_ex4"), _messages(report, "ch05_ex4")
+
+
+def test_an_inherited_block_manager_is_not_from_scratch(report):
+    assert report["exercises"]["ch05_ex5"]["points"] == 0
+    assert "ch05_ex5: MyBlockManager.allocate is not written in exercises/ch05_paged_attention.py" in \
+        _messages(report, "ch05_ex5"), _messages(report, "ch05_ex5")
+
+
+# --- in-process: the tripwires themselves ------------------------------------------------------------
+def _as_answer(fn, *args):
+    """Call `fn(*args)` from code whose file is in the package, as the code under grading would."""
+    scope = {"fn": fn, "args": args}
+    exec(compile("out = fn(*args)", str(ROOT / "minivllm" / "an_answer.py"), "exec"), scope)
+    return scope["out"]
+
+
+def test_a_stand_in_trips_wherever_the_graders_hold_it(monkeypatch):
+    """Within a test of ch04_ex2 (the slot mapping), its stand-in fails when the code under grading
+    reaches it through its module, the STAND_INS registry (`stand_ins._patches`) or sys.modules;
+    called by the graders' own code it works; another exercise's stand-in is left alone."""
+    import test_grading_ch04_regions as t
+
+    original, other = t._grader_slots, t._GraderScheduler.schedule_prefill
+    args = ([5, 1], 2, 0, 3)  # block_table, block_size, start, end
+    want = original(*args)
+    with stand_ins.tripwires(["ch04_ex2"]) as tripped:
+        for reach in (lambda: sys.modules["test_grading_ch04_regions"]._grader_slots,
+                      lambda: getattr(t, "_grader" + "_slots"),
+                      lambda: stand_ins._patches("ch04_ex2")[0][2]):
+            with pytest.raises(stand_ins.GradersAnswerCalled, match=f"ch04_ex2: {TRIPPED}"):
+                _as_answer(reach(), *args)
+            assert reach()(*args) == want == [10, 11, 2]  # a grader's own call
+        assert t._GraderScheduler.schedule_prefill is other
+    assert len(tripped) == 3
+    assert t._grader_slots is original  # put back after the test
+
+
+def test_a_swallowed_tripwire_is_still_recorded():
+    """An answer that catches the tripwire's exception and carries on: the trip is recorded, and the
+    test's fixture (conftest.py's `_graders_own_answers_trip`) fails the test at teardown."""
+    with stand_ins.tripwires(["ch05_ex1"]) as tripped:
+        try:
+            _as_answer(sys.modules["test_grading_ch04_06"]._Scaffold.allocate, None, None)
+        except BaseException:  # noqa: BLE001  (what a cheating answer would do)
+            pass
+    assert tripped and tripped[0].startswith(f"ch05_ex1: {TRIPPED}"), tripped
+
+
+def _long_case():
+    import test_grading_ch04_06 as t
+
+    return t, t.CH05_LONG[0]
+
+
+def test_a_decode_that_reads_72_keys_fails_the_long_contexts(monkeypatch):
+    t, (lens, block_size, groups, seed) = _long_case()
+    from minivllm.paged_attention import paged_decode_attention
+
+    def truncating(q, k_cache, v_cache, block_tables, context_lens, scale):
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens.clamp(max=72), scale)
+
+    t.test_ch05_ex4_long_contexts(torch.float64, lens, block_size, groups, seed)  # the book's answer passes
+    monkeypatch.setattr(t, "paged_decode_attention", truncating)
+    with pytest.raises(AssertionError, match="ch05_ex4 .*long contexts"):
+        t.test_ch05_ex4_long_contexts(torch.float64, lens, block_size, groups, seed)
+
+
+@pytest.mark.parametrize("entry", ["paged_decode_attention_cpu", "cpu_decode_kernel", "plan_decode"])
+def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
+    """ch05_ex4's answer calling the C++ kernel's entry (or the planner) fails; the same function
+    called from elsewhere in the test (the engine's backend) works."""
+    from minivllm import paged_attention
+    from minivllm.kernels import cpu_decode
+
+    module = cpu_decode if hasattr(cpu_decode, entry) else importlib.import_module("minivllm.decode_planner")
+
+    def answer(*args):
+        return getattr(module, entry)  # looked up at call time, as an answer's import in its body would
+
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a: answer()(*a))
+    with stand_ins.tripwires(["ch05_ex4"]):
+        wire = getattr(module, entry)
+        with pytest.raises(stand_ins.GradersAnswerCalled, match=f"ch05_ex4: your paged_decode_attention called "
+                                                                f"the chapter's other implementation .*{entry}"):
+            paged_attention.paged_decode_attention(None, None, None, None, None, None)
+        if entry == "plan_decode":  # from elsewhere (not the answer): the real planner
+            plan = wire(torch.tensor([[0, 1]]), torch.tensor([5]), 4, torch.float32)
+            assert plan is not None
+    assert getattr(module, entry) is not wire  # put back
