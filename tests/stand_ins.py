@@ -142,9 +142,13 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # stand-in's text pasted into the answer (README's course section says so).
 
 # The chapter's other implementations of a graded function, which its answer must not call: X ->
-# (the graded function, [the functions it must not call while it runs]). Called from elsewhere (the
-# engine's own backend in the same test) they work as usual.
+# (the graded function (module, name), or an extend exercise's file; [the functions, `Class.method`
+# included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
+# grader's reference in the same test) they work as usual.
 OTHER_IMPLEMENTATIONS = {
+    "ch10_ex2": ("ch10_sampling.py", [("minivllm.detokenizer", "IncrementalDetokenizer.__init__"),
+                                      ("minivllm.detokenizer", "IncrementalDetokenizer.decode_next"),
+                                      ("minivllm.detokenizer", "IncrementalDetokenizer._step")]),
     "ch05_ex4": (("minivllm.paged_attention", "paged_decode_attention"),
                  [("minivllm.decode_planner", "paged_decode_attention_planned"),
                   ("minivllm.decode_planner", "plan_decode"),
@@ -188,19 +192,20 @@ def _swap_entry(entry, fn, wire):
     return None
 
 
-def _tripwire(message: str, tripped: list[str], call_through, graded_code=None):
+def _tripwire(message: str, tripped: list[str], call_through, graded=None):
     """A function that records `message` and raises `GradersAnswerCalled`, or calls `call_through`
-    instead: without `graded_code`, when its caller is the graders' own code (a file of tests/: a
-    grader may use its stand-in as the reference it compares with); with `graded_code`, unless
-    called (directly or not) from that code."""
+    instead: without `graded`, when its caller is the graders' own code (a file of tests/: a grader
+    may use its stand-in as the reference it compares with); with `graded` (a code object, or a set
+    of file names), unless called (directly or not) from that code."""
     tests = str(ROOT / "tests")
 
     def tripwire(*args, **kwargs):
-        if graded_code is None and sys._getframe(1).f_code.co_filename.startswith(tests):
+        if graded is None and sys._getframe(1).f_code.co_filename.startswith(tests):
             return call_through(*args, **kwargs)
-        if graded_code is not None:
+        if graded is not None:
             frame = sys._getframe(1)
-            while frame is not None and frame.f_code is not graded_code:
+            while frame is not None and not (frame.f_code is graded or (
+                    isinstance(graded, set) and frame.f_code.co_filename in graded)):
                 frame = frame.f_back
             if frame is None:
                 return call_through(*args, **kwargs)
@@ -236,16 +241,26 @@ def tripwires(exercises: list[str]):
                                 if swapped is not None:
                                     mp.setitem(value, key, swapped)
             if ex in OTHER_IMPLEMENTATIONS:
-                (graded_mod, graded_name), forbidden = OTHER_IMPLEMENTATIONS[ex]
-                graded = getattr(importlib.import_module(graded_mod), graded_name)
-                code = getattr(graded, "__code__", None)
+                graded, forbidden = OTHER_IMPLEMENTATIONS[ex]
+                if isinstance(graded, str):  # an extend exercise's file, in either implementation
+                    yours, graded = f"your {graded}", {str(ROOT / d / graded) for d in ("exercises", "solutions")}
+                else:
+                    yours = f"your {graded[1]}"
+                    graded = getattr(getattr(importlib.import_module(graded[0]), graded[1]), "__code__", None)
                 for mod_name, name in forbidden:
-                    original = getattr(importlib.import_module(mod_name), name)
-                    wire = _tripwire(f"{ex}: your {graded_name} called the chapter's other implementation "
-                                     f"{mod_name}.{name}: write the computation yourself", tripped, original, code)
+                    owner, attr = importlib.import_module(mod_name), name
+                    while "." in attr:
+                        first, attr = attr.split(".", 1)
+                        owner = getattr(owner, first)
+                    original = getattr(owner, attr)
+                    wire = _tripwire(f"{ex}: {yours} called the chapter's other implementation {mod_name}.{name}: "
+                                     "write the computation yourself", tripped, original, graded)
+                    if isinstance(owner, type):
+                        mp.setattr(owner, attr, wire)
+                        continue
                     for m_name, module in list(sys.modules.items()):
                         if module is not None and _ours(m_name, module):
-                            for attr, value in list(vars(module).items()):
+                            for key, value in list(vars(module).items()):
                                 if value is original:
-                                    mp.setattr(module, attr, wire)
+                                    mp.setattr(module, key, wire)
         yield tripped

@@ -197,3 +197,19 @@ def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
             plan = wire(torch.tensor([[0, 1]]), torch.tensor([5]), 4, torch.float32)
             assert plan is not None
     assert getattr(module, entry) is not wire  # put back
+
+
+def test_the_chapters_detokenizer_trips_from_the_exercise_file():
+    """ch10_ex2 asks for the offset detokenizer: the package's `IncrementalDetokenizer`, used from the
+    exercise's file, fails the test; the grader may still build one."""
+    from minivllm.detokenizer import IncrementalDetokenizer
+
+    src = "IncrementalDetokenizer(None, [1], None)"
+    with stand_ins.tripwires(["ch10_ex2"]) as tripped:
+        with pytest.raises(stand_ins.GradersAnswerCalled, match="ch10_ex2: your ch10_sampling.py called the "
+                                                                "chapter's other implementation"):
+            exec(compile(src, str(ROOT / "exercises" / "ch10_sampling.py"), "exec"),
+                 {"IncrementalDetokenizer": IncrementalDetokenizer})
+        with pytest.raises(AttributeError):  # the real __init__ ran (and failed on the None tokenizer)
+            IncrementalDetokenizer(None, [1], None)
+    assert len(tripped) == 1
