@@ -214,6 +214,53 @@ def _tripwire(message: str, tripped: list[str], call_through, graded=None):
     return tripwire
 
 
+def _wire_stand_ins(mp, ex: str, tripped: list[str]) -> None:
+    """Replace the grader's stand-ins for `ex` by tripwires wherever the graders' modules hold them."""
+    for fn in stand_in_functions(ex):
+        what = getattr(fn, "__qualname__", repr(fn))
+        wire = _tripwire(f"{ex}: the grader's own answer was called ({what}, the grader's stand-in for "
+                         f"{ex}): it is not your answer", tripped, fn)
+        for module in _graders_modules():
+            for name, value in list(vars(module).items()):
+                if value is fn:
+                    mp.setattr(module, name, wire)
+                elif isinstance(value, type) and value.__module__ == module.__name__:
+                    for attr, member in list(vars(value).items()):
+                        if member is fn or getattr(member, "__func__", None) is fn:
+                            mp.setattr(value, attr, staticmethod(wire) if isinstance(member, staticmethod) else wire)
+                elif isinstance(value, dict) and name == "STAND_INS":
+                    for key, entry in list(value.items()):
+                        swapped = _swap_entry(entry, fn, wire)
+                        if swapped is not None:
+                            mp.setitem(value, key, swapped)
+
+
+def _wire_other_implementations(mp, ex: str, tripped: list[str]) -> None:
+    """Replace `OTHER_IMPLEMENTATIONS[ex]`'s functions by tripwires that go off when the graded code calls them."""
+    graded, forbidden = OTHER_IMPLEMENTATIONS[ex]
+    if isinstance(graded, str):  # an extend exercise's file, in either implementation
+        yours, graded = f"your {graded}", {str(ROOT / d / graded) for d in ("exercises", "solutions")}
+    else:
+        yours = f"your {graded[1]}"
+        graded = getattr(getattr(importlib.import_module(graded[0]), graded[1]), "__code__", None)
+    for mod_name, name in forbidden:
+        owner, attr = importlib.import_module(mod_name), name
+        while "." in attr:
+            first, attr = attr.split(".", 1)
+            owner = getattr(owner, first)
+        original = getattr(owner, attr)
+        wire = _tripwire(f"{ex}: {yours} called the chapter's other implementation {mod_name}.{name}: "
+                         "write the computation yourself", tripped, original, graded)
+        if isinstance(owner, type):
+            mp.setattr(owner, attr, wire)
+            continue
+        for m_name, module in list(sys.modules.items()):
+            if module is not None and _ours(m_name, module):
+                for key, value in list(vars(module).items()):
+                    if value is original:
+                        mp.setattr(module, key, wire)
+
+
 @contextmanager
 def tripwires(exercises: list[str]):
     """Within (a test of `exercises`): the grader's stand-ins for them, and the implementations of
@@ -222,45 +269,7 @@ def tripwires(exercises: list[str]):
     tripped: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         for ex in exercises:
-            for fn in stand_in_functions(ex):
-                what = getattr(fn, "__qualname__", repr(fn))
-                wire = _tripwire(f"{ex}: the grader's own answer was called ({what}, the grader's stand-in for "
-                                 f"{ex}): it is not your answer", tripped, fn)
-                for module in _graders_modules():
-                    for name, value in list(vars(module).items()):
-                        if value is fn:
-                            mp.setattr(module, name, wire)
-                        elif isinstance(value, type) and value.__module__ == module.__name__:
-                            for attr, member in list(vars(value).items()):
-                                if member is fn or getattr(member, "__func__", None) is fn:
-                                    mp.setattr(value, attr, staticmethod(wire) if isinstance(member, staticmethod)
-                                               else wire)
-                        elif isinstance(value, dict) and name == "STAND_INS":
-                            for key, entry in list(value.items()):
-                                swapped = _swap_entry(entry, fn, wire)
-                                if swapped is not None:
-                                    mp.setitem(value, key, swapped)
+            _wire_stand_ins(mp, ex, tripped)
             if ex in OTHER_IMPLEMENTATIONS:
-                graded, forbidden = OTHER_IMPLEMENTATIONS[ex]
-                if isinstance(graded, str):  # an extend exercise's file, in either implementation
-                    yours, graded = f"your {graded}", {str(ROOT / d / graded) for d in ("exercises", "solutions")}
-                else:
-                    yours = f"your {graded[1]}"
-                    graded = getattr(getattr(importlib.import_module(graded[0]), graded[1]), "__code__", None)
-                for mod_name, name in forbidden:
-                    owner, attr = importlib.import_module(mod_name), name
-                    while "." in attr:
-                        first, attr = attr.split(".", 1)
-                        owner = getattr(owner, first)
-                    original = getattr(owner, attr)
-                    wire = _tripwire(f"{ex}: {yours} called the chapter's other implementation {mod_name}.{name}: "
-                                     "write the computation yourself", tripped, original, graded)
-                    if isinstance(owner, type):
-                        mp.setattr(owner, attr, wire)
-                        continue
-                    for m_name, module in list(sys.modules.items()):
-                        if module is not None and _ours(m_name, module):
-                            for key, value in list(vars(module).items()):
-                                if value is original:
-                                    mp.setattr(module, key, wire)
+                _wire_other_implementations(mp, ex, tripped)
         yield tripped

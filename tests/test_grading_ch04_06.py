@@ -436,6 +436,11 @@ CH05_TOL = {torch.float64: (1e-12, 0.0), torch.float32: (1e-5, 1e-5), torch.bflo
 def test_ch05_ex4_paged_decode_equals_attention(dtype, lens, block_size, groups, seed):
     """Each sequence's query over its keys read through a shuffled block table equals
     `attention_reference` on its contiguous K/V (computed in float64 from the same rounded inputs)."""
+    _check_paged_decode(lens, block_size, groups, seed, dtype)
+
+
+def _check_paged_decode(lens, block_size, groups, seed, dtype, what: str = "context_lens") -> None:
+    """The student's decode over `_paged_case(...)` against `attention_reference`, sequence by sequence."""
     q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
     got = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
     _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
@@ -448,8 +453,8 @@ def test_ch05_ex4_paged_decode_equals_attention(dtype, lens, block_size, groups,
         v = v_cache[tables[i]].flatten(0, 1)[:n].double()
         want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
         torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
-            f"ch05_ex4 ({dtype}): sequence {i} of context_lens {lens}, block_size {block_size}, block table "
-            f"{tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
+            f"ch05_ex4 ({dtype}): sequence {i} ({n} keys over {len(tables[i])} blocks) of {what} {lens}, "
+            f"block_size {block_size}, block table {tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
 
 
 # Long contexts (hundreds of keys, ragged, block tables shuffled over a large cache): an answer that
@@ -466,18 +471,7 @@ def test_ch05_ex4_long_contexts(dtype, lens, block_size, groups, seed):
     """Contexts of several hundred tokens, as above: each sequence equals `attention_reference` on its
     contiguous K/V (float64 from the same rounded inputs; the tolerances above: the softmax's sum over
     more keys adds rounding of the same relative size)."""
-    q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
-    got = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
-    _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
-            f"ch05_ex4: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}")
-    atol, rtol = CH05_TOL[dtype]
-    for i, n in enumerate(lens):
-        k = k_cache[tables[i]].flatten(0, 1)[:n].double()
-        v = v_cache[tables[i]].flatten(0, 1)[:n].double()
-        want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
-        torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
-            f"ch05_ex4 ({dtype}): long contexts {lens}, block_size {block_size}: sequence {i} ({n} keys over "
-            f"{len(tables[i])} blocks): {m}"))
+    _check_paged_decode(lens, block_size, groups, seed, dtype, what="long contexts")
 
 
 class _ReferenceDecode(PagedAttention):

@@ -398,12 +398,15 @@ def _wrong_step_costs():
     return [(lm_head_per_token, "FLOPs"), (rectangle, "FLOPs"), (no_kv_written, "bytes")]
 
 
+SMALL_COST = ModelCost(num_params=1, weight_bytes=1000, matmul_params=100, lm_head_params=50,
+                       attention_flops_per_pair=8, kv_bytes_per_token=4)  # round numbers for the catch tests
+
+
 @pytest.mark.ch09
 @pytest.mark.parametrize("wrong, what", _wrong_step_costs(), ids=["LM head per token", "no causal triangle",
                                                                   "new K/V not written"])
 def test_ch09_ex2_grader_catches(wrong, what):
-    cost = ModelCost(num_params=1, weight_bytes=1000, matmul_params=100, lm_head_params=50,
-                     attention_flops_per_pair=8, kv_bytes_per_token=4)
+    cost = SMALL_COST
     q, c = STEPS["prefill over a cached prefix"]
     message = _fails("ch09_ex2", _check_step_cost, wrong, cost, q, c, _grader_step_cost(cost, q, c)[0], "catch")
     assert f"{what}: expected" in message, message
@@ -465,8 +468,7 @@ def _wrong_workload_bounds():
 @pytest.mark.parametrize("wrong, what", _wrong_workload_bounds(), ids=["n decodes", "weights per token",
                                                                       "requests summed"])
 def test_ch09_ex4_grader_catches(wrong, what):
-    cost = ModelCost(num_params=1, weight_bytes=1000, matmul_params=100, lm_head_params=50,
-                     attention_flops_per_pair=8, kv_bytes_per_token=4)
+    cost = SMALL_COST
     with mock.patch.object(bench, "workload_bound", wrong):
         message = _fails("ch09_ex4", _check_workload_bound, cost, [5, 9], [3, 4], DevicePeaks(1.0, 1.0))
         assert f"{what}: expected" in message, message
