@@ -222,10 +222,9 @@ class OutputRequests:
         """Queue a checked sequence (with its prompt log-probabilities, if asked); returns the request id
         (a fresh one for None). Raises ValueError: the id, or one its completions would take, is in use."""
         p = seq.sampling_params
-        taken = set(self.core.requests).union(*(completion_ids(i, r.n) for i, r in self.requests.items()))
         if request_id is None:  # a fresh id, skipping those in use
-            request_id = next(i for i in map(str, self._ids) if taken.isdisjoint(completion_ids(i, p.n)))
-        clash = [i for i in completion_ids(str(request_id), p.n) if i in taken]
+            request_id = next(i for i in map(str, self._ids) if not any(map(self._in_use, completion_ids(i, p.n))))
+        clash = [i for i in completion_ids(str(request_id), p.n) if self._in_use(i)]
         if clash:
             raise ValueError(f"request id {str(request_id)!r} is already in use" if clash[0] == str(request_id) else
                              f"request id {str(request_id)!r}: its completion id {clash[0]!r} is already in use")
@@ -235,6 +234,14 @@ class OutputRequests:
         parent = self.requests[request_id] = ParentRequest(request_id, p.n, prompt_logprobs)
         self._track(parent, make_state(seq, 0, self.tokenizer))
         return request_id
+
+    def _in_use(self, request_id: str) -> bool:
+        """Whether a sequence, a request, or a running request's completion (`completion_ids`) has the id."""
+        if request_id in self.core.requests or request_id in self.requests:
+            return True
+        index, _, parent = request_id.partition("_")
+        parent_request = self.requests.get(parent) if index.isdigit() else None
+        return parent_request is not None and request_id in completion_ids(parent, parent_request.n)
 
     def _track(self, parent: ParentRequest, state: RequestState) -> None:
         parent.states.append(state)
