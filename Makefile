@@ -68,13 +68,13 @@ release:
 ## courses: grade exercises (IDS: exercise or chapter ids, default: the edition's) in this edition or EDITION=dir;
 ##   JSON=report.json JUNIT=report.xml PRIVATE=dir-of-extra-tests are optional
 grade:
-	OMP_NUM_THREADS=1 $(PY) -m minivllm.grade $(IDS) $(if $(EDITION),--root $(EDITION)) $(if $(JSON),--json $(JSON)) \
+	OMP_NUM_THREADS=1 $(PY) -m minivllm.course.grade $(IDS) $(if $(EDITION),--root $(EDITION)) $(if $(JSON),--json $(JSON)) \
 		$(if $(JUNIT),--junit $(JUNIT)) $(if $(PRIVATE),--private-tests $(PRIVATE))
 
 ## courses: grade a class, one student edition per subfolder of SUBMISSIONS, into CSV (default scores.csv)
 grade-class:
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade-class SUBMISSIONS=dir [CSV=scores.csv] [IDS=ch05] [REPORTS=dir] [TESTS_FROM=edition]"; exit 2; }
-	OMP_NUM_THREADS=1 $(PY) -m minivllm.grade $(IDS) --class $(SUBMISSIONS) --csv $(or $(CSV),scores.csv) \
+	OMP_NUM_THREADS=1 $(PY) -m minivllm.course.grade $(IDS) --class $(SUBMISSIONS) --csv $(or $(CSV),scores.csv) \
 		$(if $(PRIVATE),--private-tests $(PRIVATE)) $(if $(REPORTS),--reports $(REPORTS)) \
 		$(if $(TESTS_FROM),--tests-from $(TESTS_FROM))
 

@@ -13,7 +13,7 @@ sequence fits; the limits and the KV-cache invariants hold; nothing hangs) and b
 into the engine (`LLM(..., scheduler_cls=MyScheduler)`), whose greedy tokens must equal
 transformers': `pytest -m ch04_ex1 --impl=exercises`.
 """
-from minivllm.scheduler import Scheduler
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
 

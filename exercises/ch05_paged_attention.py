@@ -7,11 +7,11 @@ interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`)
 in this file (an inherited method, the package's `BlockManager`'s say, does not count: the grader
 checks where each is written), in any free order you like. Graded by its contract: invariants under random operation sequences
 (hypothesis), the watermark rule, and the engine's outputs with your class equal to transformers':
-`python -m minivllm.grade ch05_ex5`.
+`python -m minivllm.course.grade ch05_ex5`.
 
 Exercise 6 (ch05_ex6) — sliding-window decode attention over the paged cache: each sequence's query
 sees only its last `window` tokens. Graded against `attention_reference` on random block tables:
-`python -m minivllm.grade ch05_ex6`.
+`python -m minivllm.course.grade ch05_ex6`.
 """
 from __future__ import annotations
 

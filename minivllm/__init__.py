@@ -16,7 +16,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from minivllm.llm import LLM as value
     elif name == "LLMEngine":
-        from minivllm.engine import LLMEngine as value
+        from minivllm.engine.llm_engine import LLMEngine as value
     elif name == "EngineArgs":
         from minivllm.config import EngineArgs as value
     elif name == "RequestOutput":

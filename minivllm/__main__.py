@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minivllm import bench, cli
+from minivllm.benchmarks import bench
+from minivllm.entrypoints import cli
 
 
 def build_parser() -> argparse.ArgumentParser:

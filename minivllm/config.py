@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .checks import require_bool, require_int, require_number
-from .models.llama import SUPPORTED_DTYPES as DTYPES  # the dtypes our decoder runs in
+from .utils.checks import require_bool, require_int, require_number
+from .model_executor.models.llama import SUPPORTED_DTYPES as DTYPES  # the dtypes our decoder runs in
 from .sampling_params import SEED_MAX, SEED_MIN
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, like vLLM's CPU backend's VLLM_CPU_KVCACHE_SPACE knob

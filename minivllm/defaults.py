@@ -12,15 +12,15 @@ from typing import Callable
 
 import torch
 
-from .block_manager import BlockManager
+from .core.block_manager import BlockManager
 from .config import EngineArgs
-from .cuda_graph import CUDAGraphModelRunner
-from .kernels.cpu_decode import CPUPagedAttention
-from .kernels.flash_attn_backend import FlashAttnPagedAttention
-from .kernels.triton_backend import TritonPagedAttention
-from .output_processor import StreamingOutputProcessor
-from .paged_attention import PagedAttention
-from .prefix_caching import PrefixCachingBlockManager
+from .worker.cuda_graph import CUDAGraphModelRunner
+from .attention.backends.cpu_attn import CPUPagedAttention
+from .attention.backends.flash_attn import FlashAttnPagedAttention
+from .attention.backends.triton_attn import TritonPagedAttention
+from .engine.output_processor import StreamingOutputProcessor
+from .attention.paged_attention import PagedAttention
+from .core.prefix_caching import PrefixCachingBlockManager
 from .sample.sampler import Sampler
 
 # (chapter and name, condition on the engine's settings, KV-cache manager class)

@@ -10,12 +10,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import defaults
-from .checks import known_arguments
+from .utils.checks import known_arguments
 from .config import EngineArgs, resolve_device, resolve_dtype
-from .engine import LLMEngine
-from .model_files import resolve_model
+from .engine.llm_engine import LLMEngine
+from .transformers_utils.model_files import resolve_model
 from .outputs import RequestOutput
-from .processor import chat_prompts, is_single_prompt
+from .engine.processor import chat_prompts, is_single_prompt
 from .sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's `LLM` arguments minivllm does not have -> the one value that means the same here

@@ -8,7 +8,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from .checks import known_arguments, require_bool, require_int, require_number
+from .utils.checks import known_arguments, require_bool, require_int, require_number
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -34,7 +34,7 @@ def check_sampling_filters(p) -> None:
 
     temperature: a number >= 0, kept as a float; top_p: in (0, 1], a float; top_k: an int >= -1, where
     -1 and 0 both mean off (kept as the int 0); min_p: in [0, 1], a float. Numbers are finite, never
-    bools (see `minivllm.checks`). Then a greedy request (temperature < `SAMPLING_EPS`) gets top_p=1.0,
+    bools (see `minivllm.utils.checks`). Then a greedy request (temperature < `SAMPLING_EPS`) gets top_p=1.0,
     top_k=0, min_p=0.0: the filters only remove tokens less likely than the likeliest one.
     Raises:
         ValueError: naming the field, the value given and the limit it breaks.

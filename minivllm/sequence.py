@@ -8,7 +8,7 @@ import enum
 import itertools
 from typing import Iterator
 
-from .checks import is_int, require_int
+from .utils.checks import is_int, require_int
 from .sampling_params import SamplingParams
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV-cache block; vLLM's default on GPU is 16 too

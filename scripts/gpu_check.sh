@@ -83,7 +83,7 @@ fi
 
 if ((DRY_RUN)); then
     MODEL_CONFIG=$OUT_DIR/tiny_qwen3_config.json
-    "$PY" -c 'import sys; from minivllm.testing import tiny_config
+    "$PY" -c 'import sys; from minivllm.course.testing import tiny_config
 tiny_config("qwen3", tie_word_embeddings=True).to_json_file(sys.argv[1], use_diff=False)' "$MODEL_CONFIG"
     LADDER=(--model-config "$MODEL_CONFIG" --dtype float32 --device cpu --num-requests 6 --input-len 4 24
             --output-len 2 8 --hf-batch-size 6 --time-limit 30)
@@ -105,8 +105,8 @@ if [[ $STAGES_TO_RUN == *" graphs "* ]]; then
     fi
     stage graphs "$GRAPHS_CAP" "$OUT_DIR/gpu_cuda_graphs.log" "$PY" -c '
 import json, sys, torch
-from minivllm.bench import write_json
-from minivllm.cuda_graph import decode_step_benchmark
+from minivllm.benchmarks.bench import write_json
+from minivllm.worker.cuda_graph import decode_step_benchmark
 result = decode_step_benchmark(**eval(sys.argv[2]))
 result["command"] = sys.argv[3]
 write_json(result, sys.argv[1])
@@ -117,7 +117,7 @@ fi
 printf '%s\n' ${DONE_STAGES[@]+"${DONE_STAGES[@]}"} | "$PY" -c '
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
-from minivllm.bench import environment, write_json
+from minivllm.benchmarks.bench import environment, write_json
 out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
 stages = []
 for line in filter(None, sys.stdin.read().splitlines()):

@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minivllm import cuda_graph  # noqa: E402
-from minivllm.bench import (bench_params, dummy_model, environment, generate_until, make_workload,  # noqa: E402
+from minivllm.worker import cuda_graph  # noqa: E402
+from minivllm.benchmarks.bench import (bench_params, dummy_model, environment, generate_until, make_workload,  # noqa: E402
                             release_memory, warm_up_engine, write_json)
 from minivllm.llm import LLM  # noqa: E402
 
@@ -111,7 +111,7 @@ def step_parts(folder: str, workload, dtype: str, time_limit: float, sync, **eng
 
 
 def kernel_bandwidth(device: torch.device, dtype: torch.dtype, block_size: int, batches, contexts) -> list[dict]:
-    from minivllm.kernels.triton_attention import choose_num_splits, num_sms, paged_decode_attention_triton
+    from minivllm.attention.ops.triton_attention import choose_num_splits, num_sms, paged_decode_attention_triton
 
     heads, kv_heads, head_dim = 16, 8, 128
     rows = []
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         import tempfile
 
-        from minivllm.testing import tiny_config
+        from minivllm.course.testing import tiny_config
         config = Path(tempfile.mkdtemp()) / "tiny_qwen3.json"
         tiny_config("qwen3", tie_word_embeddings=True).to_json_file(config, use_diff=False)
         folder, dtype, device = dummy_model(config, "float32"), "float32", torch.device("cpu")

@@ -36,10 +36,10 @@ from collections import defaultdict
 
 import torch
 
-from minivllm.bench import (DEFAULT_INPUT_LEN, DEFAULT_NUM_REQUESTS, DEFAULT_OUTPUT_LEN, cpu_model, environment,
+from minivllm.benchmarks.bench import (DEFAULT_INPUT_LEN, DEFAULT_NUM_REQUESTS, DEFAULT_OUTPUT_LEN, cpu_model, environment,
                             make_workload, warm_up_engine)
 from minivllm.llm import LLM
-from minivllm.model_files import resolve_model
+from minivllm.transformers_utils.model_files import resolve_model
 from minivllm.sampling_params import SamplingParams
 
 PARTS = ("scheduler", "prepare", "linear", "attention", "other ops", "lm head", "sampling", "engine rest")

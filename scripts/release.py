@@ -8,7 +8,7 @@ What it does:
 1. copies the tracked tree (`git ls-files`, as it is on disk) to DIR, without `solutions/` (and
    without `.git`, which is not tracked);
 2. in the chapters that hold the chosen exercises' graded regions (`# EXERCISE chNN_exK (N points):
-   task` over `### BEGIN SOLUTION` / `### END SOLUTION`, see `minivllm.grade`), replaces each chosen
+   task` over `### BEGIN SOLUTION` / `### END SOLUTION`, see `minivllm.course.grade`), replaces each chosen
    region by `raise NotImplementedError("chNN_exK: task")` with nbgrader's `ClearSolutions`
    preprocessor, and clears those chapters' outputs (nbgrader's `ClearOutput`); regions of other
    exercises keep their code, without the markers;
@@ -16,7 +16,7 @@ What it does:
    DIR/minivllm/ holds the stubs too, and checks that no chosen region's answer is left in DIR's
    package or chapters;
 4. writes DIR/EDITION.json (the exercises, their points, the commit it came from, hashes that let
-   `python -m minivllm.grade` see whether the student changed the chapters).
+   `python -m minivllm.course.grade` see whether the student changed the chapters).
 
 Earlier chapters keep their code, so the engine runs around the student's part; `exercises/` (the
 extend exercises' stubs) and the graders in `tests/` are copied as they are.
@@ -32,9 +32,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's minivllm.grade, whatever is installed
+sys.path.insert(0, str(ROOT))  # this checkout's minivllm.course.grade, whatever is installed
 
-from minivllm.grade import (EDITION_FILE, EXERCISES, REGION_MARKER, Region, edition_hashes,  # noqa: E402
+from minivllm.course.grade import (EDITION_FILE, EXERCISES, REGION_MARKER, Region, edition_hashes,  # noqa: E402
                             find_regions, resolve, stub_line)
 
 LEFT_OUT = ("solutions/",)  # the worked answers stay with the instructor

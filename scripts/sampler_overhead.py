@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minivllm.bench import make_workload  # noqa: E402
+from minivllm.benchmarks.bench import make_workload  # noqa: E402
 from minivllm.llm import LLM  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 

@@ -9,7 +9,7 @@ under random operation sequences, `num_cached_tokens` exactly as large as the ru
 requests that follow each other on a cache that keeps everything, and the engine's greedy outputs
 against transformers on prompts sent more than once: `pytest -m ch06_ex1 --impl=exercises`.
 """
-from minivllm.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
+from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
 

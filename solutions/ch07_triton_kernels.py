@@ -9,7 +9,7 @@ one block of one cache, tile by tile) and the launch in `copy_blocks`. Graded un
 interpreter on small CPU caches (on a GPU, compiled): every destination block equals its source,
 every other element of the cache is untouched and nothing outside it is written, in float32, float16
 and bfloat16, for blocks that take several tiles and for an empty pair list:
-`python -m minivllm.grade ch07_ex4`.
+`python -m minivllm.course.grade ch07_ex4`.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ the sum over the recorded steps of `padded size - batch size`, where a batch run
 smallest captured size that holds it (`padded_batch_size`). Write `choose_capture_sizes`. Graded
 against the optimum found by trying every choice on small histograms (hypothesis), on a histogram of
 256 sizes that trying every choice could not finish in time, and by the ValueError each invalid
-input must raise: `python -m minivllm.grade ch08_ex4`.
+input must raise: `python -m minivllm.course.grade ch08_ex4`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random transformers models (float64, from `minivllm.testing`) and the `--impl`
+"""Shared fixtures: tiny random transformers models (float64, from `minivllm.course.testing`) and the `--impl`
 switch for grading."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-from minivllm.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older imports)
+from minivllm.course.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older imports)
 
 
 def pytest_addoption(parser):
@@ -29,8 +29,8 @@ def impl_name(request) -> str:
 
 
 def make_tiny_model(tmp_path_factory, kind: str, tie: bool = False, seed: int = 0, **overrides):
-    """Save a tiny random transformers model (`minivllm.testing`) in a fresh folder; return (folder, model)."""
-    from minivllm import testing
+    """Save a tiny random transformers model (`minivllm.course.testing`) in a fresh folder; return (folder, model)."""
+    from minivllm.course import testing
 
     folder = tmp_path_factory.mktemp(f"tiny-{kind}-{'tied' if tie else 'untied'}")
     return folder, testing.make_tiny_model(folder, kind, tie=tie, seed=seed, **overrides)
@@ -50,7 +50,7 @@ def tiny_model(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from minivllm.model_files import resolve_model
+    from minivllm.transformers_utils.model_files import resolve_model
 
     return resolve_model(None)
 

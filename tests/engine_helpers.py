@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from minivllm.testing import TINY_SIZES, make_tiny_model, random_prompts  # noqa: F401  (re-exported)
+from minivllm.course.testing import TINY_SIZES, make_tiny_model, random_prompts  # noqa: F401  (re-exported)
 
 TINY_ENGINE = {**TINY_SIZES, "max_position_embeddings": 512}  # the engine tests' tiny models
 MAX_STEPS = 20_000  # no test run needs more; reaching it means the engine is stuck
 
 
 def make_model(folder: Path, kind: str, seed: int = 0, **overrides):
-    """Save a tiny random float64 transformers model (`minivllm.testing`, with `TINY_ENGINE`'s sizes)
+    """Save a tiny random float64 transformers model (`minivllm.course.testing`, with `TINY_ENGINE`'s sizes)
     in `folder`; return it."""
     fields = {"max_position_embeddings": TINY_ENGINE["max_position_embeddings"], **overrides}
     return make_tiny_model(folder, kind, seed=seed, **fields)
@@ -63,7 +63,7 @@ def check_invariants(engine_or_scheduler) -> None:
     * prefix caching: every hash maps to a block carrying that hash and `block_size` tokens, and each
       hashed block of a running sequence holds exactly that sequence's tokens with the chained hash.
     """
-    from minivllm.block_manager import BlockManager
+    from minivllm.core.block_manager import BlockManager
 
     sched = getattr(engine_or_scheduler, "scheduler", engine_or_scheduler)
     bm = sched.block_manager
@@ -94,7 +94,7 @@ def check_invariants(engine_or_scheduler) -> None:
             assert not engine_or_scheduler.requests
             assert not engine_or_scheduler.model_runner.generators
     if hasattr(bm, "hash_to_block_id"):
-        from minivllm.prefix_caching import NO_HASH, compute_hash
+        from minivllm.core.prefix_caching import NO_HASH, compute_hash
 
         for h, block_id in bm.hash_to_block_id.items():
             block = bm.blocks[block_id]
@@ -129,7 +129,7 @@ def require_cpu_kernel():
 
     import pytest
 
-    from minivllm.kernels.cpu_decode import cpu_decode_kernel
+    from minivllm.attention.backends.cpu_attn import cpu_decode_kernel
 
     kernel = cpu_decode_kernel()
     if kernel is None:

@@ -7,7 +7,7 @@ grader builds `SamplingParams` (chapter 01's `check_sampling_filters`), runs the
 RMSNorm, RoPE and MLP) and lays batches out (chapter 04). In an edition that releases chapters 01 and
 05 together, those would be stubs, and a correct chapter 05 answer would fail on chapter 01's
 `NotImplementedError`. So, when a grading run selects the exercises of some chapters (`-m ch05_ex1 or
-...`; `python -m minivllm.grade` runs one chapter's rebuild exercises, then its extend exercises, each
+...`; `python -m minivllm.course.grade` runs one chapter's rebuild exercises, then its extend exercises, each
 in its own run), `conftest.py` puts the stand-ins below in place of every region the edition released
 that the run does not grade (`released_elsewhere`), for the whole run. In the book (no
 `EDITION.json`) nothing is replaced.
@@ -32,7 +32,7 @@ EXERCISE_ID = re.compile(r"\bch\d\d_ex\d+\b")
 
 def _paged_decode_stand_in(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Paged decode attention, sequence by sequence, through the model's `attention_reference`."""
-    from minivllm.models.llama import attention_reference
+    from minivllm.model_executor.models.llama import attention_reference
 
     out, block_size = torch.empty_like(q), k_cache.shape[1]
     for i, n in enumerate(context_lens.tolist()):
@@ -51,32 +51,32 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
         cls, fn = importlib.import_module("test_grading_ch02_regions").STAND_INS[ex]
         return [(cls, "forward", fn)]
     if ch == "ch03":
-        t, sb = importlib.import_module("test_grading_ch03_regions"), importlib.import_module("minivllm.static_batching")
+        t, sb = importlib.import_module("test_grading_ch03_regions"), importlib.import_module("minivllm.baselines.static_batching")
         return {"ch03_ex2": [(sb, "pad_batch", t._grader_pad_batch)],
                 "ch03_ex3": [(sb, "padded_attention", t._grader_padded_attention)]}.get(ex, [])
     if ch == "ch04":
         t = importlib.import_module("test_grading_ch04_regions")
-        kvm, mr = importlib.import_module("minivllm.kv_cache_manager"), importlib.import_module("minivllm.model_runner")
-        from minivllm.scheduler import Scheduler
+        kvm, mr = importlib.import_module("minivllm.core.kv_cache_manager"), importlib.import_module("minivllm.worker.model_runner")
+        from minivllm.core.sched.scheduler import Scheduler
         return {"ch04_ex2": [(kvm, "slot_mapping", t._grader_slots)],
                 "ch04_ex3": [(Scheduler, "schedule_prefill", t._GraderScheduler.schedule_prefill)],
                 "ch04_ex4": [(Scheduler, "schedule_decode", t._GraderScheduler.schedule_decode)],
                 "ch04_ex5": [(mr, "prepare_batch", t._grader_prepare_batch)]}.get(ex, [])
     if ch == "ch05":
-        from minivllm import paged_attention
-        from minivllm.block_manager import BlockManager
+        from minivllm.attention.backend import paged_attention
+        from minivllm.core.block_manager import BlockManager
         scaffold = importlib.import_module("test_grading_ch04_06")._Scaffold
         return {"ch05_ex1": [(BlockManager, "allocate", scaffold.allocate)],
                 "ch05_ex2": [(BlockManager, "deallocate", scaffold.deallocate)],
                 "ch05_ex3": [(BlockManager, "may_append", scaffold.may_append)],
                 "ch05_ex4": [(paged_attention, "paged_decode_attention", _paged_decode_stand_in)]}.get(ex, [])
     if ch == "ch06":
-        t, pc = importlib.import_module("test_grading_ch06_regions"), importlib.import_module("minivllm.prefix_caching")
+        t, pc = importlib.import_module("test_grading_ch06_regions"), importlib.import_module("minivllm.core.prefix_caching")
         return {"ch06_ex2": [(pc, "compute_hash", t._grader_hash)],
                 "ch06_ex3": [(pc.PrefixCachingBlockManager, "allocate", t._Scaffold.allocate)],
                 "ch06_ex4": [(pc.BlockCache, "_uncache", t._Scaffold._uncache)]}.get(ex, [])
     if ch == "ch08":
-        cg = importlib.import_module("minivllm.cuda_graph")
+        cg = importlib.import_module("minivllm.worker.cuda_graph")
         name, fn = importlib.import_module("test_grading_ch08_regions").STAND_INS[ex]
         return [(cg, name, fn)]
     if ch == "ch09":
@@ -124,7 +124,7 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
     selected = set(EXERCISE_ID.findall(markexpr or ""))
     if not edition.exists() or not selected:
         return []
-    from minivllm.grade import EXERCISES
+    from minivllm.course.grade import EXERCISES
 
     rebuilding = {e[:4] for e in selected if e in EXERCISES and EXERCISES[e].kind == "rebuild"}
     released = json.loads(edition.read_text())["exercises"]
@@ -138,7 +138,7 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # method, an entry of a STAND_INS table), by a tripwire that fails the test when the code under grading
 # calls it: an answer that reaches the grader's code at run time (`importlib`, `sys.modules`, `getattr`
 # on a built name) is not the student's. Called from the graders' own files (a grader comparing with
-# its stand-in) it is the stand-in. `minivllm.grade.graders_code_used` finds the answers that name them; neither catches a
+# its stand-in) it is the stand-in. `minivllm.course.grade.graders_code_used` finds the answers that name them; neither catches a
 # stand-in's text pasted into the answer (README's course section says so).
 
 # The chapter's other implementations of a graded function, which its answer must not call: X ->
@@ -146,15 +146,15 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
 # grader's reference in the same test) they work as usual.
 OTHER_IMPLEMENTATIONS = {
-    "ch10_ex2": ("ch10_sampling.py", [("minivllm.detokenizer", "IncrementalDetokenizer.__init__"),
-                                      ("minivllm.detokenizer", "IncrementalDetokenizer.decode_next"),
-                                      ("minivllm.detokenizer", "IncrementalDetokenizer._step")]),
-    "ch05_ex4": (("minivllm.paged_attention", "paged_decode_attention"),
-                 [("minivllm.decode_planner", "paged_decode_attention_planned"),
-                  ("minivllm.decode_planner", "plan_decode"),
-                  ("minivllm.kernels.cpu_decode", "paged_decode_attention_cpu"),
-                  ("minivllm.kernels.cpu_decode", "cpu_decode_kernel"),  # the C++ kernel's entry
-                  ("minivllm.kernels.cpu_decode", "load_kernel_library")]),
+    "ch10_ex2": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
+                                      ("minivllm.engine.detokenizer", "IncrementalDetokenizer.decode_next"),
+                                      ("minivllm.engine.detokenizer", "IncrementalDetokenizer._step")]),
+    "ch05_ex4": (("minivllm.attention.paged_attention", "paged_decode_attention"),
+                 [("minivllm.attention.decode_planner", "paged_decode_attention_planned"),
+                  ("minivllm.attention.decode_planner", "plan_decode"),
+                  ("minivllm.attention.backends.cpu_attn", "paged_decode_attention_cpu"),
+                  ("minivllm.attention.backends.cpu_attn", "cpu_decode_kernel"),  # the C++ kernel's entry
+                  ("minivllm.attention.backends.cpu_attn", "load_kernel_library")]),
 }
 
 
@@ -165,7 +165,7 @@ class GradersAnswerCalled(BaseException):
 
 def stand_in_functions(ex: str) -> list:
     """The grader's stand-ins for rebuild exercise `ex` (the functions `_patches` plugs in for it)."""
-    from minivllm.grade import EXERCISES
+    from minivllm.course.grade import EXERCISES
 
     if ex not in EXERCISES or EXERCISES[ex].kind != "rebuild":
         return []

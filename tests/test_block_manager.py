@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.attention import AttentionMetadata
-from minivllm.block_manager import Block, BlockList, BlockManager, FreeBlockQueue
-from minivllm.decode_planner import paged_decode_attention_planned, plan_decode
-from minivllm.kv_cache_manager import slot_mapping
-from minivllm.models.llama import attention_reference
-from minivllm.paged_attention import PagedAttention, gather_kv, paged_decode_attention, prefill_attention
+from minivllm.attention.backend import AttentionMetadata
+from minivllm.core.block_manager import Block, BlockList, BlockManager, FreeBlockQueue
+from minivllm.attention.decode_planner import paged_decode_attention_planned, plan_decode
+from minivllm.core.kv_cache_manager import slot_mapping
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.attention.paged_attention import PagedAttention, gather_kv, paged_decode_attention, prefill_attention
 from minivllm.sequence import Sequence
 
 
@@ -79,11 +79,11 @@ def test_kv_manager_interface():
 
 
 def test_block_manager_imports_no_engine_attention_or_torch():
-    code = ("import sys, minivllm.block_manager; "
+    code = ("import sys, minivllm.core.block_manager; "
             "print(sorted(m for m in sys.modules if m.startswith(('minivllm.', 'torch'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for forbidden in ("minivllm.engine", "minivllm.attention", "minivllm.paged_attention", "minivllm.llm",
-                      "minivllm.scheduler", "minivllm.model_runner", "minivllm.kernels"):
+    for forbidden in ("minivllm.engine.llm_engine", "minivllm.attention.backend", "minivllm.attention.paged_attention", "minivllm.llm",
+                      "minivllm.core.sched.scheduler", "minivllm.worker.model_runner", "minivllm.attention.ops"):
         assert f"'{forbidden}'" not in loaded, loaded
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from minivllm.model_files import load_tokenizer, resolve_model
+from minivllm.transformers_utils.model_files import load_tokenizer, resolve_model
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus
 
@@ -112,7 +112,7 @@ def test_chat_template_and_round_trip(default_model_dir):
 
 
 def test_cache_dir_follows_the_environment_variable(monkeypatch, tmp_path):
-    from minivllm.model_files import MODEL_CACHE_ENV, default_model_dir, find_default_gguf
+    from minivllm.transformers_utils.model_files import MODEL_CACHE_ENV, default_model_dir, find_default_gguf
 
     monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path))
     assert default_model_dir() == tmp_path / "SmolLM2-135M-Instruct"

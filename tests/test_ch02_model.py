@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from minivllm.models.llama import attention_reference, load_model
-from minivllm.naive import CausalAttention, naive_generate
+from minivllm.model_executor.models.llama import attention_reference, load_model
+from minivllm.baselines.naive import CausalAttention, naive_generate
 from minivllm.sampling_params import SamplingParams
 
 
@@ -95,7 +95,7 @@ def test_attention_reference_against_torch_sdpa():
 def default_pair(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model_files import load_tokenizer
+    from minivllm.transformers_utils.model_files import load_tokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     return load_model(default_model_dir, dtype=torch.float32), hf, load_tokenizer(default_model_dir)
@@ -185,7 +185,7 @@ def test_naive_loop_rejects_empty_and_too_long_prompts(tiny_llama):
 
 def test_llama_with_attention_bias_biases_o_proj_too(tmp_path):
     """transformers' Llama puts a bias on o_proj as well as q/k/v when attention_bias=True."""
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     hf = make_tiny_model(tmp_path, "llama", seed=4, attention_bias=True)
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_tiny_temperatures_are_greedy(tiny_llama):
 
 # --- oneDNN-packed linear layers (the engine's CPU fast path) ------------------------------------
 
-from minivllm.layers.linear import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
+from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_supported(torch.float32),
                                   reason="this PyTorch build has no oneDNN float32 linear")
@@ -279,7 +279,7 @@ def test_pack_linear_layers_keeps_the_logits(tiny_model):
 @needs_onednn
 def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
     from minivllm import LLM
-    from minivllm.model_runner import ModelRunner
+    from minivllm.worker.model_runner import ModelRunner
 
     folder, _ = tiny_llama
     f32 = LLM(str(folder), dtype="float32", num_kvcache_blocks=8).llm_engine.model_runner.model
@@ -291,7 +291,7 @@ def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
 
 # --- the sampler: 64-bit seeds, inverse transform sampling -----------------------------------------
 
-from minivllm.layers.sampler import CounterGenerator, make_generator, sample  # noqa: E402
+from minivllm.sample.generator import CounterGenerator, make_generator, sample  # noqa: E402
 from minivllm.sampling_params import SEED_MAX, SEED_MIN  # noqa: E402
 
 
@@ -358,10 +358,10 @@ def test_sample_extremes():
     assert set(draws(9, 50, one)) == {4}
 
 
-# --- minivllm.testing ---------------------------------------------------------------------------
+# --- minivllm.course.testing ---------------------------------------------------------------------------
 
 def test_tiny_model_factory(tmp_path):
-    from minivllm import testing
+    from minivllm.course import testing
 
     state = torch.random.get_rng_state()
     m1 = testing.make_tiny_model(tmp_path / "a", "qwen2", seed=3, num_hidden_layers=3)
@@ -389,7 +389,7 @@ def test_sliding_window_on_no_layer_loads_and_equals_transformers(tmp_path, kind
     max_window_layers equal to its 64 layers): every layer attends over the whole sequence in
     transformers, so the model loads and its logits match (the 40-token input is far longer than the
     8-token window, so a window applied anywhere would show)."""
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     hf = make_tiny_model(tmp_path, kind, **QWQ_LIKE)
     assert set(hf.config.layer_types) == {"full_attention"}
@@ -400,7 +400,7 @@ def test_sliding_window_on_no_layer_loads_and_equals_transformers(tmp_path, kind
 
 
 def test_a_window_that_no_position_can_exceed_loads(tmp_path):
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     hf = make_tiny_model(tmp_path, "qwen2", **{**QWQ_LIKE, "max_window_layers": 0, "sliding_window": 1024})
     assert set(hf.config.layer_types) == {"sliding_attention"}
@@ -412,7 +412,7 @@ def test_a_window_that_no_position_can_exceed_loads(tmp_path):
 
 @pytest.mark.parametrize("max_window_layers", [0, 1])
 def test_a_window_applied_on_some_layer_is_refused(tmp_path, max_window_layers):
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     hf = make_tiny_model(tmp_path, "qwen2", **{**QWQ_LIKE, "max_window_layers": max_window_layers})
     windowed = [i for i, t in enumerate(hf.config.layer_types) if t == "sliding_attention"]
@@ -424,8 +424,8 @@ def test_a_window_applied_on_some_layer_is_refused(tmp_path, max_window_layers):
 
 def test_layer_types_in_the_config_decide(tmp_path, tiny_llama):
     """An explicit `layer_types` wins over max_window_layers (transformers reads it per layer)."""
-    from minivllm.models.llama import sliding_window_layers
-    from minivllm.testing import make_tiny_model, tiny_config
+    from minivllm.model_executor.models.llama import sliding_window_layers
+    from minivllm.course.testing import make_tiny_model, tiny_config
 
     make_tiny_model(tmp_path, "qwen2", **QWQ_LIKE, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match=r"layers \[0\] of 2"):
@@ -448,7 +448,7 @@ def test_layer_types_in_the_config_decide(tmp_path, tiny_llama):
 def test_rms_norm_is_bit_identical_to_transformers_in_bfloat16_and_float64():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from minivllm.models.llama import RMSNorm
+    from minivllm.model_executor.models.llama import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
@@ -470,7 +470,7 @@ def test_ch02_graders_reject_near_miss_answers():
 
     import test_grading as grading
     from adapters import load
-    from minivllm.models.llama import attention_reference
+    from minivllm.model_executor.models.llama import attention_reference
 
     def llama_order(x, weight, eps):
         h = x.to(torch.float32)

@@ -1,8 +1,8 @@
-"""minivllm.checks: the one place for "an int but not a bool" and similar argument checks."""
+"""minivllm.utils.checks: the one place for "an int but not a bool" and similar argument checks."""
 import numpy as np
 import pytest
 
-from minivllm.checks import is_int, require_bool, require_int, require_number
+from minivllm.utils.checks import is_int, require_bool, require_int, require_number
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -1,5 +1,5 @@
 """The course tooling, tried as a student and an instructor would: a student edition of chapter 05
-(`scripts/release.py`), graded with `minivllm.grade` before and after the student's work.
+(`scripts/release.py`), graded with `minivllm.course.grade` before and after the student's work.
 
 The edition also releases one exercise each of chapters 01 and 02 (the sampling filters' checks,
 RMSNorm), which chapter 05's engine graders run through: their stubs must not cost a chapter 05
@@ -22,8 +22,8 @@ from xml.etree import ElementTree as ET
 import nbformat
 import pytest
 
-from minivllm import grade as grading
-from minivllm.grade import EXERCISES, find_regions, resolve
+from minivllm.course import grade as grading
+from minivllm.course.grade import EXERCISES, find_regions, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 CH05 = "notebooks/05_paged_attention.ipynb"
@@ -101,7 +101,7 @@ def test_edition_has_no_answers(edition):
     assert _regions(edition / CH05) == {}  # the delimiters are gone with the answers
     assert json.loads((edition / "EDITION.json").read_text())["exercises"] == RELEASED
     # earlier chapters keep their code
-    assert (edition / "minivllm/scheduler.py").read_text() == (ROOT / "minivllm/scheduler.py").read_text()
+    assert (edition / "minivllm/core/sched/scheduler.py").read_text() == (ROOT / "minivllm/core/sched/scheduler.py").read_text()
 
 
 def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
@@ -151,7 +151,7 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
     private = tmp_path / "private"
     private.mkdir()
     (private / "test_private_ch05.py").write_text(
-        "import pytest\nfrom minivllm.block_manager import BlockManager\nfrom minivllm.sequence import Sequence\n\n\n"
+        "import pytest\nfrom minivllm.core.block_manager import BlockManager\nfrom minivllm.sequence import Sequence\n\n\n"
         "@pytest.mark.ch05_ex1\ndef test_three_tokens_take_two_blocks():\n"
         "    bm, seq = BlockManager(4, 2), Sequence([1, 2, 3], block_size=2)\n"
         "    bm.allocate(seq)\n    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2\n")
@@ -218,8 +218,8 @@ def test_graders_code_is_not_an_answer(tmp_path):
         "def slot_mapping(*a):\n    from test_grading_ch04_regions import _grader_slots\n    return _grader_slots(*a)\n")
     (root / "exercises").mkdir()
     assert grading.graders_code_used(root) == [
-        "minivllm/kv_cache_manager.py:2: from test_grading_ch04_regions import _grader_slots",
-        "minivllm/kv_cache_manager.py:3: return _grader_slots(*a)"]
+        "minivllm/core/kv_cache_manager.py:2: from test_grading_ch04_regions import _grader_slots",
+        "minivllm/core/kv_cache_manager.py:3: return _grader_slots(*a)"]
     (root / "minivllm" / "kv_cache_manager.py").write_text("def slot_mapping(*a):\n    return []\n")
     assert grading.graders_code_used(root) == []
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from minivllm import LLM, SamplingParams
-from minivllm.kernels.cpu_decode import CPUPagedAttention
-from minivllm.layers.linear import PackedLinear, onednn_packing_supported
-from minivllm.model_files import load_tokenizer
+from minivllm.attention.backends.cpu_attn import CPUPagedAttention
+from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported
+from minivllm.transformers_utils.model_files import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Chapter 05's C++ CPU decode kernel (`minivllm.kernels.cpu_decode`): equal to the plain-torch paged
+"""Chapter 05's C++ CPU decode kernel (`minivllm.attention.backends.cpu_attn`): equal to the plain-torch paged
 decode, refuses bad input, is built once per source, flags, Python, torch and CPU and then loaded
 directly (no build tool runs again), and the backend falls back to plain torch where it is not built.
 
@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import minivllm.kernels.cpu_decode as cd
+import minivllm.attention.backends.cpu_attn as cd
 from engine_helpers import require_cpu_kernel
-from minivllm.attention import AttentionMetadata
-from minivllm.decode_planner import paged_decode_attention_planned, plan_decode
-from minivllm.kernels.cpu_decode import (CPUPagedAttention, _build_lock, cpu_decode_kernel, cpu_kernel_build_dir,
+from minivllm.attention.backend import AttentionMetadata
+from minivllm.attention.decode_planner import paged_decode_attention_planned, plan_decode
+from minivllm.attention.backends.cpu_attn import (CPUPagedAttention, _build_lock, cpu_decode_kernel, cpu_kernel_build_dir,
                                          paged_decode_attention_cpu)
-from minivllm.paged_attention import PagedAttention, paged_decode_attention
+from minivllm.attention.paged_attention import PagedAttention, paged_decode_attention
 
 
 @pytest.fixture
@@ -335,7 +335,7 @@ def test_a_fresh_process_with_another_ninja_or_none_does_not_compile(tmp_path):
     empty.mkdir()
     code = ("import torch.utils.cpp_extension as c\n"
             "c.load = c.load_inline = None  # any call to torch's builder would fail\n"
-            "from minivllm.kernels.cpu_decode import cpu_decode_kernel\n"
+            "from minivllm.attention.backends.cpu_attn import cpu_decode_kernel\n"
             "assert cpu_decode_kernel() is not None\n")
     for path in (str(other), str(empty)):
         env = {**os.environ, "PATH": path}

@@ -6,10 +6,10 @@ Oracle: `attention_reference` in float64 on the same bfloat16-rounded inputs."""
 import pytest
 import torch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.kernels.cpu_decode import CPUPagedAttention, prefill_attention_sdpa
-from minivllm.models.llama import attention_reference
-from minivllm.paged_attention import PagedAttention
+from minivllm.attention.backend import AttentionMetadata
+from minivllm.attention.backends.cpu_attn import CPUPagedAttention, prefill_attention_sdpa
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.attention.paged_attention import PagedAttention
 
 # The fused kernel keeps scores, softmax and the weighted sum in float32 and rounds its output to
 # bfloat16 once: at most half a bfloat16 spacing, 2^-9 of |output| <= 2^-9 of max |v|. We allow 2^-8

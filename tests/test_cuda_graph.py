@@ -1,4 +1,4 @@
-"""Chapter 08's CUDA graphs for decode (`minivllm.cuda_graph`).
+"""Chapter 08's CUDA graphs for decode (`minivllm.worker.cuda_graph`).
 
 On a CPU the runner captures with `StandInGraph`, which records a step's ATen operations and replays
 them on the same tensors (what a CUDA graph does with its kernels): the bookkeeping (capture sizes,
@@ -15,20 +15,20 @@ import torch
 
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm import defaults
-from minivllm.attention import ContiguousAttention
-from minivllm.block_manager import BlockManager
+from minivllm.attention.backend import ContiguousAttention
+from minivllm.core.block_manager import BlockManager
 from minivllm.config import EngineArgs
-from minivllm.cuda_graph import (COMPILE_OPTIONS, CUDAGRAPH_BACKENDS, CapturablePagedAttention, CompiledOpsGraphRunner,
+from minivllm.worker.cuda_graph import (COMPILE_OPTIONS, CUDAGRAPH_BACKENDS, CapturablePagedAttention, CompiledOpsGraphRunner,
                                  CUDAGraph, CUDAGraphModelRunner, DecodeBuffers, StandInGraph,
                                  compile_small_ops, cudagraph_capture_sizes, decode_step_seconds,
                                  padded_batch_size, prepare_decode_inputs, supports_cudagraph)
-from minivllm.engine import LLMEngine
-from minivllm.kernels.flash_attn_backend import FlashAttnPagedAttention
-from minivllm.kernels.triton_backend import TritonPagedAttention
-from minivllm.model_runner import ModelRunner
-from minivllm.models.llama import RMSNorm, RotaryEmbedding, load_model
-from minivllm.paged_attention import PagedAttention
-from minivllm.prefix_caching import PrefixCachingBlockManager
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.attention.backends.flash_attn import FlashAttnPagedAttention
+from minivllm.attention.backends.triton_attn import TritonPagedAttention
+from minivllm.worker.model_runner import ModelRunner
+from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding, load_model
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -502,7 +502,7 @@ def test_gpu_compiled_small_ops_equal_eager():
     """`compile_small_ops` may only change rounding: in float32, the compiled decode step's logits equal
     the eager runner's (a model of SmolLM2-135M's shape, random weights, logits of order 1). Chapter 08
     keeps the switch off while this fails (on an H200 in bfloat16 the difference was 1.25)."""
-    from minivllm.cuda_graph import decode_step_benchmark
+    from minivllm.worker.cuda_graph import decode_step_benchmark
 
     result = decode_step_benchmark(batch_sizes=(1, 3, 8), context_len=40, dtype=torch.float32, num_steps=2)
     diff = result["max_abs_logit_diff"]
@@ -515,8 +515,8 @@ def test_compiled_small_ops_round_like_eager_on_cpu():
     fused kernels round to bfloat16 wherever the eager code casts: on a CPU the compiled modules'
     bfloat16 outputs equal eager's bit for bit (with inductor's defaults about a quarter of RMSNorm's
     outputs differ by one bfloat16 step: it skips the rounding before the weight)."""
-    from minivllm.cuda_graph import compile_small_ops
-    from minivllm.models.llama import RMSNorm, RotaryEmbedding
+    from minivllm.worker.cuda_graph import compile_small_ops
+    from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding
 
     g = torch.Generator().manual_seed(0)
     model = torch.nn.ModuleList([RMSNorm(96, 1e-5), RotaryEmbedding(32, 512, 10000.0)]).to(torch.bfloat16)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_helpers import check_invariants, make_model, one_thread
-from minivllm.processor import completion_text
+from minivllm.engine.processor import completion_text
 from minivllm.sampling_params import SamplingParams
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -71,7 +71,7 @@ def test_rule_on_random_token_sequences(kind):
 @pytest.mark.slow
 def test_rule_on_the_default_models_bpe_tokenizer_and_chat_prompts():
     """Byte-level BPE (SmolLM2): chat prompts full of special tokens, completions with special tokens too."""
-    from minivllm.model_files import load_tokenizer
+    from minivllm.transformers_utils.model_files import load_tokenizer
 
     tok = load_tokenizer(None)
     rng = random.Random(1)
@@ -89,7 +89,7 @@ def test_rule_on_the_default_models_bpe_tokenizer_and_chat_prompts():
 def test_engine_text_reads_on_from_the_prompt(tmp_path):
     """Through the engine: a tiny model whose greedy token is always "▁paris" (its final norm is
     zero, so all logits are equal) and the Llama-2-style tokenizer in the folder."""
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     hf = make_model(tmp_path, "llama", vocab_size=len(PIECES))
     with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_helpers import check_invariants, make_model, one_thread, run_engine
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
@@ -222,7 +222,7 @@ def test_generate_refuses_bad_containers_and_foreign_requests(llm):
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monkeypatch, kwargs, asked, front):
     """200 GiB on a machine with 24 GiB, or 10**9 blocks: a ValueError naming the size asked for and
     what is available, raised before the cache (or the block pool's bookkeeping) is allocated."""
-    import minivllm.engine as engine_module
+    import minivllm.engine.llm_engine as engine_module
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 24 * 2**30)
     with pytest.raises(ValueError, match=r"asks for .* GiB \(" + asked + r"\) but only 24.00 GiB is available"):
@@ -230,14 +230,14 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monk
 
 
 def test_available_memory_is_read_from_the_system():
-    from minivllm.engine import available_memory_bytes
+    from minivllm.engine.llm_engine import available_memory_bytes
 
     cpu = available_memory_bytes(torch.device("cpu"))
     assert 0 < cpu <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_cache_that_fits_is_allocated(folder, monkeypatch):
-    import minivllm.engine as engine_module
+    import minivllm.engine.llm_engine as engine_module
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 10 * 2**20)
     engine = LLMEngine(model=folder, dtype="float64", kv_cache_memory_bytes=2**20, max_model_len=256)
@@ -363,7 +363,7 @@ def test_a_request_whose_penalty_overflows_the_logits_does_not_stop_the_others(f
 def test_malformed_chat_messages_are_refused_naming_the_problem(default_model_dir, messages, message):
     from transformers import AutoTokenizer
 
-    from minivllm.processor import chat_prompts
+    from minivllm.engine.processor import chat_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     assert len(chat_prompts(tokenizer, [{"role": "user", "content": "hi"}])) == 1

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
-from minivllm.attention import ContiguousAttention
-from minivllm.engine import LLMEngine
-from minivllm.kv_cache_manager import ContiguousKVManager
-from minivllm.layers.linear import PackedLinear, onednn_packing_supported
+from minivllm.attention.backend import ContiguousAttention
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.core.kv_cache_manager import ContiguousKVManager
+from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
@@ -149,7 +149,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(oracle):
 
 def test_attention_backend_plugs_in(oracle):
     """The engine takes its attention backend from its arguments (any class with the backend interface plugs in)."""
-    from minivllm.paged_attention import PagedAttention
+    from minivllm.attention.paged_attention import PagedAttention
 
     calls = []
 
@@ -170,7 +170,7 @@ def test_default_model_chat_greedy_text_equals_transformers():
     """On SmolLM2-135M-Instruct in float32, greedy chat completions read exactly like transformers'."""
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model_files import resolve_model
+    from minivllm.transformers_utils.model_files import resolve_model
 
     questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
                  "Write a haiku about the sea.", "Who wrote Hamlet?", "What is photosynthesis? One sentence.",
@@ -212,7 +212,7 @@ def test_generate_accepts_vllm_prompt_forms_and_keeps_input_order(oracle):
 def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
     """A prefill step run in forward passes of at most `limit` new tokens (1: one sequence per pass;
     None: the whole step in one pass) gives transformers' tokens all the same."""
-    from minivllm.model_runner import ModelRunner
+    from minivllm.worker.model_runner import ModelRunner
 
     folder, _, prompts, max_tokens, refs = oracle
     monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
@@ -234,7 +234,7 @@ def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
 def test_microbatches_cut_in_order_under_the_limit():
     from types import SimpleNamespace
 
-    from minivllm.model_runner import split_prefill
+    from minivllm.worker.model_runner import split_prefill
 
     seqs = [SimpleNamespace(num_tokens=n + c, num_cached_tokens=c) for n, c in
             [(30, 0), (70, 16), (1, 0), (250, 32), (60, 0), (40, 5), (1, 0)]]
@@ -252,7 +252,7 @@ def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monke
     """The engine's real CPU path (float32, oneDNN-packed layers) with prefill passes of one sequence
     each and with no limit: oneDNN's rows do not depend on how many rows it is given, so the greedy
     tokens must be identical (not just close)."""
-    from minivllm.model_runner import ModelRunner
+    from minivllm.worker.model_runner import ModelRunner
 
     folder, _, prompts, max_tokens, _ = oracle
     outs = {}
@@ -268,12 +268,12 @@ def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monke
 def test_each_attention_backend_equals_transformers(oracle, backend):
     """The engine runs exactly the attention backend it is given: chapter 05's C++ decode kernel,
     its plain-torch paged attention, and this chapter's contiguous one all give transformers' tokens."""
-    from minivllm.block_manager import BlockManager
-    from minivllm.paged_attention import PagedAttention
+    from minivllm.core.block_manager import BlockManager
+    from minivllm.attention.paged_attention import PagedAttention
 
     if backend == "cpu-kernel":
         from engine_helpers import require_cpu_kernel
-        from minivllm.kernels.cpu_decode import CPUPagedAttention
+        from minivllm.attention.backends.cpu_attn import CPUPagedAttention
 
         require_cpu_kernel()
     cls, manager = {"cpu-kernel": (CPUPagedAttention if backend == "cpu-kernel" else None, BlockManager),
@@ -288,7 +288,7 @@ def test_each_attention_backend_equals_transformers(oracle, backend):
 
 
 def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
-    from minivllm.scheduler import Scheduler
+    from minivllm.core.sched.scheduler import Scheduler
 
     engine = LLMEngine(model=oracle[0], dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=100)
     assert type(engine.block_manager) is ContiguousKVManager and engine.block_manager.block_size == MAX_MODEL_LEN

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters import load
-from minivllm.models.llama import RotaryEmbedding, load_model
-from minivllm.naive import CausalAttention
+from minivllm.model_executor.models.llama import RotaryEmbedding, load_model
+from minivllm.baselines.naive import CausalAttention
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus
 
@@ -206,7 +206,7 @@ def sliding_qwen2(tmp_path_factory):
     import json
     import shutil
 
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     folder = tmp_path_factory.mktemp("sliding-qwen2")
     hf = make_tiny_model(folder, "qwen2", seed=1, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)

@@ -1,4 +1,4 @@
-"""Grading tests for chapter 01's rebuild exercises (`python -m minivllm.grade ch01_ex2`, or `pytest -m ch01_ex2`).
+"""Grading tests for chapter 01's rebuild exercises (`python -m minivllm.course.grade ch01_ex2`, or `pytest -m ch01_ex2`).
 
 ch01_ex2 (the token blocks: `blocks_needed` and `token_block`, behind `Sequence.num_blocks` and
 `Sequence.block(i)`) and ch01_ex3 (`check_sampling_filters`, the range checks of temperature, top_p,
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import minivllm.sampling_params as sp
 from engine_helpers import one_thread
 import minivllm.sequence as sequence
-from minivllm.checks import require_int, require_number
+from minivllm.utils.checks import require_int, require_number
 from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
 from minivllm.sequence import Sequence
 
@@ -145,9 +145,9 @@ def test_ch01_ex2_engine_equals_transformers(ch01_engine_case):
     """The paged engine with prefix caching (blocks of 4, a cache of 20 blocks, two rounds) runs on
     your blocks: greedy tokens equal transformers', the second round finds the shared preamble cached."""
     from engine_helpers import run_engine
-    from minivllm.engine import LLMEngine
-    from minivllm.paged_attention import PagedAttention
-    from minivllm.prefix_caching import PrefixCachingBlockManager
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.attention.paged_attention import PagedAttention
+    from minivllm.core.prefix_caching import PrefixCachingBlockManager
     from test_grading_ch02_regions import graded as ch02_stand_ins
 
     folder, prompts, ref = ch01_engine_case

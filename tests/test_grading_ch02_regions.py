@@ -1,4 +1,4 @@
-"""Grading tests for chapter 02's rebuild exercises (`python -m minivllm.grade ch02_ex3`, or `pytest -m ch02_ex3`).
+"""Grading tests for chapter 02's rebuild exercises (`python -m minivllm.course.grade ch02_ex3`, or `pytest -m ch02_ex3`).
 
 ch02_ex3 (`RMSNorm.forward`), ch02_ex4 (`RotaryEmbedding.forward`) and ch02_ex5 (`MLP.forward`) are
 graded in the package itself: in a student edition they are the student's code, exported from the
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.models.llama import MLP, RMSNorm, RotaryEmbedding, load_model
-from minivllm.naive import CausalAttention
+from minivllm.model_executor.models.llama import MLP, RMSNorm, RotaryEmbedding, load_model
+from minivllm.baselines.naive import CausalAttention
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -257,7 +257,7 @@ def test_ch02_ex5_mlp_equals_transformers(dtype, n, hidden, intermediate, bias, 
 @pytest.fixture(scope="module")
 def ch02_models(tmp_path_factory):
     """A tiny float64 Llama and Qwen3 (Qwen3 normalises each q/k head with RMSNorm too), saved."""
-    from minivllm.testing import make_tiny_model
+    from minivllm.course.testing import make_tiny_model
 
     out = {}
     for kind in ("llama", "qwen3"):

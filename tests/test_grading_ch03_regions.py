@@ -1,4 +1,4 @@
-"""Grading tests for chapter 03's rebuild exercises (`python -m minivllm.grade ch03_ex2`, or `pytest -m ch03_ex2`).
+"""Grading tests for chapter 03's rebuild exercises (`python -m minivllm.course.grade ch03_ex2`, or `pytest -m ch03_ex2`).
 
 ch03_ex2 (`pad_batch`'s layout), ch03_ex3 (`padded_attention`'s mask) and ch03_ex4 (the finished-row
 rule of `static_generate`) are graded in the package itself: in a student edition they are the
@@ -28,11 +28,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minivllm.static_batching as sb
+import minivllm.baselines.static_batching as sb
 from engine_helpers import hf_greedy, one_thread
-from minivllm.models.llama import attention_reference, load_model
+from minivllm.model_executor.models.llama import attention_reference, load_model
 from minivllm.sampling_params import SamplingParams
-from minivllm.testing import random_prompts
+from minivllm.course.testing import random_prompts
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 

@@ -1,4 +1,4 @@
-"""Grading tests for chapters 04-06 (`python -m minivllm.grade ch05_ex1`, or `pytest -m ch05_ex1`); see test_grading.py.
+"""Grading tests for chapters 04-06 (`python -m minivllm.course.grade ch05_ex1`, or `pytest -m ch05_ex1`); see test_grading.py.
 
 Each answer is graded by its contract, not by comparison with minivllm's own classes: invariants
 and the exercise's rule under random operation sequences (hypothesis), then plugged into the engine,
@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from adapters import load
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
-from minivllm.block_manager import BlockManager
-from minivllm.engine import LLMEngine
-from minivllm.paged_attention import PagedAttention, paged_decode_attention
-from minivllm.models.llama import attention_reference
-from minivllm.prefix_caching import PrefixCachingBlockManager
+from minivllm.core.block_manager import BlockManager
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.attention.paged_attention import PagedAttention, paged_decode_attention
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence
 from test_grading_ch04_regions import _GraderScheduler, run_graded, stand_ins, your_code
 from test_grading_ch04_regions import _named_invariants as _invariants
@@ -189,7 +189,7 @@ def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_
        manager=st.sampled_from(["paged", "prefix", "contiguous"]), budget=st.integers(8, 24))
 def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max_num_seqs, manager, budget):
     """Random adds, steps and aborts: shortest prompts admitted first, limits and invariants kept."""
-    from minivllm.kv_cache_manager import ContiguousKVManager
+    from minivllm.core.kv_cache_manager import ContiguousKVManager
 
     bm = {"paged": lambda: BlockManager(num_blocks, block_size),
           "prefix": lambda: PrefixCachingBlockManager(num_blocks, block_size),
@@ -242,8 +242,8 @@ def ch04_oracle(engine_case):
 @pytest.mark.ch04_ex1
 @pytest.mark.parametrize("manager", ["paged", "contiguous"])
 def test_ch04_ex1_engine_equals_transformers(ch04, engine_case, ch04_oracle, manager):
-    from minivllm.attention import ContiguousAttention
-    from minivllm.kv_cache_manager import ContiguousKVManager
+    from minivllm.attention.backend import ContiguousAttention
+    from minivllm.core.kv_cache_manager import ContiguousKVManager
 
     kwargs, prompts, params, _ = engine_case
     if manager == "contiguous":  # 3 regions of 128 tokens: short prompts overtake long ones

@@ -1,4 +1,4 @@
-"""Grading tests for chapter 04's rebuild exercises (`python -m minivllm.grade ch04_ex3`, or `pytest -m ch04_ex3`).
+"""Grading tests for chapter 04's rebuild exercises (`python -m minivllm.course.grade ch04_ex3`, or `pytest -m ch04_ex3`).
 
 ch04_ex2 (`slot_mapping`), ch04_ex3 (`Scheduler.schedule_prefill`), ch04_ex4 (`Scheduler.schedule_decode`)
 and ch04_ex5 (`prepare_batch`'s flat layout) are graded in the package itself: in a student edition
@@ -30,15 +30,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minivllm.kv_cache_manager as kvm
-import minivllm.model_runner as mr
+import minivllm.core.kv_cache_manager as kvm
+import minivllm.worker.model_runner as mr
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
-from minivllm.attention import AttentionMetadata
-from minivllm.block_manager import BlockManager
-from minivllm.engine import LLMEngine
-from minivllm.paged_attention import PagedAttention
+from minivllm.attention.backend import AttentionMetadata
+from minivllm.core.block_manager import BlockManager
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)

@@ -1,4 +1,4 @@
-"""Grading tests for chapter 06's rebuild exercises (`python -m minivllm.grade ch06_ex3`, or `pytest -m ch06_ex3`).
+"""Grading tests for chapter 06's rebuild exercises (`python -m minivllm.course.grade ch06_ex3`, or `pytest -m ch06_ex3`).
 
 ch06_ex2 (`compute_hash`), ch06_ex3 (`PrefixCachingBlockManager.allocate`) and ch06_ex4
 (`BlockCache._uncache`) are graded in the package itself: in a student edition they are the
@@ -32,12 +32,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minivllm.prefix_caching as pc
+import minivllm.core.prefix_caching as pc
 from engine_helpers import hf_greedy, make_model, one_thread, run_engine
-from minivllm.block_manager import BlockPool
-from minivllm.engine import LLMEngine
-from minivllm.paged_attention import PagedAttention
-from minivllm.prefix_caching import NO_HASH, NO_PARENT, BlockCache, PrefixCachingBlockManager
+from minivllm.core.block_manager import BlockPool
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, BlockCache, PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 

@@ -1,4 +1,4 @@
-"""Grading tests for chapter 07's extend exercise (`python -m minivllm.grade ch07_ex4`, or
+"""Grading tests for chapter 07's extend exercise (`python -m minivllm.course.grade ch07_ex4`, or
 `pytest -m ch07_ex4 --impl=exercises`).
 
 ch07_ex4, `copy_blocks` as a Triton kernel, is graded by its contract, with nothing to compare

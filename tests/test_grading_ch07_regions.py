@@ -1,4 +1,4 @@
-"""Grading tests for chapter 07's rebuild exercises (`python -m minivllm.grade ch07_ex2`, or `pytest -m ch07_ex2`).
+"""Grading tests for chapter 07's rebuild exercises (`python -m minivllm.course.grade ch07_ex2`, or `pytest -m ch07_ex2`).
 
 ch07_ex1 (the KV-store kernel), ch07_ex2 (the online-softmax update in the decode and the prefill
 kernel) and ch07_ex3 (the split-K reduction kernel) are graded in the package itself: in a student
@@ -41,7 +41,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import minivllm.kernels.triton_attention as ta  # noqa: E402
+import minivllm.attention.ops.triton_attention as ta  # noqa: E402
 
 if INTERPRETED and not isinstance(ta.paged_decode_kernel, InterpretedFunction):
     ta = importlib.reload(ta)  # imported before TRITON_INTERPRET was set: define the kernels again

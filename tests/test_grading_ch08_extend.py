@@ -1,4 +1,4 @@
-"""Grading tests for chapter 08's extend exercise (`python -m minivllm.grade ch08_ex4`, or
+"""Grading tests for chapter 08's extend exercise (`python -m minivllm.course.grade ch08_ex4`, or
 `pytest -m ch08_ex4 --impl=exercises`).
 
 ch08_ex4, `choose_capture_sizes`, is graded by its contract, written here: the answer is a valid

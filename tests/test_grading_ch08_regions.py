@@ -1,10 +1,10 @@
-"""Grading tests for chapter 08's rebuild exercises (`python -m minivllm.grade ch08_ex3`, or `pytest -m ch08_ex3`).
+"""Grading tests for chapter 08's rebuild exercises (`python -m minivllm.course.grade ch08_ex3`, or `pytest -m ch08_ex3`).
 
 ch08_ex1 (`cudagraph_capture_sizes`), ch08_ex2 (`padded_batch_size`) and ch08_ex3
 (`prepare_decode_inputs`) are graded in the package itself: in a student edition they are the
 student's code, exported from the chapter (stubs until filled), and there is no reference to compare
 with. Each is graded alone: where the engine runs, `_graded` puts the grader's own versions of the
-other two pieces into `minivllm.cuda_graph` (written here from the chapter's stated rules).
+other two pieces into `minivllm.worker.cuda_graph` (written here from the chapter's stated rules).
 
 What is checked is the contract:
 * ch08_ex1: the sizes are the rule the docstring states (the small sizes below the top, the multiples
@@ -30,14 +30,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minivllm.cuda_graph as cg
+import minivllm.worker.cuda_graph as cg
 from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine
-from minivllm.block_manager import BlockManager
-from minivllm.cuda_graph import CapturablePagedAttention, CUDAGraphModelRunner, DecodeBuffers
-from minivllm.engine import LLMEngine
-from minivllm.models.llama import load_model
-from minivllm.model_runner import ModelRunner, prepare_batch
-from minivllm.paged_attention import PagedAttention
+from minivllm.core.block_manager import BlockManager
+from minivllm.worker.cuda_graph import CapturablePagedAttention, CUDAGraphModelRunner, DecodeBuffers
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model_executor.models.llama import load_model
+from minivllm.worker.model_runner import ModelRunner, prepare_batch
+from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -81,7 +81,7 @@ STAND_INS = {"ch08_ex1": ("cudagraph_capture_sizes", _rule_sizes),
 
 @contextmanager
 def _graded(ex: str, **replace):
-    """`minivllm.cuda_graph` with the package's (the student's) piece for `ex` and the grader's for the
+    """`minivllm.worker.cuda_graph` with the package's (the student's) piece for `ex` and the grader's for the
     other two (`replace` overrides a stand-in by name)."""
     with ExitStack() as stack:
         for other, (name, fn) in STAND_INS.items():

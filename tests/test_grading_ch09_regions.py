@@ -1,9 +1,9 @@
-"""Grading tests for chapter 09's rebuild exercises (`python -m minivllm.grade ch09_ex1`, or `pytest -m ch09_ex1`).
+"""Grading tests for chapter 09's rebuild exercises (`python -m minivllm.course.grade ch09_ex1`, or `pytest -m ch09_ex1`).
 
 ch09_ex1 (`model_cost`), ch09_ex2 (`step_cost`), ch09_ex3 (`roofline`) and ch09_ex4 (`workload_bound`)
 are graded in the package itself: in a student edition they are the student's code, exported from the
 chapter (stubs until filled), and there is no reference to compare with. Each is graded alone: `graded`
-puts the grader's own `step_cost` into `minivllm.bench` where `roofline` and `workload_bound` are graded,
+puts the grader's own `step_cost` into `minivllm.benchmarks.bench` where `roofline` and `workload_bound` are graded,
 and `step_cost` is graded on costs the grader counts itself, so a filled region passes whatever state the
 others are in.
 
@@ -38,10 +38,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minivllm.bench as bench
+import minivllm.benchmarks.bench as bench
 from engine_helpers import one_thread
-from minivllm.bench import DevicePeaks, ModelCost, Workload
-from minivllm.testing import tiny_config
+from minivllm.benchmarks.bench import DevicePeaks, ModelCost, Workload
+from minivllm.course.testing import tiny_config
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
@@ -151,7 +151,7 @@ STAND_INS = {"ch09_ex1": [(bench, "model_cost", _grader_model_cost)],
 
 @contextmanager
 def graded(ex: str | None):
-    """`minivllm.bench` with the package's (the student's) piece for `ex` and the grader's for the
+    """`minivllm.benchmarks.bench` with the package's (the student's) piece for `ex` and the grader's for the
     other three (None: stand-ins for all)."""
     with ExitStack() as stack:
         for other, patches in STAND_INS.items():

@@ -15,10 +15,10 @@ from transformers import NoRepeatNGramLogitsProcessor, TypicalLogitsWarper
 
 from adapters import load
 from engine_helpers import check_invariants, make_model, one_thread, random_prompts, run_engine
-from minivllm.block_manager import BlockManager
-from minivllm.engine import LLMEngine
-from minivllm.paged_attention import PagedAttention
-from minivllm.processor import completion_text
+from minivllm.core.block_manager import BlockManager
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.engine.processor import completion_text
 from minivllm.sampling_params import SamplingParams
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -79,7 +79,7 @@ def test_ch10_ex1_typical_p_rows_alone_and_float32(ch10):
 
 @pytest.fixture(scope="module")
 def smol():
-    from minivllm.model_files import load_tokenizer
+    from minivllm.transformers_utils.model_files import load_tokenizer
 
     tok = load_tokenizer(None)
     pieces = tok.encode("🌟👌 中文 日本語 ü € ∑ naïve") + tok.all_special_ids

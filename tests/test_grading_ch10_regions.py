@@ -1,4 +1,4 @@
-"""Grading tests for chapter 10's rebuild exercises (`python -m minivllm.grade ch10_ex4`, or `pytest -m ch10_ex4`).
+"""Grading tests for chapter 10's rebuild exercises (`python -m minivllm.course.grade ch10_ex4`, or `pytest -m ch10_ex4`).
 
 ch10_ex4 (`apply_penalties`), ch10_ex5 (`apply_min_p`), ch10_ex6 (`apply_top_k_top_p`) and ch10_ex7
 (`mass_ranked_before`, the pivot draw's keep test) are graded in the package itself: in a student edition
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import minivllm.sample.ops as ops
 import minivllm.sample.sampler as sampler_module
-from minivllm.layers.sampler import make_generator
+from minivllm.sample.generator import make_generator
 from minivllm.sample.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence

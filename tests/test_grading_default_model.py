@@ -1,4 +1,4 @@
-"""Graders on the default model against a recorded snapshot (`python -m minivllm.grade ch02_ex4`, `pytest -m ch02_ex4`).
+"""Graders on the default model against a recorded snapshot (`python -m minivllm.course.grade ch02_ex4`, `pytest -m ch02_ex4`).
 
 The other graders run transformers on tiny random float64 models. These run the package on the real
 default model, SmolLM2-135M-Instruct in float32, and compare it with what transformers computed on
@@ -32,12 +32,12 @@ from unittest import mock
 import pytest
 import torch
 
-import minivllm.engine as engine_module
+import minivllm.engine.llm_engine as engine_module
 from engine_helpers import one_thread, run_engine
-from minivllm.engine import LLMEngine
-from minivllm.models.llama import load_model
-from minivllm.naive import CausalAttention
-from minivllm.paged_attention import PagedAttention
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model_executor.models.llama import load_model
+from minivllm.baselines.naive import CausalAttention
+from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
 from test_grading_ch01_regions import graded as ch01_stand_ins
 from test_grading_ch02_regions import STAND_INS as CH02_PIECES
@@ -66,7 +66,7 @@ def snapshot():
     """The default model's folder and the recorded snapshot (skips where they cannot be used)."""
     import importlib.util
 
-    from minivllm.model_files import resolve_model
+    from minivllm.transformers_utils.model_files import resolve_model
 
     try:
         folder = resolve_model(None)

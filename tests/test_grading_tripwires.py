@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import stand_ins
-from minivllm import grade as grading
+from minivllm.course import grade as grading
 
 ROOT = Path(__file__).resolve().parent.parent
 CH05 = "notebooks/05_paged_attention.ipynb"
@@ -34,7 +34,7 @@ ANSWERS = {
     "ch05_ex4": "return paged_decode_attention_planned(q, k_cache, v_cache, "
                 "plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype), scale)",
 }
-INHERITING = '''from minivllm.block_manager import BlockManager
+INHERITING = '''from minivllm.core.block_manager import BlockManager
 
 
 class MyBlockManager(BlockManager):
@@ -164,7 +164,7 @@ def _long_case():
 
 def test_a_decode_that_reads_72_keys_fails_the_long_contexts(monkeypatch):
     t, (lens, block_size, groups, seed) = _long_case()
-    from minivllm.paged_attention import paged_decode_attention
+    from minivllm.attention.paged_attention import paged_decode_attention
 
     def truncating(q, k_cache, v_cache, block_tables, context_lens, scale):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens.clamp(max=72), scale)
@@ -179,10 +179,10 @@ def test_a_decode_that_reads_72_keys_fails_the_long_contexts(monkeypatch):
 def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
     """ch05_ex4's answer calling the C++ kernel's entry (or the planner) fails; the same function
     called from elsewhere in the test (the engine's backend) works."""
-    from minivllm import paged_attention
-    from minivllm.kernels import cpu_decode
+    from minivllm.attention.backend import paged_attention
+    from minivllm.attention.ops import cpu_decode
 
-    module = cpu_decode if hasattr(cpu_decode, entry) else importlib.import_module("minivllm.decode_planner")
+    module = cpu_decode if hasattr(cpu_decode, entry) else importlib.import_module("minivllm.attention.decode_planner")
 
     def answer(*args):
         return getattr(module, entry)  # looked up at call time, as an answer's import in its body would
@@ -202,7 +202,7 @@ def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
 def test_the_chapters_detokenizer_trips_from_the_exercise_file():
     """ch10_ex2 asks for the offset detokenizer: the package's `IncrementalDetokenizer`, used from the
     exercise's file, fails the test; the grader may still build one."""
-    from minivllm.detokenizer import IncrementalDetokenizer
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
 
     src = "IncrementalDetokenizer(None, [1], None)"
     with stand_ins.tripwires(["ch10_ex2"]) as tripped:

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minivllm.prefix_caching as pc
+import minivllm.core.prefix_caching as pc
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, run_engine
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.llm import LLM
-from minivllm.paged_attention import PagedAttention
-from minivllm.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)

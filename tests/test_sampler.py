@@ -13,11 +13,11 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from engine_helpers import check_invariants, make_model, one_thread, random_prompts, run_engine
-from minivllm.block_manager import BlockManager
-from minivllm.engine import LLMEngine
-from minivllm.layers.sampler import make_generator
-from minivllm.paged_attention import PagedAttention
-from minivllm.prefix_caching import PrefixCachingBlockManager
+from minivllm.core.block_manager import BlockManager
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sample.generator import make_generator
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sample.metadata import pad_token_ids, sampling_metadata
 from minivllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, gather_logprobs, mass_ranked_before,
                                  random_sample, sample_top_k_top_p, top_k_mask)

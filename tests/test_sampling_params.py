@@ -92,7 +92,7 @@ def folder(tmp_path_factory):
                                     dict(min_tokens=2), dict(logprobs=1), dict(prompt_logprobs=0),
                                     dict(spaces_between_special_tokens=False)])
 def test_chapter_04_engine_refuses_fields_no_part_acts_on(folder, kwargs):
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=8)
     name = next(iter(kwargs))
@@ -102,7 +102,7 @@ def test_chapter_04_engine_refuses_fields_no_part_acts_on(folder, kwargs):
 
 
 def test_chapter_04_output_kinds(folder):
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=8)
     kinds = {k: engine.add_request(k.name, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
@@ -135,15 +135,15 @@ def test_llm_takes_vllm_arguments_at_their_one_value(folder, tmp_path):
 
 
 def test_llm_engine_unknown_argument_is_a_value_error(folder):
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="LLMEngine has no argument 'blocksize'"):
         LLMEngine(model=folder, blocksize=4)
 
 
 def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none(folder):
-    from minivllm.models.llama import load_model
-    from minivllm.naive import naive_generate
+    from minivllm.model_executor.models.llama import load_model
+    from minivllm.baselines.naive import naive_generate
 
     model = load_model(folder, dtype=__import__("torch").float64)
     with pytest.raises(ValueError, match="naive loop does not implement top_p=0.5"):
@@ -153,8 +153,8 @@ def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none
 
 
 def test_static_batching_refuses_what_it_does_not_implement(folder):
-    from minivllm.models.llama import load_model
-    from minivllm.static_batching import static_generate
+    from minivllm.model_executor.models.llama import load_model
+    from minivllm.baselines.static_batching import static_generate
 
     model = load_model(folder, dtype=__import__("torch").float64)
     for params, message in [(SamplingParams(top_k=3), "static batching does not implement top_k=3"),

@@ -6,11 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import check_invariants
-from minivllm.block_manager import BlockManager
-from minivllm.prefix_caching import PrefixCachingBlockManager
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
-from minivllm.kv_cache_manager import ContiguousKVManager, slot_mapping
-from minivllm.scheduler import Scheduler
+from minivllm.core.kv_cache_manager import ContiguousKVManager, slot_mapping
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
 

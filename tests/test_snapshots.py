@@ -27,7 +27,7 @@ def _recorder():
 
 def test_default_model_snapshot_is_what_transformers_computes_now():
     pytest.importorskip("transformers")
-    from minivllm.model_files import resolve_model
+    from minivllm.transformers_utils.model_files import resolve_model
 
     try:
         folder = resolve_model(None)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.models.llama import attention_reference, load_model
-from minivllm.naive import naive_generate
+from minivllm.model_executor.models.llama import attention_reference, load_model
+from minivllm.baselines.naive import naive_generate
 from minivllm.sampling_params import SamplingParams
-from minivllm.static_batching import (IDLE, OUTPUT, PADDING, PROMPT, StaticBatchKVCache, pad_batch,
+from minivllm.baselines.static_batching import (IDLE, OUTPUT, PADDING, PROMPT, StaticBatchKVCache, pad_batch,
                                       slot_fractions, slot_grid, static_generate)
 
 PROMPT_LENS = (1, 7, 30, 12, 3, 50, 2)

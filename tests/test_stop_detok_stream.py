@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import check_invariants, make_model, one_thread, random_prompts, run_engine
-from minivllm.block_manager import BlockManager
-from minivllm.detokenizer import IncrementalDetokenizer, check_stop_strings, finish_text, update_text
-from minivllm.engine import LLMEngine
-from minivllm.output_processor import StreamingOutputProcessor, iter_outputs
-from minivllm.paged_attention import PagedAttention
-from minivllm.prefix_caching import PrefixCachingBlockManager
-from minivllm.processor import completion_text
+from minivllm.core.block_manager import BlockManager
+from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, finish_text, update_text
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.output_processor import StreamingOutputProcessor, iter_outputs
+from minivllm.attention.paged_attention import PagedAttention
+from minivllm.core.prefix_caching import PrefixCachingBlockManager
+from minivllm.engine.processor import completion_text
 from minivllm.sample.sampler import Sampler
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from test_detokenize import PIECES, PROMPT, sentencepiece_tokenizer
@@ -154,7 +154,7 @@ def test_iter_outputs_streams_one_request_and_leaves_the_engine_clean(paris):
 
 
 def test_cli_generate_stream(paris, capsys):
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     assert main(["generate", "--model", str(paris), "--no-chat", "--stream", "--max-tokens", "3",
                  "--dtype", "float64", PROMPT]) == 0
@@ -295,7 +295,7 @@ def test_abort_a_request_with_n_completions(tiny):
 
 @pytest.fixture(scope="module")
 def smol():
-    from minivllm.model_files import load_tokenizer
+    from minivllm.transformers_utils.model_files import load_tokenizer
 
     tok = load_tokenizer(None)
     pieces = tok.encode("🌟👌 中文 日本語 ü € ∑ naïve") + tok.all_special_ids

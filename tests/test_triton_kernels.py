@@ -1,4 +1,4 @@
-"""Chapter 07's Triton kernels (`minivllm.kernels.triton_attention`): the KV store, paged decode (one
+"""Chapter 07's Triton kernels (`minivllm.attention.ops.triton_attention`): the KV store, paged decode (one
 split and split-K) and paged prefill over a cached prefix, against chapter 05's plain-torch reference;
 the Triton backend in the engine against transformers; which backend the default assembly chooses.
 
@@ -30,18 +30,18 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import minivllm.kernels.triton_attention as ta  # noqa: E402
+import minivllm.attention.ops.triton_attention as ta  # noqa: E402
 
 if INTERPRETED and not isinstance(ta.paged_decode_kernel, InterpretedFunction):
     ta = importlib.reload(ta)  # imported before TRITON_INTERPRET was set: define the kernels again
 
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread  # noqa: E402
 from minivllm import defaults  # noqa: E402
-from minivllm.attention import AttentionMetadata  # noqa: E402
-from minivllm.kernels.flash_attn_backend import FlashAttnPagedAttention  # noqa: E402
-from minivllm.kernels.triton_backend import TritonPagedAttention  # noqa: E402
+from minivllm.attention.backend import AttentionMetadata  # noqa: E402
+from minivllm.attention.backends.flash_attn import FlashAttnPagedAttention  # noqa: E402
+from minivllm.attention.backends.triton_attn import TritonPagedAttention  # noqa: E402
 from minivllm.llm import LLM  # noqa: E402
-from minivllm.paged_attention import PagedAttention, gather_kv, paged_decode_attention, prefill_attention  # noqa: E402
+from minivllm.attention.paged_attention import PagedAttention, gather_kv, paged_decode_attention, prefill_attention  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")

@@ -3,7 +3,7 @@
 Triton's interpreter runs the kernels' Python on NumPy and accepts code a GPU compiler refuses (a
 `tl.dot` with an inner dimension below 16, say) and computes every offset exactly, so it cannot see
 an offset that would overflow int32 on a GPU. This script takes the launches the wrappers of
-`minivllm.kernels.triton_attention` make (recorded, not run), and lowers each one through Triton's
+`minivllm.attention.ops.triton_attention` make (recorded, not run), and lowers each one through Triton's
 front end for an sm_90 target (an H100/H200: the frontend's checks of shapes and dtypes, no
 `ptxas`). It prints JSON, one entry per launch: the kernel, its constexprs, the error if lowering
 failed, and the integer type of every offset added to a KV-cache pointer.
@@ -36,7 +36,7 @@ except ImportError as e:  # internals move between Triton releases
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import minivllm.kernels.triton_attention as ta  # noqa: E402
+import minivllm.attention.ops.triton_attention as ta  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = ("store_kvcache_kernel", "paged_decode_kernel", "reduce_splits_kernel", "paged_prefill_kernel")

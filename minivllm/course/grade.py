@@ -1,0 +1,673 @@
+"""Grade the exercises: run their graders (pytest, one marker per exercise) in the book or in a
+student edition, and write points per exercise and the total (JSON, JUnit XML; a class as one CSV).
+
+    python -m minivllm.course.grade                        # every exercise of this edition (the book: all)
+    python -m minivllm.course.grade ch05_ex1 ch05_ex2      # some exercises; `ch05`: all of chapter 05's
+    python -m minivllm.course.grade ch05 --json report.json --junit report.xml
+    python -m minivllm.course.grade ch05 --private-tests ~/course/private   # the instructor's extra tests
+    python -m minivllm.course.grade ch05 --class submissions/ --csv scores.csv  # one edition per subfolder
+
+Hand-written, not exported from a chapter: it is the course's tooling, like `scripts/release.py`.
+`EXERCISES` is the one place where exercises and their points are defined. An exercise scores its
+points when every test carrying its marker passes (public and private tests alike), nothing otherwise.
+
+Graded regions (rebuild exercises) sit in the chapters' export cells, between nbgrader's markers,
+under one line that names the exercise, its points and the task (`REGION_MARKER`):
+
+    # EXERCISE ch05_ex1 (3 points): give `seq` one fresh block per block it needs
+    ### BEGIN SOLUTION
+    ...the book's answer...
+    ### END SOLUTION
+
+A student edition (`scripts/release.py`) replaces such a region by
+`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it.
+In an edition, `grade` first re-exports the package from the chapters when they changed since the
+release (the student works in the notebooks). The idea of graded regions and stubs is nbgrader's;
+the snapshot-free, contract-only graders follow CS336's and minitorch's course tests.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+try:
+    import pytest as _pytest
+except ImportError:  # the table and the release work without pytest; grading needs it
+    _pytest = None
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded exercise.
+
+    Attributes:
+        id: `chNN_exK`, also its pytest marker.
+        points: what it scores when all its tests pass.
+        kind: "rebuild" (a core piece of the package, a graded region in a chapter's export cell) or
+            "extend" (beyond the text, in `exercises/chNN_*.py`).
+        title: a few words.
+        where: the file a student edits.
+        tests: the test files (relative to the edition's root) that hold its graders.
+    """
+
+    id: str
+    points: int
+    kind: str
+    title: str
+    where: str
+    tests: tuple[str, ...]
+
+
+_CH05_NB, _CH05_EX = "notebooks/05_paged_attention.ipynb", "exercises/ch05_paged_attention.py"
+_T1, _T3, _T46, _T10 = ("tests/test_grading.py",), ("tests/test_grading_ch03.py",), \
+    ("tests/test_grading_ch04_06.py",), ("tests/test_grading_ch10.py",)
+
+EXERCISES: dict[str, Exercise] = {e.id: e for e in [
+    Exercise("ch01_ex1", 3, "extend", "check_stop by the rules", "exercises/ch01_sequences.py", _T1),
+    Exercise("ch01_ex2", 2, "rebuild", "the token blocks (blocks_needed, token_block)", "notebooks/01_sequences.ipynb",
+             ("tests/test_grading_ch01_regions.py",)),
+    Exercise("ch01_ex3", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
+             "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",)),
+    Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
+    Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
+    Exercise("ch02_ex3", 3, "rebuild", "RMSNorm.forward", "notebooks/02_model.ipynb",
+             ("tests/test_grading_ch02_regions.py", "tests/test_grading_default_model.py")),
+    Exercise("ch02_ex4", 3, "rebuild", "RotaryEmbedding.forward (RoPE)", "notebooks/02_model.ipynb",
+             ("tests/test_grading_ch02_regions.py", "tests/test_grading_default_model.py")),
+    Exercise("ch02_ex5", 2, "rebuild", "MLP.forward (SwiGLU)", "notebooks/02_model.ipynb",
+             ("tests/test_grading_ch02_regions.py", "tests/test_grading_default_model.py")),
+    Exercise("ch03_ex1", 4, "extend", "chapter 03's batching exercise", "exercises/ch03_batching.py", _T3),
+    Exercise("ch03_ex2", 2, "rebuild", "left padding and positions (pad_batch)", "notebooks/03_batching.ipynb",
+             ("tests/test_grading_ch03_regions.py",)),
+    Exercise("ch03_ex3", 3, "rebuild", "the padded attention mask", "notebooks/03_batching.ipynb",
+             ("tests/test_grading_ch03_regions.py",)),
+    Exercise("ch03_ex4", 2, "rebuild", "when a static batch's row is finished", "notebooks/03_batching.ipynb",
+             ("tests/test_grading_ch03_regions.py",)),
+    Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
+    Exercise("ch04_ex2", 2, "rebuild", "the slot mapping", "notebooks/04_scheduler.ipynb",
+             ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
+    Exercise("ch04_ex3", 3, "rebuild", "Scheduler.schedule_prefill (admission)", "notebooks/04_scheduler.ipynb",
+             ("tests/test_grading_ch04_regions.py",)),
+    Exercise("ch04_ex4", 3, "rebuild", "Scheduler.schedule_decode (preemption)", "notebooks/04_scheduler.ipynb",
+             ("tests/test_grading_ch04_regions.py",)),
+    Exercise("ch04_ex5", 3, "rebuild", "prepare_batch's flat layout", "notebooks/04_scheduler.ipynb",
+             ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
+    Exercise("ch05_ex1", 3, "rebuild", "BlockManager.allocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
+    Exercise("ch05_ex2", 3, "rebuild", "BlockManager.deallocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
+    Exercise("ch05_ex3", 2, "rebuild", "BlockManager.may_append", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
+    Exercise("ch05_ex4", 4, "rebuild", "paged decode attention in torch", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
+    Exercise("ch05_ex5", 5, "extend", "a block manager with a watermark, from scratch", _CH05_EX, _T46),
+    Exercise("ch05_ex6", 3, "extend", "sliding-window paged decode", _CH05_EX, _T46),
+    Exercise("ch06_ex2", 2, "rebuild", "the chained block hash (compute_hash)", "notebooks/06_prefix_caching.ipynb",
+             ("tests/test_grading_ch06_regions.py",)),
+    Exercise("ch06_ex3", 4, "rebuild", "PrefixCachingBlockManager.allocate", "notebooks/06_prefix_caching.ipynb",
+             ("tests/test_grading_ch06_regions.py",)),
+    Exercise("ch06_ex4", 3, "rebuild", "BlockCache._uncache (eviction)", "notebooks/06_prefix_caching.ipynb",
+             ("tests/test_grading_ch06_regions.py",)),
+    Exercise("ch06_ex1", 5, "extend", "token-granular prefix caching", "exercises/ch06_prefix_caching.py", _T46),
+    Exercise("ch07_ex1", 3, "rebuild", "the KV-store kernel", "notebooks/07_triton_kernels.ipynb",
+             ("tests/test_grading_ch07_regions.py",)),
+    Exercise("ch07_ex2", 5, "rebuild", "the online softmax in the decode and prefill kernels",
+             "notebooks/07_triton_kernels.ipynb", ("tests/test_grading_ch07_regions.py",)),
+    Exercise("ch07_ex3", 3, "rebuild", "the split-K reduction kernel", "notebooks/07_triton_kernels.ipynb",
+             ("tests/test_grading_ch07_regions.py",)),
+    Exercise("ch07_ex4", 3, "extend", "copy_blocks as a Triton kernel (copy-on-write)",
+             "exercises/ch07_triton_kernels.py", ("tests/test_grading_ch07_extend.py",)),
+    Exercise("ch08_ex1", 2, "rebuild", "cudagraph_capture_sizes", "notebooks/08_cuda_graphs.ipynb",
+             ("tests/test_grading_ch08_regions.py",)),
+    Exercise("ch08_ex2", 2, "rebuild", "padded_batch_size", "notebooks/08_cuda_graphs.ipynb",
+             ("tests/test_grading_ch08_regions.py",)),
+    Exercise("ch08_ex3", 4, "rebuild", "prepare_decode_inputs (padding into the static buffers)",
+             "notebooks/08_cuda_graphs.ipynb", ("tests/test_grading_ch08_regions.py",)),
+    Exercise("ch08_ex4", 3, "extend", "capture sizes chosen from observed batch sizes",
+             "exercises/ch08_cuda_graphs.py", ("tests/test_grading_ch08_extend.py",)),
+    Exercise("ch09_ex1", 3, "rebuild", "what a step reads and computes (model_cost)", "notebooks/09_benchmark.ipynb",
+             ("tests/test_grading_ch09_regions.py",)),
+    Exercise("ch09_ex2", 3, "rebuild", "one step's FLOPs and bytes (step_cost)", "notebooks/09_benchmark.ipynb",
+             ("tests/test_grading_ch09_regions.py",)),
+    Exercise("ch09_ex3", 2, "rebuild", "the roofline of a run (roofline)", "notebooks/09_benchmark.ipynb",
+             ("tests/test_grading_ch09_regions.py",)),
+    Exercise("ch09_ex4", 2, "rebuild", "the least time of any schedule (workload_bound)", "notebooks/09_benchmark.ipynb",
+             ("tests/test_grading_ch09_regions.py",)),
+    Exercise("ch10_ex1", 3, "extend", "typical-p sampling", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex2", 3, "extend", "the offset detokenizer", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex3", 3, "extend", "no-repeat n-grams", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex4", 3, "rebuild", "the penalties (apply_penalties)", "notebooks/10_sampling.ipynb",
+             ("tests/test_grading_ch10_regions.py",)),
+    Exercise("ch10_ex5", 2, "rebuild", "min-p (apply_min_p)", "notebooks/10_sampling.ipynb",
+             ("tests/test_grading_ch10_regions.py",)),
+    Exercise("ch10_ex6", 3, "rebuild", "top-k and top-p (apply_top_k_top_p)", "notebooks/10_sampling.ipynb",
+             ("tests/test_grading_ch10_regions.py",)),
+    Exercise("ch10_ex7", 2, "rebuild", "the pivot draw's keep test (mass_ranked_before)", "notebooks/10_sampling.ipynb",
+             ("tests/test_grading_ch10_regions.py",)),
+]}
+
+EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root
+RESULTS_ENV = "MINIVLLM_GRADE_RESULTS"  # where the pytest plugin below writes each test's outcome
+REGION_MARKER = re.compile(r"^(?P<indent>\s*)# EXERCISE (?P<id>ch\d\d_ex\d+) \((?P<points>\d+) points?\): (?P<task>.+)$")
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+GRADE_TIMEOUT_S = 1800  # one grading run's limit, seconds
+MESSAGE_CHARS = 4000  # the tail of a failure report kept in the JSON (hypothesis' smallest example is there)
+
+
+# --- exercise ids ------------------------------------------------------------------------------
+def resolve(ids: list[str] | None) -> list[str]:
+    """Expand chapter ids (`ch05`) into their exercises; None or [] means all.
+
+    Raises:
+        ValueError: an id that names no exercise and no chapter with exercises.
+    """
+    if not ids:
+        return list(EXERCISES)
+    out: list[str] = []
+    for name in ids:
+        if name in EXERCISES:
+            found = [name]
+        elif re.fullmatch(r"ch\d\d", name):
+            found = [e for e in EXERCISES if e.startswith(name + "_")]
+        else:
+            found = []
+        if not found:
+            chapters = sorted({e[:4] for e in EXERCISES})
+            raise ValueError(f"unknown exercise or chapter {name!r}: known chapters {', '.join(chapters)}; "
+                             f"exercises {', '.join(EXERCISES)}")
+        out += [e for e in found if e not in out]
+    return out
+
+
+@dataclass
+class Region:
+    """A graded region in a text: the marker line, the BEGIN and END lines (0-based line numbers)."""
+
+    id: str
+    points: int
+    task: str
+    indent: str
+    marker: int
+    begin: int
+    end: int
+
+
+def find_regions(text: str, where: str = "<text>") -> list[Region]:
+    """The graded regions of `text` (a notebook cell's or a module's source), in order.
+
+    Raises:
+        ValueError: nested or unclosed regions, a region without a marker line, an id not in
+            `EXERCISES`, or points that differ from `EXERCISES`' (the table is the one place for
+            points). A marker line not followed by `### BEGIN SOLUTION` at its indentation is a
+            stubbed region (a student edition's) and is skipped.
+    """
+    lines, regions, i = text.split("\n"), [], 0
+    while i < len(lines):
+        m = REGION_MARKER.match(lines[i])
+        if m is None:
+            if lines[i].strip() == BEGIN:
+                raise ValueError(f"{where}:{i + 1}: {BEGIN} without an `# EXERCISE chNN_exK (N points): task` line above")
+            i += 1
+            continue
+        ex, points = m["id"], int(m["points"])
+        if ex not in EXERCISES:
+            raise ValueError(f"{where}:{i + 1}: exercise {ex} is not in minivllm.course.grade.EXERCISES")
+        if points != EXERCISES[ex].points:
+            raise ValueError(f"{where}:{i + 1}: {ex} says {points} points, EXERCISES says {EXERCISES[ex].points}")
+        if i + 1 >= len(lines) or lines[i + 1] != m["indent"] + BEGIN:  # a stub in a student edition
+            i += 1
+            continue
+        end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() in (BEGIN, END)), None)
+        if end is None or lines[end].strip() != END:
+            raise ValueError(f"{where}:{i + 2}: region of {ex} nested or never closed")
+        regions.append(Region(ex, points, m["task"].strip(), m["indent"], i, i + 1, end))
+        i = end + 1
+    return regions
+
+
+def stub_line(region: Region) -> str:
+    """What a region becomes in a student edition: one `raise` naming the exercise and its task."""
+    return f"{region.indent}raise NotImplementedError({f'{region.id}: {region.task}'!r})"
+
+
+# --- the pytest plugin (loaded in the grading run with `-p minivllm.course.grade`) ----------------------
+_outcomes: dict[str, dict] = {}
+TEST_TIMEOUT_S = int(os.environ.get("MINIVLLM_GRADE_TEST_TIMEOUT_S", "600"))  # one test's limit in a grading
+# run, seconds: an endless loop fails its own test, not the whole run
+STUDENT_DIRS = ("minivllm", "exercises", "notebooks")  # where a student's code runs from
+
+
+def _save_outcomes() -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps(_outcomes, indent=1))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        marks = sorted({m.name for m in item.iter_markers() if m.name in EXERCISES})
+        _outcomes[item.nodeid] = {"exercises": marks, "outcome": "passed", "message": "", "details": ""}
+
+
+class GradeTimeout(BaseException):
+    """A test of a grading run ran past `TEST_TIMEOUT_S` (a BaseException: hypothesis does not retry
+    it as a failing example, and an answer's `except Exception` does not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise GradeTimeout(f"this test ran past {TEST_TIMEOUT_S} s and was stopped (an endless loop?)")
+
+
+def pytest_runtest_call(item):
+    """Each test of a grading run stops after `TEST_TIMEOUT_S` (SIGALRM, where the platform has it)."""
+    timed = os.environ.get(RESULTS_ENV) and hasattr(signal, "SIGALRM")
+    if timed:
+        previous = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S, 5.0)  # then every 5 s, should the first be caught
+    try:
+        yield
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+if _pytest is not None:  # a hook wrapper around each test's call (grading runs need pytest anyway)
+    pytest_runtest_call = _pytest.hookimpl(hookwrapper=True)(pytest_runtest_call)
+
+
+def _skipped_by_student_code(report) -> str | None:
+    """The reason, where a test was skipped from the code under grading (a `pytest.skip` in the
+    package, an exercise or a chapter) rather than by its grader (a GPU or the default model absent)."""
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        where, _, reason = report.longrepr
+        try:
+            first = Path(str(where)).resolve().relative_to(_root[0]).parts[0] if _root else ""
+        except (ValueError, IndexError):
+            first = ""
+        if first in STUDENT_DIRS:
+            return f"skipped from the code under grading ({where}): {reason}"
+    return None
+
+
+_root: list[Path] = []  # the grading run's root folder
+
+
+def pytest_configure(config):
+    _root[:] = [Path(str(config.rootpath)).resolve()]
+
+
+def pytest_runtest_logreport(report):
+    rec = _outcomes.get(report.nodeid)
+    if rec is None or rec["outcome"] == "failed":
+        return
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        rec.update(outcome="failed", message=(crash.message if crash else str(report.longrepr))[:MESSAGE_CHARS],
+                   details=report.longreprtext[-MESSAGE_CHARS:])
+    elif report.skipped and (why := _skipped_by_student_code(report)):
+        rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
+    elif report.skipped and rec["outcome"] == "passed":
+        rec["outcome"] = "skipped"
+    _save_outcomes()  # after every test: a run stopped later keeps what it had
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _save_outcomes()
+
+
+# --- running the graders -----------------------------------------------------------------------
+def _tree_hash(root: Path, folder: str, pattern: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted((root / folder).rglob(pattern)):
+        if "__pycache__" not in f.parts and ".ipynb_checkpoints" not in f.parts:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def edition_hashes(root: Path) -> dict[str, str]:
+    """Hashes of an edition's package and chapters (recorded at release, compared when grading)."""
+    return {"package_sha256": _tree_hash(root, "minivllm", "*.py"),
+            "notebooks_sha256": _tree_hash(root, "notebooks", "*.ipynb")}
+
+
+def sync_package(root: Path) -> str:
+    """In a student edition, re-export `minivllm/` from the chapters if they changed since the last export
+    (the release's, or a later one); after an export the edition's record holds the new hashes (the next edit of a
+    chapter is compared with them).
+
+    Returns a line saying what was done.
+    Raises:
+        RuntimeError: both the chapters and the package were edited and they disagree (the package
+            is generated from the chapters: work in the notebooks, or grade with `export=False`).
+    """
+    edition = json.loads((root / EDITION_FILE).read_text())
+    now = edition_hashes(root)
+    if now["notebooks_sha256"] == edition["notebooks_sha256"]:
+        return "chapters unchanged since the last export: grading minivllm/ as it is"
+    export = [sys.executable, str(root / "scripts" / "export.py")]
+    if now["package_sha256"] != edition["package_sha256"]:
+        if subprocess.run(export + ["--check"], cwd=root, capture_output=True).returncode == 0:
+            _record_hashes(root, edition)
+            return "minivllm/ is up to date with the chapters"
+        raise RuntimeError("both notebooks/ and minivllm/ were edited since the last export, and minivllm/ is not what "
+                           "the notebooks export. minivllm/ is generated from the chapters: put your work in the "
+                           "notebook (then grade again), or grade minivllm/ as it is with --no-export (its files "
+                           "are overwritten by the next export).")
+    r = subprocess.run(export, cwd=root, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"exporting the chapters failed:\n{r.stdout}{r.stderr}")
+    _record_hashes(root, edition)
+    return "re-exported minivllm/ from the chapters"
+
+
+def _record_hashes(root: Path, edition: dict) -> None:
+    """The package now is what the chapters export: remember both, as the release did."""
+    (root / EDITION_FILE).write_text(json.dumps({**edition, **edition_hashes(root)}, indent=1) + "\n")
+
+
+def find_root(start: str | Path = ".") -> Path:
+    """The edition holding `start`: the nearest folder, upwards, with `minivllm/` and `tests/` (a
+    chapter runs in `notebooks/`, so its grader cells find the root above it)."""
+    here = Path(start).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "minivllm").is_dir() and (folder / "tests").is_dir():
+            return folder
+    raise ValueError(f"no minivllm edition (a folder with minivllm/ and tests/) at or above {here}")
+
+
+def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *, json_path: str | Path | None = None,
+          junit_path: str | Path | None = None, private_tests: str | Path | None = None,
+          export: bool | None = None, verbose: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> dict:
+    """Run the graders of `ids` (exercise or chapter ids; default: the edition's exercises, or all) in
+    the edition at `root` (default: `find_root()`); return the report and write it as JSON and/or JUnit XML.
+
+    Args:
+        export: re-export the package from the chapters first (None: where `root` is a student
+            edition and its chapters changed, see `sync_package`).
+        private_tests: a folder of extra test files (marked with the exercises' markers) kept
+            outside the release; they count towards the same exercises.
+        verbose: print pytest's report of the failures and a score table.
+        timeout_s: each run's limit (an endless loop scores nothing, with an error saying so).
+    The graders run in one pytest subprocess per chapter and kind (rebuild, extend): in an edition,
+    the released regions a run does not grade are then the graders' stand-ins (`tests/stand_ins.py`),
+    so an exercise scores by its own code alone, whatever else the edition released.
+    In the book (not an edition), a chapter executed by the test suite (nbmake) does not run the
+    graders again: the suite runs them itself; the report then says `"skipped"`.
+    Returns:
+        `{"root", "exercises": {id: {"points", "max_points", "passed", "tests", "failed": [...]}},
+        "total", "max_total"}`.
+    Raises:
+        ValueError: an unknown id, or a `root`/`private_tests` folder that does not exist.
+    """
+    root = find_root() if root is None else Path(root).resolve()
+    if not (root / "minivllm").is_dir():
+        raise ValueError(f"{root} is not a minivllm edition (no minivllm/ folder)")
+    edition = json.loads((root / EDITION_FILE).read_text()) if (root / EDITION_FILE).exists() else None
+    if isinstance(ids, str):
+        ids = [ids]
+    wanted = resolve(ids or (edition["exercises"] if edition else None))
+    if edition is None and "ipykernel" in sys.modules and os.environ.get("PYTEST_CURRENT_TEST"):
+        # a chapter of the book executed by the test suite (nbmake): the suite runs these graders itself
+        if verbose:
+            print(f"{', '.join(wanted)}: not run here (this chapter runs inside the test suite, which runs the "
+                  "same graders in tests/); run the cell in Jupyter to grade")
+        return {"root": str(root), "skipped": "inside the test suite", "exercises": {}, "total": 0,
+                "max_total": sum(EXERCISES[e].points for e in wanted)}
+    note = ""
+    if edition and export is not False:
+        note = sync_package(root)
+    elif export:
+        subprocess.run([sys.executable, str(root / "scripts" / "export.py")], cwd=root, check=True, capture_output=True)
+    if private_tests is not None:
+        private_tests = Path(private_tests).resolve()
+        if not private_tests.is_dir():
+            raise ValueError(f"private tests folder {private_tests} does not exist")
+    # an edition grades the student's exercises/, whatever else its folder holds
+    impl = "solutions" if edition is None and (root / "solutions").is_dir() else "exercises"
+    outcomes, logs = {}, []
+    for group in dict.fromkeys((e[:4], EXERCISES[e].kind) for e in wanted):  # see tests/stand_ins.py
+        ids_here = [e for e in wanted if (e[:4], EXERCISES[e].kind) == group]
+        files = sorted({t for e in ids_here for t in EXERCISES[e].tests if (root / t).exists()})
+        r, found = _run_graders(root, ids_here, files + ([str(private_tests)] if private_tests else []), impl,
+                                timeout_s)
+        outcomes.update({n: o for n, o in found.items() if set(o["exercises"]) & set(ids_here)})
+        if r.returncode or not found:
+            logs.append(r)
+    report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
+    borrowed = graders_code_used(root) if edition else []  # in the book, tests/ may be imported at will
+    if borrowed:
+        report["graders_code_used"] = borrowed
+    for ex in wanted:
+        tests = {n: o for n, o in outcomes.items() if ex in o["exercises"]}
+        failed = [{"test": n, "message": o["message"], "details": o["details"]}
+                  for n, o in tests.items() if o["outcome"] == "failed"]
+        if borrowed:
+            failed.insert(0, {"test": "(the code under grading)", "details": "\n".join(borrowed),
+                              "message": f"{ex}: not graded: the code uses the graders' own code from tests/ "
+                                         f"(their stand-ins are not your answer): {borrowed[0]}"})
+        passed = bool(tests) and not failed and any(o["outcome"] == "passed" for o in tests.values())
+        pts = EXERCISES[ex].points
+        report["exercises"][ex] = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
+                                   "passed": passed, "tests": len(tests), "failed": failed}
+        report["total"] += pts if passed else 0
+        report["max_total"] += pts
+    if not outcomes:  # pytest could not collect or start: say why
+        report["error"] = "".join(r.stdout + r.stderr for r in logs)[-MESSAGE_CHARS:]
+    if verbose:
+        if note:
+            print(note)
+        for r in logs:
+            print(r.stdout[-20000:] + r.stderr[-4000:])
+        print(format_report(report))
+        stubs = [ex for ex, r in report["exercises"].items()
+                 if any(f"NotImplementedError: {ex}: " in f["message"] for f in r["failed"])]
+        if stubs and note.startswith("chapters unchanged"):
+            print(f"{', '.join(stubs)}: still a stub, and no chapter changed since the last export: "
+                  "if you filled it in, save the notebook (the grader reads the saved file) and grade again")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    if junit_path:
+        write_junit(report, junit_path)
+    return report
+
+
+GRADER_NAMES = re.compile(r"\b(_grader\w*|_Grader\w*|_Scaffold|STAND_INS)\b")
+
+
+def graders_code_used(root: Path) -> list[str]:
+    """Places where the code under grading (the package but this module, and `exercises/`) imports a
+    module of `tests/` or uses a grader's stand-in by name: the stand-ins are working answers written
+    for the graders, not answers of the student's. Returns `path:line: text` for each."""
+    modules = "|".join(sorted(re.escape(p.stem) for p in (root / "tests").glob("*.py")))
+    importing = re.compile(rf"\b({modules})\b") if modules else None
+    found = []
+    files = [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]
+    for f in sorted(files):
+        if f.name == "grade.py" and f.parent.name == "minivllm":
+            continue
+        for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if GRADER_NAMES.search(line) or ("import" in line and importing and importing.search(line)):
+                found.append(f"{f.relative_to(root)}:{i}: {line.strip()[:120]}")
+    return found
+
+
+def _run_graders(root: Path, ids: list[str], files: list[str], impl: str, timeout_s: float):
+    """One pytest run of the graders of `ids` in `files`; returns (the finished process, outcomes by test)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(tmp) / "results.json"
+        env = {**os.environ, RESULTS_ENV: str(results), "PYTHONPATH": os.pathsep.join(
+            [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "pytest", "-p", "minivllm.course.grade", "-p", "no:cacheprovider", "-q",
+               "--tb=short", "-m", " or ".join(ids), f"--impl={impl}", "--rootdir", str(root), *files]
+        try:
+            r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            out = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            r = subprocess.CompletedProcess(cmd, 1, out(e.stdout), out(e.stderr) + f"\ngrading stopped after "
+                                            f"{timeout_s:.0f} s (an endless loop?)")
+        return r, (json.loads(results.read_text()) if results.exists() else {})
+
+
+def format_report(report: dict) -> str:
+    """The score table, one line per exercise."""
+    lines = []
+    for ex, r in report["exercises"].items():
+        status = "PASS" if r["passed"] else ("FAIL" if r["tests"] else "NO TESTS RAN")
+        why = f" — {r['failed'][0]['message'].splitlines()[0][:150]}" if r["failed"] and r["failed"][0]["message"] else ""
+        lines.append(f"{ex} {status:>4} {r['points']:>2}/{r['max_points']:<2} {r['title']}{why}")
+    lines.append(f"total: {report['total']}/{report['max_total']} points")
+    return "\n".join(lines)
+
+
+def write_junit(report: dict, path: str | Path) -> None:
+    """JUnit XML: one testcase per exercise (its points as properties), failures with their messages."""
+    failures = sum(not r["passed"] for r in report["exercises"].values())
+    suite = ET.Element("testsuite", name="minivllm grade", tests=str(len(report["exercises"])), failures=str(failures))
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", name="total", value=str(report["total"]))
+    ET.SubElement(props, "property", name="max_total", value=str(report["max_total"]))
+    for ex, r in report["exercises"].items():
+        case = ET.SubElement(suite, "testcase", classname="minivllm.course.grade", name=ex)
+        cprops = ET.SubElement(case, "properties")
+        ET.SubElement(cprops, "property", name="points", value=str(r["points"]))
+        ET.SubElement(cprops, "property", name="max_points", value=str(r["max_points"]))
+        if not r["passed"]:
+            first = r["failed"][0] if r["failed"] else {"message": "no test ran", "details": ""}
+            fail = ET.SubElement(case, "failure", message=first["message"][:500])
+            fail.text = "\n\n".join(f"{f['test']}\n{f['details']}" for f in r["failed"]) or first["message"]
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+CLEAN_COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ipynb_checkpoints",
+                                           "solutions", "*.egg-info", ".hypothesis")
+
+
+def student_files(ids: list[str]) -> list[str]:
+    """The files a student's work lives in for `ids`: the chapters holding their graded regions and
+    the `exercises/` files of the extend ones (paths relative to an edition's root)."""
+    return sorted({EXERCISES[e].where for e in ids})
+
+
+def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | None = None,
+                private_tests: str | Path | None = None, tests_from: str | Path | None = None,
+                reports: str | Path | None = None, verbose: bool = True) -> list[dict]:
+    """Grade every subfolder of `submissions` (one student edition each) into one CSV: a row per
+    subfolder with its points per exercise and the total (a folder that cannot be graded gets an
+    `error` column).
+
+    Each submission is graded in a fresh copy of the instructor's edition (`tests_from`: the edition,
+    or the book, the command runs from), into which only the student's work is copied: the chapters
+    holding the graded regions of `ids` and the `exercises/` files of its extend exercises
+    (`student_files`). The package is exported from those chapters. Nothing else a submission holds
+    counts: not its `tests/`, conftest or pytest files, `scripts/`, `EDITION.json`, nor a
+    hand-edited `minivllm/`; the submission's folder is not changed.
+
+    Args:
+        ids: the exercises (default: those of `tests_from`'s `EDITION.json`, or all).
+        reports: a folder for each submission's report (`NAME.json`, `NAME.xml`), with the failures.
+    Raises:
+        ValueError: `submissions` or `tests_from` is not a folder, or `submissions` has no subfolder.
+    The student's code still runs in the grading process and can tamper with it: grade a class in a
+    sandbox or container, and read the code of a surprising score.
+    """
+    submissions, base = Path(submissions), find_root() if tests_from is None else Path(tests_from).resolve()
+    if not submissions.is_dir():
+        raise ValueError(f"submissions folder {submissions} does not exist")
+    if not (base / "minivllm").is_dir() or not (base / "tests").is_dir() or not (base / "notebooks").is_dir():
+        raise ValueError(f"{base} is not a minivllm edition (it needs minivllm/, notebooks/ and tests/)")
+    folders = sorted(p for p in submissions.iterdir() if p.is_dir())
+    if not folders:
+        raise ValueError(f"{submissions} has no submission folder (one edition per subfolder)")
+    edition = json.loads((base / EDITION_FILE).read_text()) if (base / EDITION_FILE).exists() else None
+    wanted = resolve(ids or (edition["exercises"] if edition else None))
+    if reports is not None:
+        Path(reports).mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = Path(tmp) / "base"
+        shutil.copytree(base, clean, ignore=CLEAN_COPY_IGNORE, symlinks=True)
+        for folder in folders:
+            row: dict = {"submission": folder.name}
+            work = Path(tmp) / "work"
+            try:
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.copytree(clean, work, symlinks=True)
+                missing = [f for f in student_files(wanted) if not (folder / f).is_file()]
+                if missing:
+                    raise ValueError(f"missing {', '.join(missing)}")
+                for f in student_files(wanted):
+                    shutil.copyfile(folder / f, work / f)
+                r = subprocess.run([sys.executable, str(work / "scripts" / "export.py")], cwd=work,
+                                   capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"exporting the chapters failed: {(r.stdout + r.stderr)[-300:]}")
+                released = [*dict.fromkeys([*(edition["exercises"] if edition else []), *wanted])]
+                (work / EDITION_FILE).write_text(json.dumps({"exercises": released, **edition_hashes(work)}) + "\n")
+                out = {} if reports is None else dict(json_path=Path(reports) / f"{folder.name}.json",
+                                                      junit_path=Path(reports) / f"{folder.name}.xml")
+                rep = grade(wanted, work, private_tests=private_tests, export=False, verbose=False, **out)
+                row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
+                row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
+                if rep.get("graders_code_used"):
+                    row["error"] = f"uses the graders' code: {rep['graders_code_used'][0]}"[:300]
+            except (ValueError, RuntimeError, OSError, json.JSONDecodeError) as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            if verbose:
+                print(f"{folder.name}: {row.get('total', '-')}/{row.get('max_total', '-')} {row.get('error', '')}".rstrip())
+    columns = ["submission", *wanted, "total", "max_total", "error"]
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.course.grade", description=__doc__.split("\n\n")[0])
+    ap.add_argument("ids", nargs="*", help="exercise ids (ch05_ex1) or chapters (ch05); default: the edition's")
+    ap.add_argument("--root", help="the edition to grade (default: the one holding the current folder)")
+    ap.add_argument("--json", help="write the report as JSON here")
+    ap.add_argument("--junit", help="write the report as JUnit XML here")
+    ap.add_argument("--private-tests", help="a folder of extra tests, kept outside the release")
+    ap.add_argument("--no-export", action="store_true", help="grade minivllm/ as it is (no export from the chapters)")
+    ap.add_argument("--class", dest="submissions", help="grade each subfolder of this folder (one edition each)")
+    ap.add_argument("--csv", help="with --class: the scores' CSV (default: scores.csv)")
+    ap.add_argument("--tests-from", help="with --class: the instructor's edition (or the book) each submission is "
+                                         "graded in (default: the one holding the current folder)")
+    ap.add_argument("--reports", help="with --class: a folder for each submission's JSON and JUnit report")
+    ap.add_argument("--list", action="store_true", help="list the exercises and their points")
+    args = ap.parse_args(argv)
+    try:
+        if args.list:
+            for e in EXERCISES.values():
+                print(f"{e.id} {e.points:>2} points  {e.kind:<7} {e.title}  ({e.where})")
+            return 0
+        if not args.submissions and (args.csv or args.tests_from or args.reports):
+            raise ValueError("--csv, --tests-from and --reports go with --class SUBMISSIONS")
+        if args.submissions:
+            rows = grade_class(args.submissions, args.csv or "scores.csv", args.ids, args.private_tests,
+                               args.tests_from, args.reports)
+            errors = sum(bool(r.get("error")) for r in rows)
+            print(f"{len(rows)} submissions graded into {args.csv or 'scores.csv'}"
+                  + (f"; {errors} with an error (see its row)" if errors else ""))
+            return 0
+        rep = grade(args.ids, args.root, json_path=args.json, junit_path=args.junit,
+                    private_tests=args.private_tests, export=False if args.no_export else None)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if rep["total"] == rep["max_total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
