@@ -4,43 +4,77 @@
 """Small pictures shared by the chapters (exported from notebooks/01_sequences.ipynb)."""
 from __future__ import annotations
 
-ENGINE_PARTS = ("tokenizer", "Sequence", "Scheduler", "BlockManager", "ModelRunner", "model", "sampler")
+# folder (or top-level modules) -> (what it holds, the chapters that write it, (column, row) on the map)
+PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
+    "llm.py": ("LLM: the offline API", (4,), (0, 2)),
+    "engine/": ("processor, LLMEngine,\nEngineCore, detokenizer,\noutput processor", (4, 10), (1, 2)),
+    "core/": ("scheduler,\nKV-cache manager:\nblocks, prefix caching", (4, 5, 6), (2, 2)),
+    "worker/": ("model runner,\nCUDA graphs", (4, 8), (3, 2)),
+    "model_executor/": ("the decoder:\nlayers, weights", (2,), (4, 2)),
+    "sample/": ("sampler, its ops,\nseeded generator", (2, 10), (5, 2)),
+    "attention/": ("backends,\npaged attention,\nC++, Triton kernels", (4, 5, 7), (4, 1)),
+    "sampling_params.py\nsequence.py": ("the request and\nits tokens", (1,), (1, 1)),
+    "config.py\noutputs.py": ("EngineArgs,\nRequestOutput", (4,), (2, 1)),
+    "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
+    "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
+    "entrypoints/": ("the command line", (4,), (0, 0)),
+    "benchmarks/": ("throughput, roofline,\nthe speedup ladder", (9,), (1, 0)),
+    "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
+}
+# the request's path: text in, through the engine's folders, and tokens back out
+REQUEST_PATH = ("llm.py", "engine/", "core/", "worker/", "model_executor/", "sample/")
 
 
-def draw_engine_map(highlight: tuple[str, ...] = (), ax=None):
-    """Draw the engine's parts as a row of boxes, highlighting the ones a chapter builds.
+# %% auto #0
+__all__ = ['PACKAGE_MAP', 'REQUEST_PATH', 'draw_package_map', 'draw_tokens', 'draw_blocks', 'draw_category_grid']
+
+# %% ../../notebooks/01_sequences.ipynb #7df38a45
+def draw_package_map(chapter: int | None = None, ax=None):
+    """Draw minivllm's folders as boxes on the request's path (arrows), colouring the ones `chapter` writes.
 
     Args:
-        highlight: names from `ENGINE_PARTS` to colour.
+        chapter: a chapter number (1-based); None colours nothing.
         ax: a matplotlib Axes to draw into (a new figure when None).
     Returns:
         The matplotlib Axes.
     Raises:
-        ValueError: a name in `highlight` is not one of `ENGINE_PARTS`.
+        ValueError: `chapter` is not a chapter that writes part of the package.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
 
-    unknown = set(highlight) - set(ENGINE_PARTS)
-    if unknown:
-        raise ValueError(f"unknown engine part(s) {sorted(unknown)}; choose from {ENGINE_PARTS}")
+    chapters = {c for _, cs, _ in PACKAGE_MAP.values() for c in cs}
+    if chapter is not None and chapter not in chapters:
+        raise ValueError(f"chapter {chapter!r} writes no folder; choose from {sorted(chapters)}")
     if ax is None:
-        _, ax = plt.subplots(figsize=(12, 1.6))
-    for i, name in enumerate(ENGINE_PARTS):
-        on = name in highlight
-        ax.add_patch(FancyBboxPatch((i * 1.5, 0), 1.25, 0.8, boxstyle="round,pad=0.05",
-                                    fc="#f4a261" if on else "#e9ecef", ec="#333" if on else "#999"))
-        ax.text(i * 1.5 + 0.625, 0.4, name, ha="center", va="center", fontsize=9,
-                fontweight="bold" if on else "normal")
-        if i:
-            ax.annotate("", (i * 1.5 - 0.05, 0.4), (i * 1.5 - 0.2, 0.4), arrowprops=dict(arrowstyle="->"))
-    ax.set_xlim(-0.2, len(ENGINE_PARTS) * 1.5)
-    ax.set_ylim(-0.2, 1.0)
+        _, ax = plt.subplots(figsize=(14, 5.2))
+    w, h, dx, dy = 2.0, 1.35, 2.25, 1.8
+    for name, (holds, cs, (col, row)) in PACKAGE_MAP.items():
+        on, path = chapter in cs, name in REQUEST_PATH
+        x, y = col * dx, row * dy
+        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.04",
+                                    fc="#f4a261" if on else ("#e9ecef" if path else "#f8f9fa"),
+                                    ec="#333" if on or path else "#aaa", ls="-" if path else "--"))
+        ax.text(x + w / 2, y + h - 0.08, name, ha="center", va="top", fontsize=8, fontweight="bold",
+                family="monospace")
+        ax.text(x + w / 2, y + 0.08, f"{holds}\nch {', '.join(f'{c:02d}' for c in cs)}", ha="center",
+                va="bottom", fontsize=7)
+    for a, b in zip(REQUEST_PATH, REQUEST_PATH[1:]):
+        (ca, ra), (cb, rb) = PACKAGE_MAP[a][2], PACKAGE_MAP[b][2]
+        ax.annotate("", (cb * dx - 0.02, rb * dy + h / 2), (ca * dx + w + 0.02, ra * dy + h / 2),
+                    arrowprops=dict(arrowstyle="->", lw=1.5))
+    ax.annotate("", (4 * dx + w / 2, dy + h + 0.02), (4 * dx + w / 2, 2 * dy - 0.02),
+                arrowprops=dict(arrowstyle="<->", lw=1.2))  # the model calls its attention backend
+    top = 2 * dy + h + 0.08
+    ax.annotate("", (1 * dx + w / 2, top), (5 * dx + w / 2, top),
+                arrowprops=dict(arrowstyle="->", connectionstyle="arc3,rad=0.12", lw=1.2, color="#555"))
+    ax.text(3 * dx + w / 2, top + 0.2, "next tokens, back to the engine (and to text)", ha="center",
+            fontsize=8, color="#555")
+    ax.set_xlim(-0.2, 6 * dx)
+    ax.set_ylim(-0.2, 3 * dy + 0.6)
     ax.axis("off")
     return ax
 
-# %% auto #0
-__all__ = ['ENGINE_PARTS', 'draw_engine_map', 'draw_tokens', 'draw_blocks', 'draw_category_grid']
 
 # %% ../../notebooks/01_sequences.ipynb #264b9751
 def _token_label(piece: str) -> str:
