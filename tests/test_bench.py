@@ -15,7 +15,7 @@ import torch
 from minivllm.benchmarks import bench
 from minivllm.__main__ import main
 from minivllm.benchmarks.bench import make_workload, run_hf
-from minivllm.model_executor.models.llama import load_model
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import naive_generate
 from minivllm.sampling_params import SamplingParams
 

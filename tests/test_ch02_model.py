@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from minivllm.model_executor.models.llama import attention_reference, load_model
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import CausalAttention, naive_generate
 from minivllm.sampling_params import SamplingParams
 

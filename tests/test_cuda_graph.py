@@ -26,7 +26,8 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.attention.backends.flash_attn import FlashAttnPagedAttention
 from minivllm.attention.backends.triton_attn import TritonPagedAttention
 from minivllm.worker.model_runner import ModelRunner
-from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding, load_model
+from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding
+from minivllm.model_executor.model_loader import load_model
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams

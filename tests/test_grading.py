@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters import load
-from minivllm.model_executor.models.llama import RotaryEmbedding, load_model
+from minivllm.model_executor.models.llama import RotaryEmbedding
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import CausalAttention
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.model_executor.models.llama import MLP, RMSNorm, RotaryEmbedding, load_model
+from minivllm.model_executor.models.llama import MLP, RMSNorm, RotaryEmbedding
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import CausalAttention
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters import load
-from minivllm.model_executor.models.llama import load_model
+from minivllm.model_executor.model_loader import load_model
 
 
 @pytest.fixture(scope="module")

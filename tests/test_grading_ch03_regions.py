@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 
 import minivllm.baselines.static_batching as sb
 from engine_helpers import hf_greedy, one_thread
-from minivllm.model_executor.models.llama import attention_reference, load_model
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.model_executor.model_loader import load_model
 from minivllm.sampling_params import SamplingParams
 from minivllm.course.testing import random_prompts
 

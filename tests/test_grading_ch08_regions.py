@@ -35,7 +35,7 @@ from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, ru
 from minivllm.core.block_manager import BlockManager
 from minivllm.worker.cuda_graph import CapturablePagedAttention, CUDAGraphModelRunner, DecodeBuffers
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model_executor.models.llama import load_model
+from minivllm.model_executor.model_loader import load_model
 from minivllm.worker.model_runner import ModelRunner, prepare_batch
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams

@@ -35,7 +35,7 @@ import torch
 import minivllm.engine.llm_engine as engine_module
 from engine_helpers import one_thread, run_engine
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model_executor.models.llama import load_model
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import CausalAttention
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams

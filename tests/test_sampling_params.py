@@ -142,7 +142,7 @@ def test_llm_engine_unknown_argument_is_a_value_error(folder):
 
 
 def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none(folder):
-    from minivllm.model_executor.models.llama import load_model
+    from minivllm.model_executor.model_loader import load_model
     from minivllm.baselines.naive import naive_generate
 
     model = load_model(folder, dtype=__import__("torch").float64)
@@ -153,7 +153,7 @@ def test_naive_loop_refuses_what_it_does_not_implement_and_takes_max_tokens_none
 
 
 def test_static_batching_refuses_what_it_does_not_implement(folder):
-    from minivllm.model_executor.models.llama import load_model
+    from minivllm.model_executor.model_loader import load_model
     from minivllm.baselines.static_batching import static_generate
 
     model = load_model(folder, dtype=__import__("torch").float64)

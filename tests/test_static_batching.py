@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.model_executor.models.llama import attention_reference, load_model
+from minivllm.model_executor.models.llama import attention_reference
+from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import naive_generate
 from minivllm.sampling_params import SamplingParams
 from minivllm.baselines.static_batching import (IDLE, OUTPUT, PADDING, PROMPT, StaticBatchKVCache, pad_batch,

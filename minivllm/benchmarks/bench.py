@@ -458,7 +458,8 @@ def cpu_bf16_note(dtype: str, device: str | torch.device, hardware: dict) -> str
             "CPU stays float32")
 
 # %% ../../notebooks/09_benchmark.ipynb #4960b7a1
-from ..model_executor.models.llama import MODEL_REGISTRY, load_config
+from ..model_executor.models.llama import MODEL_REGISTRY
+from ..model_executor.model_loader import load_config
 
 
 @dataclass(frozen=True)
@@ -805,7 +806,7 @@ def rung_engine_args(name: str, engine_args: dict, device: torch.device, dtype: 
     return dict(args, model_runner_cls=runner, enforce_eager=False)
 
 # %% ../../notebooks/09_benchmark.ipynb #07ef8827
-from ..model_executor.models.llama import load_model
+from ..model_executor.model_loader import load_model
 from ..baselines.naive import iter_generate
 from ..baselines.static_batching import static_generate
 

@@ -12,7 +12,7 @@ from ..core.kv_cache_manager import ContiguousKVManager
 from ..core.sched.scheduler import Scheduler
 from .core import EngineCore, eos_token_ids, kv_cache_num_tokens
 from .processor import Processor, completion_text
-from ..model_executor.models.llama import load_model
+from ..model_executor.model_loader import load_model
 from ..outputs import CompletionOutput, RequestOutput
 from ..sample.generator import make_generator
 from ..sampling_params import RequestOutputKind
