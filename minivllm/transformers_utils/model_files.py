@@ -4,6 +4,7 @@
 """Finding, converting and checking model folders (exported from notebooks/01_sequences.ipynb)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -49,8 +50,8 @@ def find_default_gguf() -> Path:
 
 # %% auto #0
 __all__ = ['MODEL_CACHE_ENV', 'DEFAULT_MODEL_NAME', 'DEFAULT_MODEL_ALIASES', 'GGUF_PACKAGE', 'GGUF_FILE', 'TOKENIZER_FILES',
-           'model_cache_dir', 'default_model_dir', 'find_default_gguf', 'write_hf_folder', 'convert_default_model',
-           'resolve_model', 'has_tokenizer', 'load_tokenizer']
+           'model_cache_dir', 'default_model_dir', 'find_default_gguf', 'write_hf_folder', 'folder_built_in_place',
+           'convert_default_model', 'resolve_model', 'has_tokenizer', 'load_tokenizer']
 
 # %% ../../notebooks/01_sequences.ipynb #a3d44a82
 def write_hf_folder(gguf: Path, folder: Path) -> None:
@@ -78,6 +79,28 @@ def write_hf_folder(gguf: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 # %% ../../notebooks/01_sequences.ipynb #13bac0b0
+@contextlib.contextmanager
+def folder_built_in_place(dest: Path, marker: str):
+    """Yield a fresh scratch folder beside `dest`; when the block ends without an error, rename it to
+    `dest` (replacing an old one), so that no reader ever sees a half-written folder. The block writes
+    the file `marker` last: a `dest` holding it is complete, e.g. when another process won the race.
+    """
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished first; its folder is just as good
+            if not (dest / marker).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert_default_model(dest: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Convert the GGUF default model once into a Hugging Face folder; return the folder.
 
@@ -98,21 +121,9 @@ def convert_default_model(dest: str | os.PathLike | None = None, force: bool = F
         if importlib.util.find_spec(pkg) is None:
             raise ImportError(f"converting the default model needs `{pkg}`: pip install gguf accelerate")
     print(f"minivllm: converting the default model once into {dest} (about 30 s)", file=sys.stderr)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with folder_built_in_place(dest, _DONE_MARKER) as tmp:
         write_hf_folder(gguf, tmp)
         (tmp / _DONE_MARKER).write_text(f"converted from {gguf}\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process finished first; its folder is just as good
-            if not (dest / _DONE_MARKER).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 # %% ../../notebooks/01_sequences.ipynb #7b960b6b
