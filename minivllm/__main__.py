@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minivllm.benchmarks import bench
+from minivllm.benchmarks import cli as bench_cli
 from minivllm.entrypoints import cli
 
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minivllm", description="minivllm: a small vLLM-style engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     cli.add_cli(subparsers)
-    bench.add_cli(subparsers)
+    bench_cli.add_cli(subparsers)
     return parser
 
 

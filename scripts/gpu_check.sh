@@ -105,7 +105,7 @@ if [[ $STAGES_TO_RUN == *" graphs "* ]]; then
     fi
     stage graphs "$GRAPHS_CAP" "$OUT_DIR/gpu_cuda_graphs.log" "$PY" -c '
 import json, sys, torch
-from minivllm.benchmarks.bench import write_json
+from minivllm.benchmarks.env import write_json
 from minivllm.worker.cuda_graph import decode_step_benchmark
 result = decode_step_benchmark(**eval(sys.argv[2]))
 result["command"] = sys.argv[3]
@@ -117,7 +117,7 @@ fi
 printf '%s\n' ${DONE_STAGES[@]+"${DONE_STAGES[@]}"} | "$PY" -c '
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
-from minivllm.benchmarks.bench import environment, write_json
+from minivllm.benchmarks.env import environment, write_json
 out, dry = Path(sys.argv[1]), sys.argv[2] == "1"
 stages = []
 for line in filter(None, sys.stdin.read().splitlines()):

@@ -39,8 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minivllm.worker import cuda_graph  # noqa: E402
-from minivllm.benchmarks.bench import (bench_params, dummy_model, environment, generate_until, make_workload,  # noqa: E402
-                            release_memory, warm_up_engine, write_json)
+from minivllm.benchmarks.dummy import dummy_model  # noqa: E402
+from minivllm.benchmarks.env import environment, write_json  # noqa: E402
+from minivllm.benchmarks.runners import bench_params, generate_until, release_memory, warm_up_engine  # noqa: E402
+from minivllm.benchmarks.workload import make_workload  # noqa: E402
 from minivllm.llm import LLM  # noqa: E402
 
 

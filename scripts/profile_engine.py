@@ -36,8 +36,9 @@ from collections import defaultdict
 
 import torch
 
-from minivllm.benchmarks.bench import (DEFAULT_INPUT_LEN, DEFAULT_NUM_REQUESTS, DEFAULT_OUTPUT_LEN, cpu_model, environment,
-                            make_workload, warm_up_engine)
+from minivllm.benchmarks.env import cpu_model, environment
+from minivllm.benchmarks.runners import warm_up_engine
+from minivllm.benchmarks.workload import DEFAULT_INPUT_LEN, DEFAULT_NUM_REQUESTS, DEFAULT_OUTPUT_LEN, make_workload
 from minivllm.llm import LLM
 from minivllm.transformers_utils.model_files import resolve_model
 from minivllm.sampling_params import SamplingParams

@@ -3,8 +3,8 @@
     python scripts/sampler_overhead.py                       # 32 requests, the default model, CPU
     python scripts/sampler_overhead.py --num-requests 256 --input-len 100 1024 --output-len 32 32 --device cuda
 
-The workload is chapter 09's (`bench.make_workload`: random token ids, lengths uniform in the ranges,
-seeded). Each run generates it once greedily and once with `temperature=0.8, top_p=0.95` (each
+The workload is chapter 09's (`minivllm.benchmarks.workload.make_workload`: random token ids, lengths
+uniform in the ranges, seeded). Each run generates it once greedily and once with `temperature=0.8, top_p=0.95` (each
 request seeded), alternating, `--repeats` times. From the decode steps that run the whole batch it
 reports the mean step time and the mean time of the sampler's call inside those steps (timed around
 `model_runner.sampler`), and the sampler's extra time as a share of a greedy decode step. It prints
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from minivllm.benchmarks.bench import make_workload  # noqa: E402
+from minivllm.benchmarks.workload import make_workload  # noqa: E402
 from minivllm.llm import LLM  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 

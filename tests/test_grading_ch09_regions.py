@@ -3,7 +3,7 @@
 ch09_ex1 (`model_cost`), ch09_ex2 (`step_cost`), ch09_ex3 (`roofline`) and ch09_ex4 (`workload_bound`)
 are graded in the package itself: in a student edition they are the student's code, exported from the
 chapter (stubs until filled), and there is no reference to compare with. Each is graded alone: `graded`
-puts the grader's own `step_cost` into `minivllm.benchmarks.bench` where `roofline` and `workload_bound` are graded,
+puts the grader's own `step_cost` into `minivllm.benchmarks.roofline` where `roofline` and `workload_bound` are graded,
 and `step_cost` is graded on costs the grader counts itself, so a filled region passes whatever state the
 others are in.
 
@@ -38,9 +38,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minivllm.benchmarks.bench as bench
+import minivllm.benchmarks.roofline as roofline_module
 from engine_helpers import one_thread
-from minivllm.benchmarks.bench import DevicePeaks, ModelCost, Workload
+from minivllm.benchmarks.roofline import DevicePeaks, ModelCost
+from minivllm.benchmarks.workload import Workload
 from minivllm.course.testing import tiny_config
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -143,15 +144,15 @@ def _grader_workload_bound(cost: ModelCost, workload: Workload, peaks: DevicePea
 
 
 # exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
-STAND_INS = {"ch09_ex1": [(bench, "model_cost", _grader_model_cost)],
-             "ch09_ex2": [(bench, "step_cost", _grader_step_cost)],
-             "ch09_ex3": [(bench, "roofline", _grader_roofline)],
-             "ch09_ex4": [(bench, "workload_bound", _grader_workload_bound)]}
+STAND_INS = {"ch09_ex1": [(roofline_module, "model_cost", _grader_model_cost)],
+             "ch09_ex2": [(roofline_module, "step_cost", _grader_step_cost)],
+             "ch09_ex3": [(roofline_module, "roofline", _grader_roofline)],
+             "ch09_ex4": [(roofline_module, "workload_bound", _grader_workload_bound)]}
 
 
 @contextmanager
 def graded(ex: str | None):
-    """`minivllm.benchmarks.bench` with the package's (the student's) piece for `ex` and the grader's for the
+    """`minivllm.benchmarks.roofline` with the package's (the student's) piece for `ex` and the grader's for the
     other three (None: stand-ins for all)."""
     with ExitStack() as stack:
         for other, patches in STAND_INS.items():
@@ -210,7 +211,7 @@ def _check_model_cost(model_cost, kind: str, overrides: dict) -> None:
 @pytest.mark.parametrize("kind, overrides", CONFIGS, ids=CONFIG_IDS)
 def test_ch09_ex1_model_cost_counts_transformers_model(kind, overrides):
     with graded("ch09_ex1"):
-        _check_model_cost(bench.model_cost, kind, overrides)
+        _check_model_cost(roofline_module.model_cost, kind, overrides)
 
 
 # --- ch09_ex2: step_cost --------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def test_ch09_ex2_step_cost_counts_a_real_forward(kind, overrides):
             "grader: eager attention's matmuls disagree with attention_flops_per_pair"
         want = linear + cost.attention_flops_per_pair * sum(map(_pairs, query_lens, context_lens))
         with graded("ch09_ex2"):
-            _check_step_cost(bench.step_cost, cost, query_lens, context_lens, want,
+            _check_step_cost(roofline_module.step_cost, cost, query_lens, context_lens, want,
                              f"{name} step of transformers' {kind} model: linear FLOPs {linear} by FlopCounterMode")
 
 
@@ -285,7 +286,7 @@ def test_ch09_ex2_step_cost_by_the_rule(cost, step):
     want = (2 * cost.matmul_params * sum(query_lens) + 2 * cost.lm_head_params * len(query_lens)
             + cost.attention_flops_per_pair * sum(map(_pairs, query_lens, context_lens)))
     with graded("ch09_ex2"):
-        _check_step_cost(bench.step_cost, cost, query_lens, context_lens, want, "random cost and step")
+        _check_step_cost(roofline_module.step_cost, cost, query_lens, context_lens, want, "random cost and step")
 
 
 # --- ch09_ex3: roofline ---------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def _check_roofline(cost: ModelCost, steps, peaks: DevicePeaks) -> None:
         want.update(seconds=want["seconds"] + max(compute, memory), flops=want["flops"] + f, bytes=want["bytes"] + b)
         strict, loose = strict + (memory > compute), loose + (memory >= compute)
     with graded("ch09_ex3"):
-        got = bench.roofline(cost, steps, peaks)
+        got = roofline_module.roofline(cost, steps, peaks)
     _expect(isinstance(got, dict), f"ch09_ex3: expected a dict, got {type(got).__name__}, {at}")
     wrong = _first_wrong(got, want, exact={"flops", "bytes", "steps"})
     _expect(wrong is None, f"ch09_ex3: {wrong}, {at} (per step max(FLOPs / matmul rate, bytes / copy rate), summed; "
@@ -338,7 +339,7 @@ def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: 
     at = (f"in workload_bound({cost}, prompts of {prompt_lens} tokens, output_lens {output_lens}, peaks "
           f"{peaks.matmul_flops_per_s:.6g} FLOP/s, {peaks.copy_bytes_per_s:.6g} B/s)")
     with graded("ch09_ex4"):
-        got = bench.workload_bound(cost, workload, peaks)
+        got = roofline_module.workload_bound(cost, workload, peaks)
     _expect(isinstance(got, dict), f"ch09_ex4: expected a dict, got {type(got).__name__}, {at}")
     want = _grader_workload_bound(cost, workload, peaks)
     want = {k: want[k] for k in ("flops", "bytes", "seconds", "tok_s")}  # the counters first
@@ -410,7 +411,7 @@ def test_ch09_ex2_grader_catches(wrong, what):
     q, c = STEPS["prefill over a cached prefix"]
     message = _fails("ch09_ex2", _check_step_cost, wrong, cost, q, c, _grader_step_cost(cost, q, c)[0], "catch")
     assert f"{what}: expected" in message, message
-    with mock.patch.object(bench, "step_cost", wrong), pytest.raises(AssertionError, match="ch09_ex2"):
+    with mock.patch.object(roofline_module, "step_cost", wrong), pytest.raises(AssertionError, match="ch09_ex2"):
         test_ch09_ex2_step_cost_by_the_rule()
 
 
@@ -437,7 +438,7 @@ def _wrong_rooflines():
 @pytest.mark.ch09
 @pytest.mark.parametrize("wrong, what", _wrong_rooflines(), ids=["min", "max of the totals", "compute-bound counted"])
 def test_ch09_ex3_grader_catches(wrong, what):
-    with mock.patch.object(bench, "roofline", wrong):
+    with mock.patch.object(roofline_module, "roofline", wrong):
         message = _fails("ch09_ex3", test_ch09_ex3_roofline_of_known_steps)
         assert f"{what}: expected" in message, message
 
@@ -469,7 +470,7 @@ def _wrong_workload_bounds():
                                                                       "requests summed"])
 def test_ch09_ex4_grader_catches(wrong, what):
     cost = SMALL_COST
-    with mock.patch.object(bench, "workload_bound", wrong):
+    with mock.patch.object(roofline_module, "workload_bound", wrong):
         message = _fails("ch09_ex4", _check_workload_bound, cost, [5, 9], [3, 4], DevicePeaks(1.0, 1.0))
         assert f"{what}: expected" in message, message
 
@@ -481,11 +482,11 @@ def test_ch09_grader_stand_ins_agree_with_the_rules():
     config = tiny_config("qwen3", tie_word_embeddings=True)
     hf = _transformers_model(config, meta=False)
     assert _grader_model_cost(config, torch.float32).num_params == sum(p.numel() for p in hf.parameters())
-    with mock.patch.object(bench, "step_cost", _grader_step_cost):
+    with mock.patch.object(roofline_module, "step_cost", _grader_step_cost):
         test_ch09_ex2_step_cost_by_the_rule()
-    with mock.patch.object(bench, "roofline", _grader_roofline):
+    with mock.patch.object(roofline_module, "roofline", _grader_roofline):
         test_ch09_ex3_roofline_sums_the_slower_side()
-    brute = mock.patch.object(bench, "workload_bound", _workload_bound_step_by_step)
+    brute = mock.patch.object(roofline_module, "workload_bound", _workload_bound_step_by_step)
     with brute:
         test_ch09_ex4_workload_bound_by_the_closed_form()
 

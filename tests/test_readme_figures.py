@@ -1,0 +1,68 @@
+"""README's figures are generated from results/ (`scripts/readme_figures.py`): a stale table fails `make test`."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "readme_figures.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("readme_figures", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_figures_are_those_of_the_records():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:] + "\nrun: python scripts/readme_figures.py"
+
+
+def test_every_figure_comes_from_its_record(tmp_path):
+    """A changed record changes the table: the check fails on the old README, and a rewrite takes the
+    record's figures (and its date)."""
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "results", results)
+    readme = tmp_path / "README.md"
+    shutil.copyfile(ROOT / "README.md", readme)
+    head = json.loads((results / "cpu_bench_headline.json").read_text())
+    head.update(engine_tok_s=123.456, ratio=9.87, date="2031-02-03T04:05:06+00:00")
+    (results / "cpu_bench_headline.json").write_text(json.dumps(head) + "\n")
+    m = _script()
+    args = ["--readme", str(readme), "--results", str(results)]
+    assert m.main([*args, "--check"]) == 1
+    assert m.main(args) == 0
+    text = readme.read_text()
+    assert "**123.5** output tok/s" in text and "**9.87×**" in text and "`cpu_bench_headline.json`, 2031-02-03" in text
+    assert m.main([*args, "--check"]) == 0
+
+    def outside(t: str) -> str:
+        return t[:t.index(m.BEGIN)] + t[t.index(m.END):]
+    assert outside(text) == outside((ROOT / "README.md").read_text())  # nothing else changed
+
+
+def test_the_gpu_ladder_marks_the_rungs_the_time_limit_stopped():
+    m = _script()
+    table = m.ladder_table(ROOT / "results")
+    record = json.loads((ROOT / "results" / "gpu_bench_ladder.json").read_text())
+    for e in record["rungs"].values():
+        row = next(line for line in table.splitlines() if line.startswith(f"| {e['label']} ("))
+        assert (m.MARK_PARTIAL in row) == (e["status"] == "partial"), row
+    if any(e["status"] == "partial" for e in record["rungs"].values()):
+        assert f"{m.MARK_PARTIAL} stopped by the {record['time_limit']:g} s time limit" in table
+
+
+def test_render_needs_the_markers():
+    m = _script()
+    assert m.render(f"a\n{m.BEGIN}\nold\n{m.END}\nb\n", "new") == f"a\n{m.BEGIN}\nnew\n{m.END}\nb\n"
+    for broken in ("no markers", f"{m.END}\n{m.BEGIN}\n", f"{m.BEGIN}\n{m.BEGIN}\n{m.END}\n"):
+        with pytest.raises(ValueError, match="figures:begin"):
+            m.render(broken, "new")
