@@ -1,4 +1,4 @@
-"""Grading tests for chapter 10 (`pytest -m ch10_ex1 --impl=exercises`, ...); see test_grading.py.
+"""Grading tests for chapter 10 (`pytest -m ch10_ex5 --impl=exercises`, ...); see test_grading.py.
 
 Each answer is graded by its contract, not by comparison with minivllm's own code: transformers'
 logits processors (float64 to 1e-12: the same formula, only last-bit rounding may differ; float32 on
@@ -41,7 +41,7 @@ def typical_reference(logits: torch.Tensor, mass: float) -> torch.Tensor:
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex1
+@pytest.mark.ch10_ex5
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 100_000), vocab=st.integers(2, 60), rows=st.integers(1, 4), data=st.data())
 def test_ch10_ex1_typical_p_equals_transformers(ch10, seed, vocab, rows, data):
@@ -59,7 +59,7 @@ def test_ch10_ex1_typical_p_equals_transformers(ch10, seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex1
+@pytest.mark.ch10_ex5
 def test_ch10_ex1_typical_p_rows_alone_and_float32(ch10):
     logits = random_logits(3, 6, 40)
     masses = torch.tensor([0.2, 1.0, 0.5, 0.9, 1.0, 0.7], dtype=torch.float64)
@@ -88,7 +88,7 @@ def smol():
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex2
+@pytest.mark.ch10_ex6
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_ch10_ex2_offset_detokenizer_contract(ch10, smol, data):
@@ -110,7 +110,7 @@ def test_ch10_ex2_offset_detokenizer_contract(ch10, smol, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex2
+@pytest.mark.ch10_ex6
 def test_ch10_ex2_cases_by_name(ch10, smol):
     tok, _ = smol
     star = tok.encode("🌟")
@@ -123,7 +123,7 @@ def test_ch10_ex2_cases_by_name(ch10, smol):
 # --- exercise 3: no repeated n-grams ----------------------------------------------------------------
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex3
+@pytest.mark.ch10_ex7
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), n=st.integers(1, 4), vocab=st.integers(2, 8), seed=st.integers(0, 1000))
 def test_ch10_ex3_no_repeat_ngram_equals_transformers(ch10, data, n, vocab, seed):
@@ -137,7 +137,7 @@ def test_ch10_ex3_no_repeat_ngram_equals_transformers(ch10, data, n, vocab, seed
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex3
+@pytest.mark.ch10_ex7
 def test_ch10_ex3_engine_greedy_equals_transformers_generate(ch10, tmp_path):
     hf = make_model(tmp_path, "llama", vocab_size=12)  # a small vocabulary: repeats are frequent
     prompts = random_prompts(4, 3, 12, seed=2, vocab=12)
