@@ -1,7 +1,7 @@
 """Grading tests for chapter 10's rebuild exercises (`python -m minivllm.course.grade ch10_ex1`, or `pytest -m ch10_ex1`).
 
 ch10_ex1 (`apply_penalties`), ch10_ex2 (`apply_min_p`), ch10_ex3 (`apply_top_k_top_p`) and ch10_ex4
-(`mass_ranked_before`, the pivot draw's keep test) are graded in the package itself: in a student edition
+(`ranked_before` and `mass_ranked_before`, the pivot draw's ranking and keep test) are graded in the package itself: in a student edition
 they are the student's code, exported from the chapter (stubs until filled), and there is no reference to
 compare with. The oracles are transformers' logits processors and warpers (`RepetitionPenaltyLogitsProcessor`,
 `MinPLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`) in float64 on random logits, OpenAI's formulas
@@ -156,17 +156,22 @@ def _top_k_top_p_stand_in(logits, top_k, top_p):
     return out
 
 
+def _ranked_before_stand_in(logits, token_ids):
+    own = logits[torch.arange(len(logits)), token_ids][:, None]
+    ids = torch.arange(logits.shape[1])[None, :]
+    return torch.where(logits == own, ids < token_ids[:, None], logits > own).to(logits.dtype)
+
+
 def _mass_ranked_before_stand_in(logits, probs, token_ids):
-    pivot = logits.gather(1, token_ids[:, None])
-    smaller = torch.arange(logits.shape[1]) < token_ids[:, None]
-    return (probs * ((logits > pivot) | ((logits == pivot) & smaller)).to(probs.dtype)).sum(-1)
+    return (probs * _ranked_before_stand_in(logits, token_ids).to(probs.dtype)).sum(-1)
 
 
 # exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
 STAND_INS = {"ch10_ex1": [(ops, "apply_penalties", _penalties_stand_in)],
              "ch10_ex2": [(ops, "apply_min_p", _min_p_stand_in)],
              "ch10_ex3": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
-             "ch10_ex4": [(ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
+             "ch10_ex4": [(ops, "ranked_before", _ranked_before_stand_in),
+                          (ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
 
 
 @contextmanager
@@ -198,7 +203,7 @@ _penalty = st.one_of(st.just(None), st.floats(-2.0, 2.0))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 40), data=st.data())
-def test_ch10_ex4_penalties_equal_transformers(dtype, seed, vocab, data):
+def test_ch10_ex1_penalties_equal_transformers(dtype, seed, vocab, data):
     """Random rows, token lists and penalties (each sometimes off) against transformers'
     `RepetitionPenaltyLogitsProcessor` over prompt and output tokens, then OpenAI's frequency and presence
     formulas, in float64 on the same (rounded) values. float64: to 1e-12 (the same formula; only the last
@@ -245,7 +250,7 @@ def test_ch10_ex4_penalties_equal_transformers(dtype, seed, vocab, data):
 @pytest.mark.ch10_ex2
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex5_min_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex2_min_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows and `min_p` (some 0: off, some 1: only the likeliest): the same tokens kept as
     transformers' `MinPLogitsWarper`, kept logits unchanged, the rest -inf, an off row exactly as it was."""
     from transformers import MinPLogitsWarper
@@ -270,7 +275,7 @@ def test_ch10_ex5_min_p_equals_transformers(seed, vocab, rows, data):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 60), min_p=st.floats(0.001, 0.9))
-def test_ch10_ex5_min_p_in_lower_precision(dtype, seed, vocab, min_p):
+def test_ch10_ex2_min_p_in_lower_precision(dtype, seed, vocab, min_p):
     """float32 and bfloat16: the kept set is the rule's (probability >= min_p times the largest) on the same
     rounded values, computed in float64, except for tokens within the dtype's rounding of the threshold (4
     units, relative to 1 + the log-probability gap: softmax rounds each probability by about that much);
@@ -338,7 +343,7 @@ def _transformers_top_k_top_p(row, k, p):
 @pytest.mark.ch10_ex3
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex6_top_k_top_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex3_top_k_top_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows (no ties) with random `top_k` and `top_p` (some off: k = vocab_size, p = 1;
     or the whole tensor None): the same tokens kept as transformers' `TopKLogitsWarper` then
     `TopPLogitsWarper` (top-p measured on what top-k left), kept logits unchanged, the rest -inf."""
@@ -356,7 +361,7 @@ def test_ch10_ex6_top_k_top_p_equals_transformers(seed, vocab, rows, data):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
+def test_ch10_ex3_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
     """Rows full of ties (logits rounded to integers; in bfloat16 also by the dtype): the kept set is the
     rule's on the same values, in float64: rank by a stable sort (equal logits: the smaller id first, so
     `top_k=1` is the argmax), keep the first `top_k`, then each token whose higher-ranked tokens hold less
@@ -376,7 +381,7 @@ def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
 
 @pytest.mark.ch10
 @pytest.mark.ch10_ex3
-def test_ch10_ex6_rows_alone_and_known_cases():
+def test_ch10_ex3_rows_alone_and_known_cases():
     """A row's result does not depend on its batch mates; the cases from public bug reports: top_p=0.6
     over probabilities 0.1, 0.2, 0.3, 0.4 keeps exactly 0.3 and 0.4; top_k=1 with tied maxima keeps the
     smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); both filters None return the logits as they are."""
@@ -406,14 +411,40 @@ def test_ch10_ex6_rows_alone_and_known_cases():
             "the logits must come back unchanged")
 
 
-# --- ch10_ex4: the pivot draw's keep test ------------------------------------------------------------
+# --- ch10_ex4: the pivot draw's ranking and keep test -------------------------------------------------
+@pytest.mark.ch10
+@pytest.mark.ch10_ex4
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
+       data=st.data())
+def test_ch10_ex4_ranked_before(dtype, seed, vocab, rows, ties, data):
+    """Random rows (half of them full of ties; bfloat16 adds its own), any token asked about: 1.0 exactly on
+    the tokens ranked before it by a stable sort (a larger logit, or an equal logit and a smaller id; never
+    the token itself), 0.0 elsewhere, in the logits' dtype; the input is not modified."""
+    logits = _random_logits(seed, rows, vocab, ties=ties).to(dtype)
+    token_ids = torch.tensor([data.draw(st.integers(0, vocab - 1), label=f"token {i}") for i in range(rows)])
+    before = logits.clone()
+    got = ops.ranked_before(logits, token_ids)
+    at = (f"ch10_ex4 ({dtype}): ranked_before on {rows} row(s) of {vocab} logits {logits.tolist()}, "
+          f"token_ids {token_ids.tolist()}")
+    _tensor_of(got, (rows, vocab), dtype, at)
+    _expect(torch.equal(logits, before), f"{at}: the input logits were modified")
+    for i in range(rows):
+        rank = _rank(logits[i].double())
+        want = rank < rank[token_ids[i]]
+        _expect(torch.equal(got[i], want.to(dtype)), f"{at}: row {i}, token {int(token_ids[i])}: marked "
+                f"{_ids(got[i] != 0)}, the tokens ranked before it are {_ids(want)} (larger logits, and equal "
+                "logits of smaller id)")
+
+
 @pytest.mark.ch10
 @pytest.mark.ch10_ex4
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
        data=st.data())
-def test_ch10_ex7_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
+def test_ch10_ex4_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
     """Random rows (half of them full of ties), probabilities zero on a random filtered-out set, any token
     asked about (kept or not): the probability of the tokens ranked before it (a larger logit, or an
     equal logit and a smaller id), summed here in rank order in float64. float64 to 1e-12, float32 within
@@ -467,7 +498,7 @@ DRAWS = 3000  # seeded draws per row: 3,000 gives each expected count >= 5 at th
 @pytest.mark.ch10
 @pytest.mark.ch10_ex4
 @pytest.mark.parametrize("top_k, top_p", [(None, 0.7), (8, 0.9), (None, 0.95)], ids=str)
-def test_ch10_ex7_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
+def test_ch10_ex4_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
     """`sample_top_k_top_p` with your keep test on a fixed 12-token row (float64; seeds 0 to 2,999): every
     draw lands on a token transformers' `TopKLogitsWarper` and `TopPLogitsWarper` keep, and the counts pass
     a chi-square test against the filtered softmax (p > 0.001; the seeds are fixed, so the test gives the
@@ -493,7 +524,7 @@ def test_ch10_ex7_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
 
 @pytest.mark.ch10
 @pytest.mark.ch10_ex4
-def test_ch10_ex7_pivot_draws_on_tied_rows_in_float32():
+def test_ch10_ex4_pivot_draws_on_tied_rows_in_float32():
     """float32 rows full of ties (rounded logits), top_k and top_p: each of 300 seeded draws per row lands on
     a token the rule keeps (rank by the stable sort's order, then less than top_p before it)."""
     logits = _random_logits(11, 4, 24, scale=2.0, ties=True).float()

@@ -111,15 +111,18 @@ def ranked_before(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor
     """1.0 where a token ranks before the row's `token_ids` (a larger logit, or an equal logit and a
     smaller id: a stable sort's order), else 0.0: `[rows, vocab_size]` in the logits' dtype.
     Args: logits `[rows, vocab_size]`; token_ids `[rows]` int64."""
+    # EXERCISE ch10_ex4 (3 points): 1.0 where a token ranks before the row's token (larger logit; equal: smaller id)
+    ### BEGIN SOLUTION
     pivot = logits.gather(1, token_ids[:, None])
     smaller_id = torch.arange(logits.shape[1], device=logits.device) < token_ids[:, None]
     return ((logits > pivot) | ((logits == pivot) & smaller_id)).to(logits.dtype)
+    ### END SOLUTION
 
 
 def mass_ranked_before(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """The probability of the tokens ranked before each row's `token_ids` (see `ranked_before`):
     `[rows]`. Args: logits, probs `[rows, vocab_size]` (probs zero where a token is filtered out)."""
-    # EXERCISE ch10_ex4 (2 points): the probability of the tokens ranked before each row's token (ties: smaller ids)
+    # EXERCISE ch10_ex4 (3 points): the probability of the tokens ranked before each row's token
     ### BEGIN SOLUTION
     order = (logits - logits.gather(1, token_ids[:, None])).sign_()  # +1 ranked above, 0 tied, -1 below
     num_tied = logits.shape[1] - order.abs().sum(dim=-1)  # the token itself and any of equal logit
