@@ -1,7 +1,7 @@
-"""Grading tests for chapter 10's rebuild exercises (`python -m minivllm.course.grade ch10_ex4`, or `pytest -m ch10_ex4`).
+"""Grading tests for chapter 10's rebuild exercises (`python -m minivllm.course.grade ch10_ex1`, or `pytest -m ch10_ex1`).
 
-ch10_ex4 (`apply_penalties`), ch10_ex5 (`apply_min_p`), ch10_ex6 (`apply_top_k_top_p`) and ch10_ex7
-(`mass_ranked_before`, the pivot draw's keep test) are graded in the package itself: in a student edition
+ch10_ex1 (`apply_penalties`), ch10_ex2 (`apply_min_p`), ch10_ex3 (`apply_top_k_top_p`) and ch10_ex4
+(`ranked_before` and `mass_ranked_before`, the pivot draw's ranking and keep test) are graded in the package itself: in a student edition
 they are the student's code, exported from the chapter (stubs until filled), and there is no reference to
 compare with. The oracles are transformers' logits processors and warpers (`RepetitionPenaltyLogitsProcessor`,
 `MinPLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`) in float64 on random logits, OpenAI's formulas
@@ -156,17 +156,22 @@ def _top_k_top_p_stand_in(logits, top_k, top_p):
     return out
 
 
+def _ranked_before_stand_in(logits, token_ids):
+    own = logits[torch.arange(len(logits)), token_ids][:, None]
+    ids = torch.arange(logits.shape[1])[None, :]
+    return torch.where(logits == own, ids < token_ids[:, None], logits > own).to(logits.dtype)
+
+
 def _mass_ranked_before_stand_in(logits, probs, token_ids):
-    pivot = logits.gather(1, token_ids[:, None])
-    smaller = torch.arange(logits.shape[1]) < token_ids[:, None]
-    return (probs * ((logits > pivot) | ((logits == pivot) & smaller)).to(probs.dtype)).sum(-1)
+    return (probs * _ranked_before_stand_in(logits, token_ids).to(probs.dtype)).sum(-1)
 
 
 # exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
-STAND_INS = {"ch10_ex4": [(ops, "apply_penalties", _penalties_stand_in)],
-             "ch10_ex5": [(ops, "apply_min_p", _min_p_stand_in)],
-             "ch10_ex6": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
-             "ch10_ex7": [(ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
+STAND_INS = {"ch10_ex1": [(ops, "apply_penalties", _penalties_stand_in)],
+             "ch10_ex2": [(ops, "apply_min_p", _min_p_stand_in)],
+             "ch10_ex3": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
+             "ch10_ex4": [(ops, "ranked_before", _ranked_before_stand_in),
+                          (ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
 
 
 @contextmanager
@@ -189,16 +194,16 @@ def _random_logits(seed: int, rows: int, vocab: int, scale: float = 3.0, ties: b
     return x.round() if ties else x
 
 
-# --- ch10_ex4: the penalties ----------------------------------------------------------------------
+# --- ch10_ex1: the penalties ----------------------------------------------------------------------
 _penalty = st.one_of(st.just(None), st.floats(-2.0, 2.0))
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex4
+@pytest.mark.ch10_ex1
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 40), data=st.data())
-def test_ch10_ex4_penalties_equal_transformers(dtype, seed, vocab, data):
+def test_ch10_ex1_penalties_equal_transformers(dtype, seed, vocab, data):
     """Random rows, token lists and penalties (each sometimes off) against transformers'
     `RepetitionPenaltyLogitsProcessor` over prompt and output tokens, then OpenAI's frequency and presence
     formulas, in float64 on the same (rounded) values. float64: to 1e-12 (the same formula; only the last
@@ -216,7 +221,7 @@ def test_ch10_ex4_penalties_equal_transformers(dtype, seed, vocab, data):
     pres_t, freq_t, rep_t = (torch.tensor(v, dtype=torch.float64).to(dtype) for v in (pres, freq, rep))
     before = logits.clone()
     got = ops.apply_penalties(logits, _padded(prompts, vocab), _padded(outputs, vocab), pres_t, freq_t, rep_t)
-    at = (f"ch10_ex4 ({dtype}): apply_penalties on {rows} row(s) of {vocab} logits (seed {seed}), prompts {prompts}, "
+    at = (f"ch10_ex1 ({dtype}): apply_penalties on {rows} row(s) of {vocab} logits (seed {seed}), prompts {prompts}, "
           f"outputs {outputs}, presence {pres_t.tolist()}, frequency {freq_t.tolist()}, repetition {rep_t.tolist()}")
     _tensor_of(got, logits.shape, dtype, at)
     _expect(torch.equal(logits, before), f"{at}: the input logits were modified; return a new tensor")
@@ -240,12 +245,12 @@ def test_ch10_ex4_penalties_equal_transformers(dtype, seed, vocab, data):
                     f"{_where_largest(got[i], logits[i])}")
 
 
-# --- ch10_ex5: min-p ------------------------------------------------------------------------------
+# --- ch10_ex2: min-p ------------------------------------------------------------------------------
 @pytest.mark.ch10
-@pytest.mark.ch10_ex5
+@pytest.mark.ch10_ex2
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex5_min_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex2_min_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows and `min_p` (some 0: off, some 1: only the likeliest): the same tokens kept as
     transformers' `MinPLogitsWarper`, kept logits unchanged, the rest -inf, an off row exactly as it was."""
     from transformers import MinPLogitsWarper
@@ -254,7 +259,7 @@ def test_ch10_ex5_min_p_equals_transformers(seed, vocab, rows, data):
              for i in range(rows)]
     logits = _random_logits(seed, rows, vocab)
     got = ops.apply_min_p(logits, torch.tensor(min_p, dtype=torch.float64))
-    at = f"ch10_ex5 (torch.float64): apply_min_p on {rows} row(s) of {vocab} logits (seed {seed}), min_p {min_p}"
+    at = f"ch10_ex2 (torch.float64): apply_min_p on {rows} row(s) of {vocab} logits (seed {seed}), min_p {min_p}"
     _tensor_of(got, logits.shape, torch.float64, at)
     for i in range(rows):
         want = logits[i:i + 1].clone() if min_p[i] == 0 else MinPLogitsWarper(min_p[i])(None, logits[i:i + 1].clone())
@@ -266,11 +271,11 @@ def test_ch10_ex5_min_p_equals_transformers(seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex5
+@pytest.mark.ch10_ex2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 60), min_p=st.floats(0.001, 0.9))
-def test_ch10_ex5_min_p_in_lower_precision(dtype, seed, vocab, min_p):
+def test_ch10_ex2_min_p_in_lower_precision(dtype, seed, vocab, min_p):
     """float32 and bfloat16: the kept set is the rule's (probability >= min_p times the largest) on the same
     rounded values, computed in float64, except for tokens within the dtype's rounding of the threshold (4
     units, relative to 1 + the log-probability gap: softmax rounds each probability by about that much);
@@ -278,7 +283,7 @@ def test_ch10_ex5_min_p_in_lower_precision(dtype, seed, vocab, min_p):
     logits = _random_logits(seed, 3, vocab).to(dtype)
     mp = torch.tensor([min_p, 0.0, 1.0], dtype=dtype)
     got = ops.apply_min_p(logits, mp)
-    at = f"ch10_ex5 ({dtype}): apply_min_p on 3 rows of {vocab} logits (seed {seed}), min_p {mp.tolist()}"
+    at = f"ch10_ex2 ({dtype}): apply_min_p on 3 rows of {vocab} logits (seed {seed}), min_p {mp.tolist()}"
     _tensor_of(got, logits.shape, dtype, at)
     for i in range(3):
         kept = got[i] > INF
@@ -291,7 +296,7 @@ def test_ch10_ex5_min_p_in_lower_precision(dtype, seed, vocab, min_p):
         _expect(torch.equal(got[i][kept], logits[i][kept]), f"{at}: row {i}: a kept logit changed")
 
 
-# --- ch10_ex6: top-k and top-p --------------------------------------------------------------------
+# --- ch10_ex3: top-k and top-p --------------------------------------------------------------------
 def _draw_filters(data, rows: int, vocab: int):
     top_k = [data.draw(st.one_of(st.just(vocab), st.integers(1, vocab)), label=f"top_k {i}") for i in range(rows)]
     top_p = [data.draw(st.one_of(st.just(1.0), st.floats(0.05, 0.99)), label=f"top_p {i}") for i in range(rows)]
@@ -335,10 +340,10 @@ def _transformers_top_k_top_p(row, k, p):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex6
+@pytest.mark.ch10_ex3
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex6_top_k_top_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex3_top_k_top_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows (no ties) with random `top_k` and `top_p` (some off: k = vocab_size, p = 1;
     or the whole tensor None): the same tokens kept as transformers' `TopKLogitsWarper` then
     `TopPLogitsWarper` (top-p measured on what top-k left), kept logits unchanged, the rest -inf."""
@@ -346,17 +351,17 @@ def test_ch10_ex6_top_k_top_p_equals_transformers(seed, vocab, rows, data):
     logits = _random_logits(seed, rows, vocab)
     got = ops.apply_top_k_top_p(logits, None if top_k is None else torch.tensor(top_k),
                                 None if top_p is None else torch.tensor(top_p, dtype=torch.float64))
-    at = (f"ch10_ex6 (torch.float64): apply_top_k_top_p on {rows} row(s) of {vocab} logits (seed {seed}), "
+    at = (f"ch10_ex3 (torch.float64): apply_top_k_top_p on {rows} row(s) of {vocab} logits (seed {seed}), "
           f"top_k {top_k}, top_p {top_p}")
     _check_top_k_top_p(got, logits, top_k, top_p, torch.float64, at, 0.0, oracle=_transformers_top_k_top_p)
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex6
+@pytest.mark.ch10_ex3
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
+def test_ch10_ex3_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
     """Rows full of ties (logits rounded to integers; in bfloat16 also by the dtype): the kept set is the
     rule's on the same values, in float64: rank by a stable sort (equal logits: the smaller id first, so
     `top_k=1` is the argmax), keep the first `top_k`, then each token whose higher-ranked tokens hold less
@@ -367,7 +372,7 @@ def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
                             ties=True).to(dtype)
     got = ops.apply_top_k_top_p(logits, None if top_k is None else torch.tensor(top_k),
                                 None if top_p is None else torch.tensor(top_p, dtype=torch.float64).to(dtype))
-    at = (f"ch10_ex6 ({dtype}): apply_top_k_top_p on {rows} row(s) of {vocab} tied logits {logits.tolist()}, "
+    at = (f"ch10_ex3 ({dtype}): apply_top_k_top_p on {rows} row(s) of {vocab} tied logits {logits.tolist()}, "
           f"top_k {top_k}, top_p {top_p}")
     tol = 1e-12 if dtype == torch.float64 else vocab * torch.finfo(dtype).eps
     rounded_p = None if top_p is None else torch.tensor(top_p, dtype=torch.float64).to(dtype).double().tolist()
@@ -375,12 +380,12 @@ def test_ch10_ex6_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex6
-def test_ch10_ex6_rows_alone_and_known_cases():
+@pytest.mark.ch10_ex3
+def test_ch10_ex3_rows_alone_and_known_cases():
     """A row's result does not depend on its batch mates; the cases from public bug reports: top_p=0.6
     over probabilities 0.1, 0.2, 0.3, 0.4 keeps exactly 0.3 and 0.4; top_k=1 with tied maxima keeps the
     smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); both filters None return the logits as they are."""
-    at = "ch10_ex6: apply_top_k_top_p"
+    at = "ch10_ex3: apply_top_k_top_p"
     logits = _random_logits(5, 6, 30)
     top_k, top_p = torch.tensor([30, 3, 30, 10, 1, 30]), torch.tensor([1.0, 0.5, 0.3, 1.0, 0.9, 0.8], dtype=torch.float64)
     batch = ops.apply_top_k_top_p(logits, top_k, top_p)
@@ -406,14 +411,40 @@ def test_ch10_ex6_rows_alone_and_known_cases():
             "the logits must come back unchanged")
 
 
-# --- ch10_ex7: the pivot draw's keep test ------------------------------------------------------------
+# --- ch10_ex4: the pivot draw's ranking and keep test -------------------------------------------------
 @pytest.mark.ch10
-@pytest.mark.ch10_ex7
+@pytest.mark.ch10_ex4
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
+       data=st.data())
+def test_ch10_ex4_ranked_before(dtype, seed, vocab, rows, ties, data):
+    """Random rows (half of them full of ties; bfloat16 adds its own), any token asked about: 1.0 exactly on
+    the tokens ranked before it by a stable sort (a larger logit, or an equal logit and a smaller id; never
+    the token itself), 0.0 elsewhere, in the logits' dtype; the input is not modified."""
+    logits = _random_logits(seed, rows, vocab, ties=ties).to(dtype)
+    token_ids = torch.tensor([data.draw(st.integers(0, vocab - 1), label=f"token {i}") for i in range(rows)])
+    before = logits.clone()
+    got = ops.ranked_before(logits, token_ids)
+    at = (f"ch10_ex4 ({dtype}): ranked_before on {rows} row(s) of {vocab} logits {logits.tolist()}, "
+          f"token_ids {token_ids.tolist()}")
+    _tensor_of(got, (rows, vocab), dtype, at)
+    _expect(torch.equal(logits, before), f"{at}: the input logits were modified")
+    for i in range(rows):
+        rank = _rank(logits[i].double())
+        want = rank < rank[token_ids[i]]
+        _expect(torch.equal(got[i], want.to(dtype)), f"{at}: row {i}, token {int(token_ids[i])}: marked "
+                f"{_ids(got[i] != 0)}, the tokens ranked before it are {_ids(want)} (larger logits, and equal "
+                "logits of smaller id)")
+
+
+@pytest.mark.ch10
+@pytest.mark.ch10_ex4
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
        data=st.data())
-def test_ch10_ex7_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
+def test_ch10_ex4_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
     """Random rows (half of them full of ties), probabilities zero on a random filtered-out set, any token
     asked about (kept or not): the probability of the tokens ranked before it (a larger logit, or an
     equal logit and a smaller id), summed here in rank order in float64. float64 to 1e-12, float32 within
@@ -425,7 +456,7 @@ def test_ch10_ex7_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
     probs = logits.double().masked_fill(dropped, INF).softmax(-1).to(dtype)
     token_ids = torch.tensor([data.draw(st.integers(0, vocab - 1), label=f"token {i}") for i in range(rows)])
     got = ops.mass_ranked_before(logits, probs, token_ids)
-    at = (f"ch10_ex7 ({dtype}): mass_ranked_before on {rows} row(s) of {vocab} logits (seed {seed}, "
+    at = (f"ch10_ex4 ({dtype}): mass_ranked_before on {rows} row(s) of {vocab} logits (seed {seed}, "
           f"{'with' if ties else 'without'} ties), token_ids {token_ids.tolist()}")
     _tensor_of(got, (rows,), dtype, at)
     want = torch.stack([_mass_before(logits[i].double(), probs[i])[token_ids[i]] for i in range(rows)])
@@ -449,7 +480,7 @@ class _Budget:
 
     def random(self) -> float:
         if self.inner.counter >= self.budget:
-            raise AssertionError(f"ch10_ex7: the pivot draw rejected {self.budget} draws of one row in a row; "
+            raise AssertionError(f"ch10_ex4: the pivot draw rejected {self.budget} draws of one row in a row; "
                                  "the keep test never accepts (is the mass before a token too large?)")
         return self.inner.random()
 
@@ -465,9 +496,9 @@ DRAWS = 3000  # seeded draws per row: 3,000 gives each expected count >= 5 at th
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex7
+@pytest.mark.ch10_ex4
 @pytest.mark.parametrize("top_k, top_p", [(None, 0.7), (8, 0.9), (None, 0.95)], ids=str)
-def test_ch10_ex7_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
+def test_ch10_ex4_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
     """`sample_top_k_top_p` with your keep test on a fixed 12-token row (float64; seeds 0 to 2,999): every
     draw lands on a token transformers' `TopKLogitsWarper` and `TopPLogitsWarper` keep, and the counts pass
     a chi-square test against the filtered softmax (p > 0.001; the seeds are fixed, so the test gives the
@@ -477,7 +508,7 @@ def test_ch10_ex7_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
     kept = _transformers_top_k_top_p(row[0], top_k, top_p)
     expected = row[0].masked_fill(~kept, INF).softmax(-1)
     tokens = _draws(row, top_k, top_p, DRAWS)
-    at = f"ch10_ex7: {DRAWS} seeded pivot draws over logits {row[0].tolist()} with top_k={top_k}, top_p={top_p}"
+    at = f"ch10_ex4: {DRAWS} seeded pivot draws over logits {row[0].tolist()} with top_k={top_k}, top_p={top_p}"
     _tensor_of(tokens, (DRAWS,), torch.int64, at)
     counts = torch.bincount(tokens, minlength=12).double()
     outside = _ids((counts > 0) & ~kept)
@@ -492,8 +523,8 @@ def test_ch10_ex7_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex7
-def test_ch10_ex7_pivot_draws_on_tied_rows_in_float32():
+@pytest.mark.ch10_ex4
+def test_ch10_ex4_pivot_draws_on_tied_rows_in_float32():
     """float32 rows full of ties (rounded logits), top_k and top_p: each of 300 seeded draws per row lands on
     a token the rule keeps (rank by the stable sort's order, then less than top_p before it)."""
     logits = _random_logits(11, 4, 24, scale=2.0, ties=True).float()
@@ -501,7 +532,7 @@ def test_ch10_ex7_pivot_draws_on_tied_rows_in_float32():
         kept, margin = _top_k_top_p_rule(logits[i], k, p)
         tokens = _draws(logits[i:i + 1], k, p, 300)
         outside = sorted({t for t in tokens.tolist() if not kept[t] and margin[t] > 1e-5})
-        _expect(not outside, f"ch10_ex7 (torch.float32): pivot draws over tied logits {logits[i].tolist()} with "
+        _expect(not outside, f"ch10_ex4 (torch.float32): pivot draws over tied logits {logits[i].tolist()} with "
                 f"top_k={k}, top_p={p} landed on tokens {outside}; the rule keeps {_ids(kept)} (equal logits: the "
                 "smaller id ranks first)")
 
@@ -525,7 +556,7 @@ def _batch(vocab: int):
 
 @pytest.mark.ch10
 @pytest.mark.parametrize("ex", [pytest.param(e, marks=getattr(pytest.mark, e), id=e)
-                                for e in ("ch10_ex4", "ch10_ex5", "ch10_ex7")])
+                                for e in ("ch10_ex1", "ch10_ex2", "ch10_ex4")])
 def test_ch10_piece_in_the_sampler(ex):
     """The engine's `Sampler` on a float32 batch of greedy and random rows with penalties, min-p, top-k and
     top-p, with your piece and the grader's others, 40 seeded steps: greedy rows take the argmax of the

@@ -98,6 +98,16 @@ def test_min_tokens_mask_equals_transformers_min_new_tokens():
                              "cpu").min_tokens_rows.numel() == 0
 
 
+def test_min_tokens_masks_eos_whatever_ignore_eos_says():
+    """vLLM masks the model's EOS ids until `min_tokens` also with `ignore_eos` (its
+    `update_from_generation_config` adds them to the stop ids `min_tokens` uses, whatever `ignore_eos`)."""
+    eos = frozenset({3, 7})
+    for ignore_eos in (False, True):
+        seq = Sequence([1, 2], SamplingParams(min_tokens=2, stop_token_ids=[9], ignore_eos=ignore_eos))
+        md = sampling_metadata([seq], {}, make_generator(0), eos, 20, torch.float64, "cpu")
+        assert md.min_tokens_rows.tolist() == [0, 0, 0] and md.min_tokens_ids.tolist() == [3, 7, 9]
+
+
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 80), top_k=st.integers(1, 90), use_k=st.booleans(),
        top_p=st.floats(0.01, 1.0), ties=st.booleans())

@@ -102,6 +102,17 @@ def test_eos_from_the_folder_stops_with_no_stop_reason(paris):
     assert c.token_ids == [1, 1, 0] and c.finish_reason == "stop"
 
 
+def test_min_tokens_holds_eos_back_even_with_ignore_eos(paris):
+    """vLLM adds the model's EOS to the ids `min_tokens` masks whatever `ignore_eos` says
+    (`SamplingParams.update_from_generation_config`): with `ignore_eos` the EOS is held back for
+    `min_tokens` tokens, then drawn like any token, and it does not stop the completion."""
+    engine = paris_engine(paris)
+    engine.scheduler.eos_token_ids = engine.model_runner.sampler.eos_token_ids = frozenset({0})
+    c = one(engine, PROMPT, SamplingParams(temperature=0, max_tokens=5, min_tokens=2, ignore_eos=True)).outputs[0]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([1, 1, 0, 0, 0], "length", None)
+    check_invariants(engine)
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 def test_output_kinds_and_held_back_stop_prefix(paris):
@@ -216,6 +227,24 @@ def test_logprobs_equal_transformers_log_softmax(tiny, caching):
         assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)),
                                                      abs=1e-12)
     assert out.num_cached_tokens == (8 if caching else 0)
+
+
+def test_without_detokenize_logprobs_have_no_decoded_token(paris):
+    """vLLM's `RequestState` drops the tokenizer when `detokenize=False`: no text, and every `Logprob`'s
+    `decoded_token`, of the completion and of the prompt, is None; with `detokenize` each is its token's text."""
+    engine = paris_engine(paris)
+    for detokenize in (True, False):
+        out = one(engine, PROMPT, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1,
+                                                 detokenize=detokenize))
+        c = out.outputs[0]
+        positions = c.logprobs + out.prompt_logprobs[1:]
+        decoded = [(t, lp.decoded_token) for pos in positions for t, lp in pos.items()]
+        assert len(decoded) >= len(positions) > 3
+        if detokenize:
+            assert c.text == " paris paris paris" and all(d == engine.tokenizer.decode([t]) for t, d in decoded)
+        else:
+            assert c.text == "" and all(d is None for _, d in decoded)
+    check_invariants(engine)
 
 
 # --- n > 1 ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ class Logprob:
         logprob: natural log of its probability under the model's own logits (before temperature,
             penalties or filters, as vLLM reports by default).
         rank: 1 + the number of tokens strictly more likely at that position.
-        decoded_token: its text alone, or None without a tokenizer.
+        decoded_token: its text alone, or None without a tokenizer or with `detokenize=False` (as vLLM).
     """
 
     logprob: float

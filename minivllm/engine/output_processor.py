@@ -126,7 +126,7 @@ def advance(state: RequestState, sampler_logprobs: dict, tokenizer, decode) -> i
     token, reason = seq.last_token, None
     if state.logprobs is not None:
         row = sampler_logprobs[seq.seq_id]
-        state.logprobs.append(logprobs_dict(row, decode))
+        state.logprobs.append(logprobs_dict(row, decode if p.detokenize else None))  # vLLM: no text, no decoded_token
         state.cumulative_logprob += row[1][0]
     stopped = seq.status is SequenceStatus.FINISHED_STOPPED  # an end-of-sequence token (the scheduler's rule)
     if not stopped and token in p.stop_token_ids and seq.num_completion_tokens > p.min_tokens:
@@ -228,8 +228,9 @@ class OutputRequests:
         if clash:
             raise ValueError(f"request id {str(request_id)!r} is already in use" if clash[0] == str(request_id) else
                              f"request id {str(request_id)!r}: its completion id {clash[0]!r} is already in use")
+        decode = self.decode if p.detokenize else None  # vLLM: no text, no decoded_token
         prompt_logprobs = (None if p.prompt_logprobs is None else
-                           compute_prompt_logprobs(self.model, seq.prompt_token_ids, p.prompt_logprobs, self.decode))
+                           compute_prompt_logprobs(self.model, seq.prompt_token_ids, p.prompt_logprobs, decode))
         request_id = self.core.add_request(request_id, seq)
         parent = self.requests[request_id] = ParentRequest(request_id, p.n, prompt_logprobs)
         self._track(parent, make_state(seq, 0, self.tokenizer))

@@ -64,7 +64,8 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
                       vocab_size: int, dtype: torch.dtype, device) -> SamplingMetadata:
     """The `SamplingMetadata` of a batch. Each random row takes one draw from its request's generator
     (`generators[seq_id]`, else `default_generator`); greedy rows take none. Until a sequence has
-    `min_tokens` tokens, its stop tokens (EOS unless `ignore_eos`, and `stop_token_ids`) are masked."""
+    `min_tokens` tokens, its stop tokens are masked: `stop_token_ids` and the EOS ids, also with `ignore_eos`
+    (vLLM's `update_from_generation_config` adds them to the ids `min_tokens` masks whatever `ignore_eos` says)."""
     params = [s.sampling_params for s in seqs]
     greedy = [p.greedy for p in params]
     row_generators = [None if g else generators.get(s.seq_id, default_generator) for s, g in zip(seqs, greedy)]
@@ -76,8 +77,7 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
     rows, ids = [], []
     for i, (s, p) in enumerate(zip(seqs, params)):
         if s.num_completion_tokens < p.min_tokens:
-            stops = sorted(t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-                           if t < vocab_size)
+            stops = sorted(t for t in set(p.stop_token_ids) | eos_token_ids if t < vocab_size)
             rows, ids = rows + [i] * len(stops), ids + stops
 
     def tensor(values, dt=dtype):
