@@ -10,11 +10,13 @@ What it does:
 2. in the chapters that hold the chosen exercises' graded regions (`# EXERCISE chNN_exK (N points):
    task` over `### BEGIN SOLUTION` / `### END SOLUTION`, see `minivllm.course.grade`), replaces each chosen
    region by `raise NotImplementedError("chNN_exK: task")` with nbgrader's `ClearSolutions`
-   preprocessor, and clears those chapters' outputs (nbgrader's `ClearOutput`); regions of other
-   exercises keep their code, without the markers;
+   preprocessor (inside a `@triton.jit` kernel, whose compiler refuses `raise`, by
+   `tl.static_assert(False, "chNN_exK: task")`), and clears those chapters' outputs (nbgrader's
+   `ClearOutput`); regions of other exercises keep their code, without the markers;
 3. re-exports the package in DIR from the stubbed chapters (DIR's `scripts/export.py`), so that
-   DIR/minivllm/ holds the stubs too, and checks that no chosen region's answer is left in DIR's
-   package or chapters;
+   DIR/minivllm/ holds the stubs too, and checks that no line of a chosen region's answer is anywhere
+   in DIR (`check_edition`: trivial lines, lines the book has outside every region, and the graders
+   in tests/ aside);
 4. writes DIR/EDITION.json (the exercises, their points, the commit it came from, hashes that let
    `python -m minivllm.course.grade` see whether the student changed the chapters).
 

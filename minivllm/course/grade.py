@@ -20,7 +20,8 @@ under one line that names the exercise, its points and the task (`REGION_MARKER`
     ### END SOLUTION
 
 A student edition (`scripts/release.py`) replaces such a region by
-`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it.
+`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it
+(in a Triton kernel by `tl.static_assert(False, "ch07_ex1: <the task>")`, `kernel_stub`).
 In an edition, `grade` first re-exports the package from the chapters when they changed since the
 release (the student works in the notebooks). The idea of graded regions and stubs is nbgrader's;
 the snapshot-free, contract-only graders follow CS336's and minitorch's course tests.
