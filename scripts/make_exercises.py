@@ -5,8 +5,11 @@
 
 Every region between a `### BEGIN SOLUTION` line and a `### END SOLUTION` line is replaced by
 `raise NotImplementedError("<file>.<function>: <the TODO line above it>")` at the same indentation
-(so that a grader's report names what is left to do); everything else (docstrings, the TODO line
-above each region) is kept. exercises/ is generated: edit solutions/ only.
+(so that a grader's report names what is left to do); in a Triton kernel (a `@triton.jit` function,
+whose compiler refuses `raise`) by `tl.static_assert(False, "<file>.<function>: ...")`, which stops
+the compilation and the interpreter with the same words (`minivllm.course.grade.kernel_stub`).
+Everything else (docstrings, the TODO line above each region) is kept. exercises/ is generated:
+edit solutions/ only.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's minivllm.course.grade, whatever is installed
+
+from minivllm.course.grade import in_triton_kernel, kernel_stub  # noqa: E402
+
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 HEADER = "# GENERATED from solutions/{name} by scripts/make_exercises.py: your work goes here.\n"
 
@@ -27,6 +34,7 @@ def strip_solutions(text: str, name: str) -> str:
         ValueError: unbalanced or nested markers.
     """
     out, inside, where, todo = [HEADER.format(name=name)], False, Path(name).stem, ""
+    lines = text.splitlines()
     for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         stripped = line.strip()
         if m := re.match(r"(?:async\s+)?def\s+(\w+)", stripped):
@@ -38,7 +46,9 @@ def strip_solutions(text: str, name: str) -> str:
                 raise ValueError(f"{name}:{lineno}: nested {BEGIN}")
             inside = True
             indent = re.match(r"\s*", line).group(0)
-            out.append(f"{indent}raise NotImplementedError({(where + (': ' + todo if todo else ''))!r})\n")
+            task = where + (": " + todo if todo else "")
+            stub = kernel_stub(task) if in_triton_kernel(lines, lineno - 1) else f"raise NotImplementedError({task!r})"
+            out.append(f"{indent}{stub}\n")
         elif stripped == END:
             if not inside:
                 raise ValueError(f"{name}:{lineno}: {END} without {BEGIN}")

@@ -10,11 +10,13 @@ What it does:
 2. in the chapters that hold the chosen exercises' graded regions (`# EXERCISE chNN_exK (N points):
    task` over `### BEGIN SOLUTION` / `### END SOLUTION`, see `minivllm.course.grade`), replaces each chosen
    region by `raise NotImplementedError("chNN_exK: task")` with nbgrader's `ClearSolutions`
-   preprocessor, and clears those chapters' outputs (nbgrader's `ClearOutput`); regions of other
-   exercises keep their code, without the markers;
+   preprocessor (inside a `@triton.jit` kernel, whose compiler refuses `raise`, by
+   `tl.static_assert(False, "chNN_exK: task")`), and clears those chapters' outputs (nbgrader's
+   `ClearOutput`); regions of other exercises keep their code, without the markers;
 3. re-exports the package in DIR from the stubbed chapters (DIR's `scripts/export.py`), so that
-   DIR/minivllm/ holds the stubs too, and checks that no chosen region's answer is left in DIR's
-   package or chapters;
+   DIR/minivllm/ holds the stubs too, and checks that no line of a chosen region's answer is anywhere
+   in DIR (`check_edition`: trivial lines, lines the book has outside every region, and the graders
+   in tests/ aside);
 4. writes DIR/EDITION.json (the exercises, their points, the commit it came from, hashes that let
    `python -m minivllm.course.grade` see whether the student changed the chapters).
 
@@ -24,18 +26,20 @@ extend exercises' stubs) and the graders in `tests/` are copied as they are.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's minivllm.course.grade, whatever is installed
 
-from minivllm.course.grade import (EDITION_FILE, EXERCISES, REGION_MARKER, Region, edition_hashes,  # noqa: E402
-                            find_regions, resolve, stub_line)
+from minivllm.course.grade import (EDITION_FILE, EXERCISES, REGION_MARKER, STUB, Region,  # noqa: E402
+                                   edition_hashes, find_regions, in_triton_kernel, resolve, stub_line)
 
 LEFT_OUT = ("solutions/",)  # the worked answers stay with the instructor
 PLACEHOLDER = "raise NotImplementedError()  # minivllm-release-stub"
@@ -94,26 +98,117 @@ def stub_notebook(src: Path, dst: Path, chosen: set[str]) -> list[tuple[str, str
                 if line.strip() == PLACEHOLDER:
                     m = REGION_MARKER.match(lines[i - 1]) if i else None
                     assert m is not None, f"{src.name}: a stub without its `# EXERCISE` line above"
-                    lines[i] = stub_line(Region(m["id"], int(m["points"]), m["task"].strip(), m["indent"], i - 1, i, i))
+                    lines[i] = stub_line(Region(m["id"], int(m["points"]), m["task"].strip(), m["indent"], i - 1, i, i),
+                                         kernel=in_triton_kernel(lines, i))
             cell.source = "\n".join(lines)
     nb, _ = ClearOutput().preprocess(nb, {})
     nbformat.write(nb, dst)
     return answers
 
 
-def check_edition(out: Path, answers: list[tuple[str, str]]) -> None:
-    """Raise RuntimeError if an answer's text is in `out`'s package or chapters, or a stub is missing
-    from its package."""
+# lines too common to give an answer away: nothing but brackets and punctuation, or only such words
+TRIVIAL = re.compile(r"^[\W_]*(?:(?:return|pass|break|continue|else|try|finally|None|True|False)\b[\W_]*)*$")
+TEXT_SUFFIXES = (".py", ".ipynb", ".md", ".txt", ".cpp", ".toml", ".cfg", ".yml", ".yaml", ".json")
+# Not searched for answers: the graders, whose stand-ins for other exercises' regions are working code by
+# design (tests/stand_ins.py; README's course section says an answer pasted from them passes).
+NOT_SEARCHED = ("tests/",)
+
+
+def normalized(line: str) -> str:
+    """A line as the leak check compares lines: stripped, without a trailing `# comment`."""
+    line = line.strip()
+    if "#" in line:
+        try:
+            for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+                if tok.type == tokenize.COMMENT:
+                    return line[:tok.start[1]].rstrip()
+        except (tokenize.TokenError, SyntaxError):  # a piece of a longer statement or string
+            pass
+    return line
+
+
+def _outside_regions(text: str, where: str) -> list[str]:
+    """The lines of `text` (a cell's or a module's source) outside its graded regions."""
+    lines, out, start = text.split("\n"), [], 0
+    for r in find_regions(text, where):
+        out += lines[start:r.marker]
+        start = r.end + 1
+    return out + lines[start:]
+
+
+def book_lines(root: Path) -> set[str]:
+    """Every line (normalized) the book has outside its graded regions: its chapters (code and prose)
+    and the package exported from them. An answer's line found there gives nothing away."""
     import nbformat
 
-    package = "\n".join(p.read_text() for p in sorted((out / "minivllm").rglob("*.py")))
-    chapters = "\n".join(c.source for p in sorted((out / "notebooks").glob("*.ipynb"))
-                         for c in nbformat.read(p, as_version=4).cells)
+    found: set[str] = set()
+    for nb_path in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(nb_path, as_version=4).cells:
+            found.update(map(normalized, _outside_regions(cell.source, nb_path.name)))
+    for f in sorted((root / "minivllm").rglob("*.py")):
+        found.update(map(normalized, _outside_regions(f.read_text(), str(f.relative_to(root)))))
+    return found
+
+
+def answer_lines(answers: list[tuple[str, str]], root: Path = ROOT) -> dict[str, set[str]]:
+    """exercise id -> the lines that would give its answer away: the lines of the stubbed regions'
+    answers (`answers`: exercise id, answer text) less the trivial ones and those the book at `root`
+    has outside every region (`book_lines`). (The extend exercises' answers in solutions/ are kept
+    out of exercises/ by scripts/make_exercises.py and tests/test_pipeline.py.)"""
+    book = book_lines(root)
+    out: dict[str, set[str]] = {}
     for ex, answer in answers:
-        body = "\n".join(line for line in answer.split("\n") if line.strip())
-        if body and (body in package or body in chapters):
-            raise RuntimeError(f"{ex}'s answer is still in the edition at {out}")
-        if not re.search(rf"raise NotImplementedError\([\"']{ex}: ", package):
+        out.setdefault(ex, set()).update(n for n in map(normalized, answer.split("\n"))
+                                         if not TRIVIAL.match(n) and n not in book)
+    return out
+
+
+def _edition_texts(out: Path):
+    """(path relative to `out`, its lines) for every text file of the edition (a notebook: its cells'
+    sources and text outputs)."""
+    for f in sorted(out.rglob("*")):
+        if not f.is_file() or f.suffix not in TEXT_SUFFIXES or "__pycache__" in f.parts or ".git" in f.parts:
+            continue
+        rel = str(f.relative_to(out))
+        if rel.startswith(NOT_SEARCHED):
+            continue
+        try:
+            text = f.read_text()
+        except UnicodeDecodeError:
+            continue
+        if f.suffix == ".ipynb":
+            cells = json.loads(text).get("cells", [])
+            parts = ["".join(c.get("source", "")) for c in cells]
+            parts += ["".join(o.get("text", "")) for c in cells for o in c.get("outputs", [])]
+            text = "\n".join(parts)
+        yield rel, text.split("\n")
+
+
+def find_leaks(out: Path, leaking: dict[str, set[str]]) -> list[str]:
+    """`path:line: exercise: text` for each line of the edition at `out` (but `NOT_SEARCHED`) that is
+    a line of an answer (`answer_lines`)."""
+    owner: dict[str, list[str]] = {}
+    for ex, lines in leaking.items():
+        for line in lines:
+            owner.setdefault(line, []).append(ex)
+    found = []
+    for rel, lines in _edition_texts(out):
+        for i, line in enumerate(lines, 1):
+            if (n := normalized(line)) in owner:
+                found.append(f"{rel}:{i}: {', '.join(owner[n])}: {n}")
+    return found
+
+
+def check_edition(out: Path, answers: list[tuple[str, str]], root: Path = ROOT) -> None:
+    """Raise RuntimeError if a line of a stubbed region's answer is anywhere in the edition at `out`
+    (`find_leaks`; lines the book has outside every region and trivial ones aside, `answer_lines`), or
+    a stub is missing from its package."""
+    package = "\n".join(p.read_text() for p in sorted((out / "minivllm").rglob("*.py")))
+    leaks = find_leaks(out, answer_lines(answers, root))
+    if leaks:
+        raise RuntimeError(f"{len(leaks)} line(s) of answers are in the edition at {out}:\n" + "\n".join(leaks[:40]))
+    for ex, _ in answers:
+        if not any(m["id"] == ex for m in STUB.finditer(package)):
             raise RuntimeError(f"{ex}'s stub is not in the edition's package")
 
 
@@ -147,7 +242,7 @@ def release(assignment: list[str], out: Path, root: Path = ROOT) -> dict:
     r = subprocess.run([sys.executable, "scripts/export.py"], cwd=out, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"exporting the student edition failed:\n{r.stdout}{r.stderr}")
-    check_edition(out, answers)
+    check_edition(out, answers, root)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     record = {"assignment": assignment, "exercises": chosen,
               "points": {e: EXERCISES[e].points for e in chosen},

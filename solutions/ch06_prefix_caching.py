@@ -1,21 +1,22 @@
 """Chapter 06 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
 Exercise 1 (ch06_ex1) — token-granular prefix caching: write `MyPrefixCachingBlockManager.cached_prefix`,
-the lookup behind the chapter's third rule for the last token (the given `allocate` uses it). Every full block of the prompt may be found in the
-cache (keep the check of tokens *and* parent), and a prompt that is entirely cached recomputes only
-its last token: `num_cached_tokens = num_tokens - 1` (vLLM does this when a whole prompt's K/V came
-from a remote connector). Graded by its contract, not by the chapter's code: the cache invariants
-under random operation sequences, `num_cached_tokens` exactly as large as the rule allows for
-requests that follow each other on a cache that keeps everything, and the engine's greedy outputs
-against transformers on prompts sent more than once: `pytest -m ch06_ex1 --impl=exercises`.
+the lookup behind the chapter's third rule for the last token, and `allocate`, which shares what it
+finds. Every full block of the prompt may be found in the cache (keep the check of tokens *and*
+parent), and a prompt that is entirely cached recomputes only its last token: `num_cached_tokens =
+num_tokens - 1` (vLLM does this when a whole prompt's K/V came from a remote connector). Graded by
+its contract, not by the chapter's code: the cache invariants under random operation sequences,
+`num_cached_tokens` exactly as large as the rule allows for requests that follow each other on a
+cache that keeps everything, and the engine's greedy outputs against transformers on prompts sent
+more than once: `pytest -m ch06_ex1 --impl=exercises`.
 """
 from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
 
 class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
-    """Token-granular prefix caching. You write the lookup, `cached_prefix`; the given `allocate` uses
-    it. Helpers: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`, `seq.block(i)` and
+    """Token-granular prefix caching. You write the lookup, `cached_prefix`, and `allocate`, which
+    uses it. Helpers: `compute_hash(token_ids, parent_hash)`, `self.hash_to_block_id`, `seq.block(i)` and
     `self._is_hit(block_id, token_ids, parent)` (the cached block `block_id`, -1 for none, holds
     these tokens right after block `parent`)."""
 
@@ -45,10 +46,14 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Given: share the blocks `cached_prefix` found, take fresh blocks for the rest (making the
-        full ones findable), and set `seq.num_cached_tokens`: a fully cached prompt still computes its
-        last token (its logits choose the next token), so at most `num_tokens - 1`."""
+        """Share the blocks `cached_prefix` finds (`self._revive` adds a reference to a cached block),
+        take fresh blocks for the rest (`self._allocate_block()`), make the fresh full ones findable
+        (`self._cache(block_id, hash, token_ids, parent)`), and set `seq.num_cached_tokens`: a fully
+        cached prompt still computes its last token (its logits choose the next token), so at most
+        `num_tokens - 1`."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        # TODO: share the hits, take and cache fresh blocks for the rest, count the cached tokens
+        ### BEGIN SOLUTION
         hits = self.cached_prefix(seq)
         h, parent = NO_HASH, NO_PARENT
         for i in range(seq.num_blocks):
@@ -65,3 +70,4 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
             seq.block_table.append(block_id)
             parent = block_id
         seq.num_cached_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        ### END SOLUTION

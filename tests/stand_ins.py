@@ -63,7 +63,7 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
                 "ch04_ex4": [(Scheduler, "schedule_decode", t._GraderScheduler.schedule_decode)],
                 "ch04_ex5": [(mr, "prepare_batch", t._grader_prepare_batch)]}.get(ex, [])
     if ch == "ch05":
-        from minivllm.attention.backend import paged_attention
+        from minivllm.attention import paged_attention
         from minivllm.core.block_manager import BlockManager
         scaffold = importlib.import_module("test_grading_ch04_06")._Scaffold
         return {"ch05_ex1": [(BlockManager, "allocate", scaffold.allocate)],

@@ -13,8 +13,10 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from xml.etree import ElementTree as ET
@@ -213,15 +215,152 @@ def test_graders_code_is_not_an_answer(tmp_path):
     root = tmp_path / "ed"
     (root / "tests").mkdir(parents=True)
     (root / "tests" / "test_grading_ch04_regions.py").write_text("def _grader_slots(): ...\n")
-    (root / "minivllm").mkdir()
-    (root / "minivllm" / "kv_cache_manager.py").write_text(
+    (root / "minivllm" / "core").mkdir(parents=True)
+    (root / "minivllm" / "core" / "kv_cache_manager.py").write_text(
         "def slot_mapping(*a):\n    from test_grading_ch04_regions import _grader_slots\n    return _grader_slots(*a)\n")
+    (root / "minivllm" / "course").mkdir()  # the grading module names the stand-ins to find them: not an answer
+    (root / "minivllm" / "course" / "grade.py").write_text(
+        (ROOT / "minivllm" / "course" / "grade.py").read_text())
     (root / "exercises").mkdir()
     assert grading.graders_code_used(root) == [
         "minivllm/core/kv_cache_manager.py:2: from test_grading_ch04_regions import _grader_slots",
         "minivllm/core/kv_cache_manager.py:3: return _grader_slots(*a)"]
-    (root / "minivllm" / "kv_cache_manager.py").write_text("def slot_mapping(*a):\n    return []\n")
+    (root / "minivllm" / "core" / "kv_cache_manager.py").write_text("def slot_mapping(*a):\n    return []\n")
     assert grading.graders_code_used(root) == []
+
+
+# ------------------------------------------------------------------ a release of every chapter at once
+CHAPTERS = sorted({e[:4] for e in EXERCISES})
+KERNEL_REGIONS = ["ch07_ex1", "ch07_ex2", "ch07_ex3"]  # graded regions inside `@triton.jit` kernels
+
+
+@pytest.fixture(scope="module")
+def every_chapter(tmp_path_factory) -> Path:
+    """A student edition of every chapter's exercises (the release checks it holds no answer line)."""
+    out = tmp_path_factory.mktemp("course") / "all-student"
+    _script("release").release(CHAPTERS, out)
+    return out
+
+
+def test_the_leak_check_finds_an_answer_line_and_ignores_the_books_own():
+    """`find_leaks` reports a line of a stubbed region's answer wherever it is (here: the given code
+    of an extend exercise), not a trivial line, nor one the book also has outside every region."""
+    release = _script("release")
+    answer = ("        self.block_manager.allocate(seq)  # the answer's line\n        return\n"
+              "        self.block_manager.deallocate(seq)\n        ])")
+    leaking = release.answer_lines([("ch04_ex3", answer)])
+    assert leaking == {"ch04_ex3": {"self.block_manager.allocate(seq)"}}, leaking  # deallocate: the book's
+
+
+def test_every_chapter_at_once_holds_no_answer_line(every_chapter):
+    """The release of all chapters passed its check; a real answer's line put back into the given
+    code of an extend exercise (as exercises/ch04_scheduler.py's `_admit` had ch04_ex3's
+    `self.block_manager.allocate(seq)`) is found by it."""
+    release = _script("release")
+    record = json.loads((every_chapter / "EDITION.json").read_text())
+    assert record["stubbed_regions"] == sorted(e for e in EXERCISES if EXERCISES[e].kind == "rebuild")
+    answers = [(ex, a) for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) for ex, a in _regions(nb).items()]
+    release.check_edition(every_chapter, answers)  # as the release did: no error
+    line = sorted(release.answer_lines(answers)["ch06_ex3"])[0]  # a line of the chapter's allocate
+    given = every_chapter / "exercises" / "ch06_prefix_caching.py"
+    text = given.read_text()
+    try:
+        given.write_text(text + "\n" + line + "\n")
+        with pytest.raises(RuntimeError, match=rf"exercises/ch06_prefix_caching.py:\d+: ch06_ex3: {re.escape(line)}"):
+            release.check_edition(every_chapter, answers)
+    finally:
+        given.write_text(text)
+
+
+LOWER_STUBS = """
+import json, sys
+import torch
+import triton_lowering as tl_
+import minivllm.attention.ops.triton_attention as ta
+from adapters import load
+
+launches = []
+for name in tl_.KERNELS:
+    setattr(ta, name, tl_.Recorder(name, getattr(ta, name), launches))
+t = lambda *s: torch.zeros(*s, dtype=torch.float16)
+k_cache, q = t(6, 16, 2, 64), t(3, 4, 64)
+tables, lens = torch.zeros(3, 64, dtype=torch.int64), torch.ones(3, dtype=torch.int64)
+ta.store_kvcache(q[:, :2], q[:, :2], k_cache, k_cache.clone(), torch.zeros(3, dtype=torch.int64))
+ta.paged_decode_attention_triton(q, k_cache, k_cache.clone(), tables, lens, 0.1, num_splits=3)
+ta.paged_prefill_attention_triton(q, k_cache, k_cache.clone(), tables, lens, torch.arange(4, dtype=torch.int64), 0.1)
+launches.append(("copy_blocks_kernel", load("ch07_triton_kernels", "exercises").copy_blocks_kernel,
+                 (torch.zeros(64), torch.zeros(1, 2, dtype=torch.int64), 32, 16), {"BLOCK_NUMEL": 16, "TILE": 8}))
+errors = {}
+for name, kernel, args, kwargs in launches:
+    try:
+        tl_.lower(kernel, args, kwargs)
+        errors[name] = None
+    except Exception as e:
+        errors[name] = f"{type(e).__name__}: {e}"
+json.dump(errors, sys.stdout)
+"""
+
+
+def _kernel_tasks(root: Path) -> dict[str, str]:
+    """kernel name -> the task its stub must state, in the edition at `root`: `chNN_exK: task` from
+    the `# EXERCISE` line left above a chapter's stub, `<file>.<kernel>: todo` from an exercise's
+    `# TODO:` line (as scripts/make_exercises.py words it)."""
+    found = {}
+    for f in [root / "minivllm/attention/ops/triton_attention.py", root / "exercises/ch07_triton_kernels.py"]:
+        lines, name = f.read_text().split("\n"), None
+        for i, line in enumerate(lines):
+            if m := re.match(r"def (\w+)", line):
+                name = m[1] if grading.in_triton_kernel(lines, i + 1) else None  # its next line is in its body
+            elif name and (m := grading.REGION_MARKER.match(line)):
+                found.setdefault(name, f"{m['id']}: {m['task'].strip()}")
+            elif name and f.parent.name == "exercises" and line.strip().startswith("# TODO:"):
+                found.setdefault(name, f"{f.stem}.{name}: {line.strip()[len('# TODO:'):].strip()}")
+    return found
+
+
+def test_kernel_stubs_compile_to_their_task_on_a_gpu(every_chapter):
+    """Triton's compiler refuses `raise` ("unsupported AST node type: Raise"): a region inside a
+    `@triton.jit` kernel (chapter 07's three, and exercises/ch07's copy_blocks_kernel) is stubbed with
+    `tl.static_assert(False, task)`. Lowered through Triton's front end for an sm_90 GPU (no GPU
+    needed, as tests/triton_lowering.py does), each stubbed kernel stops at its stub with its task."""
+    stubs = _kernel_tasks(every_chapter)
+    assert sorted(stubs) == ["copy_blocks_kernel", "paged_decode_kernel", "paged_prefill_kernel",
+                             "reduce_splits_kernel", "store_kvcache_kernel"], stubs
+    assert {m["id"] for m in grading.STUB.finditer((every_chapter / "minivllm/attention/ops/triton_attention.py")
+                                                   .read_text())} == set(KERNEL_REGIONS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(every_chapter), str(every_chapter / "tests")]),
+               TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", LOWER_STUBS], cwd=every_chapter, env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode == 3:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout)
+    assert sorted(errors) == sorted(stubs)
+    for name, error in errors.items():
+        assert error and error.startswith("CompileTimeAssertionFailure") and error.endswith(stubs[name]), (name, error)
+
+
+def test_kernel_stubs_state_their_task_under_the_interpreter(every_chapter):
+    """On a CPU (TRITON_INTERPRET=1) the stubbed KV-store kernel stops with its task, and a grading
+    run reports such a failure as the stub's NotImplementedError (`grade._as_kernel_stub`)."""
+    task = _kernel_tasks(every_chapter)["store_kvcache_kernel"]
+    code = ("import torch\nimport minivllm.attention.ops.triton_attention as ta\n"
+            "k, c = torch.ones(3, 2, 8), torch.zeros(6, 4, 2, 8)\n"
+            "ta.store_kvcache(k, k, c, c.clone(), torch.zeros(3, dtype=torch.int64))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(every_chapter), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=every_chapter, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode != 0 and task in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+    saved = list(grading._root)
+    try:
+        grading._root[:] = [every_chapter]
+        message = f"AssertionError: ch07_ex1: the kernel raised under Triton's interpreter: AssertionError({task!r})"
+        assert grading._as_kernel_stub(message).startswith(f"NotImplementedError: {task} (a Triton kernel's stub")
+        assert grading._as_kernel_stub("AssertionError: ch07_ex1: wrong value") == "AssertionError: ch07_ex1: wrong value"
+    finally:
+        grading._root[:] = saved
 
 
 def test_grade_command_refuses_unknown_ids(capsys):

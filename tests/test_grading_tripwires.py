@@ -179,10 +179,10 @@ def test_a_decode_that_reads_72_keys_fails_the_long_contexts(monkeypatch):
 def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
     """ch05_ex4's answer calling the C++ kernel's entry (or the planner) fails; the same function
     called from elsewhere in the test (the engine's backend) works."""
-    from minivllm.attention.backend import paged_attention
-    from minivllm.attention.ops import cpu_decode
+    from minivllm.attention import paged_attention
+    from minivllm.attention.backends import cpu_attn
 
-    module = cpu_decode if hasattr(cpu_decode, entry) else importlib.import_module("minivllm.attention.decode_planner")
+    module = cpu_attn if hasattr(cpu_attn, entry) else importlib.import_module("minivllm.attention.decode_planner")
 
     def answer(*args):
         return getattr(module, entry)  # looked up at call time, as an answer's import in its body would

@@ -20,7 +20,8 @@ under one line that names the exercise, its points and the task (`REGION_MARKER`
     ### END SOLUTION
 
 A student edition (`scripts/release.py`) replaces such a region by
-`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it.
+`raise NotImplementedError("ch05_ex1: <the task>")` in the chapter and in the package exported from it
+(in a Triton kernel by `tl.static_assert(False, "ch07_ex1: <the task>")`, `kernel_stub`).
 In an edition, `grade` first re-exports the package from the chapters when they changed since the
 release (the student works in the notebooks). The idea of graded regions and stubs is nbgrader's;
 the snapshot-free, contract-only graders follow CS336's and minitorch's course tests.
@@ -233,9 +234,45 @@ def find_regions(text: str, where: str = "<text>") -> list[Region]:
     return regions
 
 
-def stub_line(region: Region) -> str:
-    """What a region becomes in a student edition: one `raise` naming the exercise and its task."""
-    return f"{region.indent}raise NotImplementedError({f'{region.id}: {region.task}'!r})"
+KERNEL_DECORATOR = re.compile(r"^\s*@(?:triton\.)?jit\b")  # a Triton kernel's (`@triton.jit`, `@triton.jit(...)`)
+# a stub as the release writes it (either kind); groups "text": "chNN_exK: task", "id": chNN_exK
+STUB = re.compile(r"(?:raise NotImplementedError|tl\.static_assert)\((?:False, )?(?P<q>[\"'])"
+                  r"(?P<text>(?P<id>ch\d\d_ex\d+): .*?)(?P=q)\)")
+
+
+def in_triton_kernel(lines: list[str], i: int) -> bool:
+    """Whether line `i` of `lines` (a cell's or a module's source) is in the body of a function
+    decorated `@triton.jit`: the nearest `def` above it at a smaller indentation, and its decorators."""
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    for j in range(i - 1, -1, -1):
+        line = lines[j]
+        if line.strip() and len(line) - len(line.lstrip()) < indent and line.lstrip().startswith(("def ", "async def ")):
+            k = j - 1
+            while k >= 0 and lines[k].lstrip().startswith("@"):
+                if KERNEL_DECORATOR.match(lines[k]):
+                    return True
+                k -= 1
+            return False
+    return False
+
+
+def stub_line(region: Region, kernel: bool = False) -> str:
+    """What a region becomes in a student edition: one `raise` naming the exercise and its task; in a
+    Triton kernel (`kernel`), whose compiler refuses `raise` ("unsupported AST node type: Raise"), a
+    `tl.static_assert(False, ...)` that stops the compilation (and the interpreter) with the same words."""
+    task = f"{region.id}: {region.task}"
+    return f"{region.indent}{kernel_stub(task) if kernel else f'raise NotImplementedError({task!r})'}"
+
+
+KERNEL_STUB_NOTE = "  # not implemented: a kernel cannot `raise`"
+KERNEL_STUB = re.compile(r"tl\.static_assert\(False, (?P<q>[\"'])(?P<text>.*?)(?P=q)\)" + re.escape(KERNEL_STUB_NOTE))
+
+
+def kernel_stub(text: str) -> str:
+    """A stub's statement in a Triton kernel (`scripts/release.py`, `scripts/make_exercises.py`):
+    compiling the kernel stops at it with `text` (a `CompileTimeAssertionFailure`), and so does Triton's
+    interpreter (an `AssertionError`); a grading run reports either as `NotImplementedError: text`."""
+    return f"tl.static_assert(False, {text!r}){KERNEL_STUB_NOTE}"
 
 
 # --- the pytest plugin (loaded in the grading run with `-p minivllm.course.grade`) ----------------------
@@ -299,6 +336,21 @@ def _skipped_by_student_code(report) -> str | None:
 
 
 _root: list[Path] = []  # the grading run's root folder
+_kernel_stubs: dict[Path, list[str]] = {}  # root -> the texts of the Triton kernels' stubs in its code (read once)
+
+
+def _as_kernel_stub(message: str) -> str:
+    """A failure at a Triton kernel's stub (`kernel_stub`: the compiler's or the interpreter's
+    error, which names the stub's text) reported as the `NotImplementedError` a stub means elsewhere."""
+    if not _root or message.startswith("NotImplementedError"):
+        return message
+    if _root[0] not in _kernel_stubs:
+        files = [*(_root[0] / "minivllm").rglob("*.py"), *(_root[0] / "exercises").glob("*.py")]
+        _kernel_stubs[_root[0]] = [m["text"] for f in files for m in KERNEL_STUB.finditer(f.read_text(errors="replace"))]
+    text = next((t for t in _kernel_stubs[_root[0]] if t in message), None)
+    if text is None:
+        return message
+    return f"NotImplementedError: {text} (a Triton kernel's stub: {message.splitlines()[0][:100]})\n{message}"
 
 
 def pytest_configure(config):
@@ -311,8 +363,8 @@ def pytest_runtest_logreport(report):
         return
     if report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
-        rec.update(outcome="failed", message=(crash.message if crash else str(report.longrepr))[:MESSAGE_CHARS],
-                   details=report.longreprtext[-MESSAGE_CHARS:])
+        message = _as_kernel_stub(crash.message if crash else str(report.longrepr))
+        rec.update(outcome="failed", message=message[:MESSAGE_CHARS], details=report.longreprtext[-MESSAGE_CHARS:])
     elif report.skipped and (why := _skipped_by_student_code(report)):
         rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
     elif report.skipped and rec["outcome"] == "passed":
@@ -492,7 +544,7 @@ def graders_code_used(root: Path) -> list[str]:
     found = []
     files = [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]
     for f in sorted(files):
-        if f.name == "grade.py" and f.parent.name == "minivllm":
+        if f == root / "minivllm" / "course" / "grade.py":  # this module names them to find them
             continue
         for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
             if GRADER_NAMES.search(line) or ("import" in line and importing and importing.search(line)):
