@@ -88,7 +88,7 @@ class EngineArgs:
         max_num_seqs: most sequences running at once (so also in one step).
         max_num_batched_tokens: most tokens in one prefill step (default max(8192, max_model_len)).
         max_model_len: most tokens per sequence (default: the model's max_position_embeddings).
-        kv_manager: the KV-cache manager class (None: `ContiguousKVManager`); it must have
+        block_manager_cls: the block manager class (None: `ContiguousBlockManager`); it must have
             `from_cache_size(num_tokens, block_size, max_model_len)`.
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
         scheduler_cls: the scheduler class (None: `Scheduler`).
@@ -112,7 +112,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    kv_manager: type | None = None
+    block_manager_cls: type | None = None
     attention_backend: type | None = None
     scheduler_cls: type | None = None
     model_runner_cls: type | None = None
@@ -146,7 +146,7 @@ def check_engine_args(args: "EngineArgs") -> None:
     args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,
                                                  minimum=1e-3, maximum=1)
     args.seed = require_int("seed", args.seed, minimum=SEED_MIN, maximum=SEED_MAX)
-    for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
+    for name in ("block_manager_cls", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
                  "output_processor_cls"):
         if getattr(args, name) is not None and not isinstance(getattr(args, name), type):
             raise ValueError(f"{name} must be a class or None, got {getattr(args, name)!r}")

@@ -66,7 +66,7 @@ def test_bad_sizes_are_refused_with_a_value_error_naming_them(bad):
         BlockManager(4, bad)
 
 
-def test_kv_manager_interface():
+def test_block_manager_interface():
     """`from_cache_size` (the engine's constructor) and `discard_unwritten` (nothing to undo)."""
     bm = BlockManager.from_cache_size(1000, 16, max_model_len=4096)
     assert (bm.num_blocks, bm.block_size, bm.num_free_blocks) == (62, 16, 62)

@@ -116,7 +116,7 @@ def test_abort_and_duplicate_ids(llm):
     (dict(max_model_len=10_000), "max_position_embeddings"),
     (dict(max_model_len=256, max_num_batched_tokens=100), "max_num_batched_tokens"),
     (dict(kv_cache_memory_bytes=10), "KV cache"),
-    (dict(kv_manager="paged"), "kv_manager must be a class"),
+    (dict(block_manager_cls="paged"), "block_manager_cls must be a class"),
     (dict(attention_backend="torch"), "attention_backend must be a class"),
     (dict(block_size=True), "block_size"),
     (dict(enable_prefix_caching=1), "enable_prefix_caching"),
@@ -222,7 +222,7 @@ def test_generate_refuses_bad_containers_and_foreign_requests(llm):
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monkeypatch, kwargs, asked, front):
     """200 GiB on a machine with 24 GiB, or 10**9 blocks: a ValueError naming the size asked for and
     what is available, raised before the cache (or the block pool's bookkeeping) is allocated."""
-    import minivllm.engine.llm_engine as engine_module
+    import minivllm.engine.core as engine_module  # where kv_cache_num_tokens looks the memory up
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 24 * 2**30)
     with pytest.raises(ValueError, match=r"asks for .* GiB \(" + asked + r"\) but only 24.00 GiB is available"):
@@ -230,14 +230,14 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monk
 
 
 def test_available_memory_is_read_from_the_system():
-    from minivllm.engine.llm_engine import available_memory_bytes
+    from minivllm.engine.core import available_memory_bytes
 
     cpu = available_memory_bytes(torch.device("cpu"))
     assert 0 < cpu <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_cache_that_fits_is_allocated(folder, monkeypatch):
-    import minivllm.engine.llm_engine as engine_module
+    import minivllm.engine.core as engine_module  # where kv_cache_num_tokens looks the memory up
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 10 * 2**20)
     engine = LLMEngine(model=folder, dtype="float64", kv_cache_memory_bytes=2**20, max_model_len=256)

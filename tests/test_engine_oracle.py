@@ -13,7 +13,7 @@ import torch
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm.attention.backend import ContiguousAttention
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.core.kv_cache_manager import ContiguousKVManager
+from minivllm.core.kv_cache_manager import ContiguousBlockManager
 from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ CONFIGS = {
     "prefix-caching-off": dict(enable_prefix_caching=False),
     "block-size-1": dict(block_size=1),
     "block-size-256": dict(block_size=256),
-    "contiguous-ch04": dict(kv_manager=ContiguousKVManager, attention_backend=ContiguousAttention,
+    "contiguous-ch04": dict(block_manager_cls=ContiguousBlockManager, attention_backend=ContiguousAttention,
                             num_kvcache_blocks=6 * MAX_MODEL_LEN // 16),
     "few-seqs-small-budget": dict(max_num_seqs=3, max_num_batched_tokens=MAX_MODEL_LEN),
 }
@@ -278,10 +278,10 @@ def test_each_attention_backend_equals_transformers(oracle, backend):
         require_cpu_kernel()
     cls, manager = {"cpu-kernel": (CPUPagedAttention if backend == "cpu-kernel" else None, BlockManager),
                     "plain-torch": (PagedAttention, BlockManager),
-                    "contiguous": (ContiguousAttention, ContiguousKVManager)}[backend]
+                    "contiguous": (ContiguousAttention, ContiguousBlockManager)}[backend]
     folder, _, prompts, max_tokens, refs = oracle
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, device="cpu",
-                       kv_manager=manager, attention_backend=cls, num_kvcache_blocks=6 * MAX_MODEL_LEN // 16)
+                       block_manager_cls=manager, attention_backend=cls, num_kvcache_blocks=6 * MAX_MODEL_LEN // 16)
     assert type(engine.model_runner.attn) is cls and type(engine.block_manager) is manager
     outs = run_engine(engine, prompts, _params(max_tokens))
     assert [o.outputs[0].token_ids for o in outs] == refs
@@ -291,5 +291,5 @@ def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
     from minivllm.core.sched.scheduler import Scheduler
 
     engine = LLMEngine(model=oracle[0], dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=100)
-    assert type(engine.block_manager) is ContiguousKVManager and engine.block_manager.block_size == MAX_MODEL_LEN
+    assert type(engine.block_manager) is ContiguousBlockManager and engine.block_manager.block_size == MAX_MODEL_LEN
     assert type(engine.model_runner.attn) is ContiguousAttention and type(engine.scheduler) is Scheduler

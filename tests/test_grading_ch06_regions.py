@@ -504,7 +504,7 @@ def test_ch06_engine_equals_transformers(ex, kind, ch06_engine_case):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with _hashing(kind):
         engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
-                           kv_manager=_graded(ex), attention_backend=PagedAttention)
+                           block_manager_cls=_graded(ex), attention_backend=PagedAttention)
         rounds = [prompts[:3], prompts, prompts[::-1]]
         try:  # run_engine checks the engine's invariants after every step
             outs = [run_engine(engine, batch, params) for batch in rounds]

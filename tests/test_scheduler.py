@@ -9,7 +9,7 @@ from engine_helpers import check_invariants
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
-from minivllm.core.kv_cache_manager import ContiguousKVManager, slot_mapping
+from minivllm.core.kv_cache_manager import ContiguousBlockManager, slot_mapping
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
@@ -117,25 +117,25 @@ def test_abort_frees_blocks():
 
 
 def test_contiguous_manager_reserves_one_region_per_sequence():
-    s = Scheduler(ContiguousKVManager(2, 32), 8, 64, 32)
+    s = Scheduler(ContiguousBlockManager(2, 32), 8, 64, 32)
     xs = [seq(3, block_size=32) for _ in range(3)]
     for x in xs:
         s.add(x)
     batch, _ = s.schedule()
     assert batch == xs[:2] and [x.block_table for x in xs] == [[0], [1], []]
     with pytest.raises(ValueError):
-        ContiguousKVManager(0, 32)
+        ContiguousBlockManager(0, 32)
 
 
 def test_contiguous_manager_from_cache_size_and_discard_unwritten():
-    m = ContiguousKVManager.from_cache_size(1000, 16, 300)  # one region of max_model_len per sequence
+    m = ContiguousBlockManager.from_cache_size(1000, 16, 300)  # one region of max_model_len per sequence
     assert (m.num_blocks, m.block_size) == (3, 300)
     x = seq(5, block_size=300)
     m.allocate(x)
     m.discard_unwritten([x])  # nothing to forget: the region stays with its sequence
     assert x.block_table == [0] and m.num_free_blocks == 2
     with pytest.raises(ValueError, match="299 tokens holds no region of max_model_len=300"):
-        ContiguousKVManager.from_cache_size(299, 16, 300)
+        ContiguousBlockManager.from_cache_size(299, 16, 300)
 
 
 def test_slot_mapping_is_block_then_offset():

@@ -44,7 +44,7 @@ def paris(tmp_path_factory):
 
 def paris_engine(folder, **kw):
     return LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=32, block_size=4,
-                     kv_manager=BlockManager, attention_backend=PagedAttention, **CH10, **kw)
+                     block_manager_cls=BlockManager, attention_backend=PagedAttention, **CH10, **kw)
 
 
 def one(engine, prompt, params):
@@ -185,7 +185,7 @@ def tiny(tmp_path_factory):
 
 
 def tiny_engine(folder, kv=BlockManager, **kw):
-    return LLMEngine(**{**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, kv_manager=kv,
+    return LLMEngine(**{**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, block_manager_cls=kv,
                                attention_backend=PagedAttention, num_kvcache_blocks=64, **CH10), **kw})
 
 

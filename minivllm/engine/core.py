@@ -99,7 +99,7 @@ class StepStats:
 
 
 def undo_failed_step(scheduler, seqs: list[Sequence], is_prefill: bool) -> None:
-    """The model failed in a step: the KV manager forgets the K/V it may have half written, and a
+    """The model failed in a step: the block manager forgets the K/V it may have half written, and a
     prefill step's sequences go back to the front of `waiting`, in order, to be prefilled again."""
     scheduler.block_manager.discard_unwritten(seqs)
     for seq in reversed(seqs) if is_prefill else ():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import EngineArgs, resolve_device, resolve_dtype, resolve_lengths
-from ..core.kv_cache_manager import ContiguousKVManager
+from ..core.kv_cache_manager import ContiguousBlockManager
 from ..core.sched.scheduler import Scheduler
 from .core import EngineCore, eos_token_ids, kv_cache_num_tokens
 from .processor import Processor, completion_text
@@ -69,7 +69,7 @@ __all__ = ['OutputProcessor', 'LLMEngine']
 class LLMEngine:
     """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
 
-    Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `kv_manager`,
+    Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `block_manager_cls`,
         `attention_backend`, `scheduler_cls`, `model_runner_cls`, `sampler_cls` and
         `output_processor_cls` given (None: chapter 04's own pieces).
     Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
@@ -85,7 +85,7 @@ class LLMEngine:
         self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
         resolve_lengths(args, (config := self.model.config).max_position_embeddings)
-        self.block_manager = (args.kv_manager or ContiguousKVManager).from_cache_size(
+        self.block_manager = (args.block_manager_cls or ContiguousBlockManager).from_cache_size(
             kv_cache_num_tokens(args, self.model, device), args.block_size, args.max_model_len)
         self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
         self.scheduler = (args.scheduler_cls or Scheduler)(

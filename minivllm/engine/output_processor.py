@@ -58,7 +58,7 @@ def fork_sequence(core, parent: Sequence, request_id: str, params) -> Sequence:
     manager's reference counts), and a copy of the block that holds the last prompt token when that
     block holds earlier prompt tokens too (the copy is written to, the original is `parent`'s). It
     joins the running sequences and recomputes only the last prompt token, whose logits give its
-    first token. When it cannot (a KV manager without reference counts, no free seat or block, or
+    first token. When it cannot (a block manager without reference counts, no free seat or block, or
     `parent` already finished) it is queued as a new request with the same prompt.
     """
     sched, bm = core.scheduler, core.scheduler.block_manager

@@ -126,7 +126,7 @@ class ModelRunner(_RequestSampling):
 
     Args:
         model: our decoder (chapter 02).
-        block_manager: the KV-cache manager; its `num_blocks` and `block_size` size the KV cache.
+        block_manager: the block manager; its `num_blocks` and `block_size` size the KV cache.
         generator: the generator of requests without a seed (`make_generator`; None: seed 0).
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
     Attributes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 from ...utils.checks import require_int
-from ..kv_cache_manager import KVCacheManager
+from ..kv_cache_manager import BlockManagerInterface
 from ...sequence import Sequence, SequenceStatus
 
 # %% auto #0
@@ -44,7 +44,7 @@ class SchedulerBase(_PreemptAndAbort):
     """The queues and their bookkeeping, which every scheduling policy shares.
 
     Args:
-        block_manager: the KV-cache manager (see `KVCacheManager`).
+        block_manager: the block manager (see `BlockManagerInterface`).
         max_num_seqs: most sequences running at once (so also in one step).
         max_num_batched_tokens: most tokens computed in one prefill step.
         max_model_len: most tokens (prompt + completion) in one sequence.
@@ -57,7 +57,7 @@ class SchedulerBase(_PreemptAndAbort):
 
     sampling_fields = frozenset({"max_tokens", "ignore_eos"})
 
-    def __init__(self, block_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_manager: BlockManagerInterface, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
         self.max_num_batched_tokens = require_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
