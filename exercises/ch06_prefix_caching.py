@@ -45,7 +45,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
             h = compute_hash(tokens, h) if full else NO_HASH
             if i < len(hits):
                 block_id = hits[i]
-                self._revive(block_id)
+                self.touch([block_id])
             else:
                 block_id = self._allocate_block().block_id
                 if full:

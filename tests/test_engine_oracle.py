@@ -293,3 +293,18 @@ def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
     engine = LLMEngine(model=oracle[0], dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=100)
     assert type(engine.block_manager) is ContiguousBlockManager and engine.block_manager.block_size == MAX_MODEL_LEN
     assert type(engine.model_runner.attn) is ContiguousAttention and type(engine.scheduler) is Scheduler
+
+
+def test_the_runner_scores_a_prompt_and_copies_blocks(oracle):
+    """The model runner's services to the rest of the engine: `prompt_logits` (every position, no KV
+    cache) equals transformers' logits in float64, and `copy_blocks` copies K and V of every layer."""
+    folder, model, prompts, _, _ = oracle
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    runner, prompt = engine.model_runner, prompts[0]
+    with torch.inference_mode():
+        want = model(torch.tensor([prompt])).logits[0]
+    assert (runner.prompt_logits(prompt) - want).abs().max().item() < 1e-9
+    cache = runner.kv_cache
+    cache[:, :, 0].normal_()
+    runner.copy_blocks([(0, 2)])
+    assert torch.equal(cache[:, :, 2], cache[:, :, 0]) and not torch.equal(cache[:, :, 1], cache[:, :, 0])

@@ -188,3 +188,44 @@ def test_random_operations_keep_invariants(manager, ops, block_size, num_blocks,
         check_invariants(s)
     assert s.is_finished()
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_fork_admits_the_child_into_running_beside_its_parent():
+    """The scheduler moves the forked sequence itself: into `running` with the parent's blocks shared
+    (the block manager's `fork`), or into `waiting` when it cannot (no seat, parent finished, or a
+    manager without reference counts)."""
+    s = make(max_num_seqs=2)
+    parent = seq(6)
+    s.add(parent)
+    s.postprocess(s.schedule()[0], [9])
+    child = seq(6)
+    copies = s.fork(parent, child)
+    assert child.status == SequenceStatus.RUNNING and list(s.running) == [parent, child]
+    assert copies == [(parent.block_table[1], child.block_table[1])] and child.num_cached_tokens == 5
+    assert s.block_manager.blocks[parent.block_table[0]].ref_count == 2
+    third = seq(6)
+    assert s.fork(parent, third) is None and list(s.waiting) == [third]  # no free seat: it waits
+    check_invariants(s)
+    contiguous = make(manager=lambda n, bs: ContiguousBlockManager(2, 64))
+    p = seq(6)
+    contiguous.add(p)
+    contiguous.postprocess(contiguous.schedule()[0], [9])
+    c = seq(6)
+    assert contiguous.fork(p, c) is None and list(contiguous.waiting) == [c]
+
+
+def test_undo_failed_step_sends_a_prefill_back_and_keeps_a_decode_running():
+    s = make()
+    a, b = seq(5), seq(3)
+    s.add(a)
+    s.add(b)
+    batch, is_prefill = s.schedule()
+    s.undo_failed_step(batch, is_prefill)
+    assert list(s.waiting) == [a, b] and not s.running and a.block_table == [] == b.block_table
+    batch, is_prefill = s.schedule()
+    s.postprocess(batch, [9, 9])
+    batch, is_prefill = s.schedule()
+    assert not is_prefill
+    s.undo_failed_step(batch, is_prefill)
+    assert list(s.running) == [a, b] and not s.waiting
+    check_invariants(s)

@@ -12,7 +12,7 @@ from ..attention.backend import AttentionMetadata, ContiguousAttention
 from ..core.kv_cache_manager import slot_mapping
 from ..model_executor.layers.linear import pack_linear_layers
 from ..sample.generator import make_generator, sample
-from ..model_executor.models.llama import LlamaForCausalLM
+from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
 
 # A CPU prefill step runs in forward passes of at most this many new tokens: the same tokens, smaller
@@ -120,8 +120,34 @@ class _RequestSampling:
         """Forget a finished request's generator (nothing to do for a request without a seed)."""
         self.generators.pop(seq.seq_id, None)
 
+# %% ../../notebooks/04_scheduler.ipynb #0fef5706
+class _CacheAndPrompts:
+    """`ModelRunner`'s KV cache and whole-prompt logits: it uses `model`, `kv_cache`, `dtype` and
+    `device`, set by its `__init__`."""
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
+        attn0 = self.model.model.layers[0].self_attn
+        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
+                           attn0.head_dim, dtype=self.dtype, device=self.device)
+
+    def copy_blocks(self, block_pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block `source` into block `destination`, every layer, for each
+        `(source, destination)` pair (vLLM's `copy_blocks`; the block manager's `fork` names them)."""
+        sources, destinations = (list(ids) for ids in zip(*block_pairs))
+        self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The logits after each of `token_ids`, `[num_tokens, vocab_size]`: one forward pass over them
+        alone, with no KV cache (causal attention among themselves; vLLM's `prompt_logprobs` use them)."""
+        ids = torch.tensor(token_ids, device=self.device)
+        scale = self.model.model.layers[0].self_attn.scale
+        no_cache = lambda layer_idx, q, k, v: attention_reference(q, k, v, scale, causal=True)  # noqa: E731
+        return self.model.compute_logits(self.model(ids, torch.arange(len(ids), device=self.device), no_cache))
+
 # %% ../../notebooks/04_scheduler.ipynb #7fd079f0
-class ModelRunner(_RequestSampling):
+class ModelRunner(_RequestSampling, _CacheAndPrompts):
     """Runs one scheduled batch through the model and samples one token per sequence.
 
     Args:
@@ -155,12 +181,6 @@ class ModelRunner(_RequestSampling):
     def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":
         """The runner `LLMEngine` builds from its `EngineArgs` (a subclass that needs more settings reads them here)."""
         return cls(model, block_manager, generator, args.attention_backend)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
-        attn0 = self.model.model.layers[0].self_attn
-        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
-                           attn0.head_dim, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:

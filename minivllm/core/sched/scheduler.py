@@ -15,9 +15,9 @@ from ...sequence import Sequence, SequenceStatus
 __all__ = ['SchedulerBase', 'Scheduler']
 
 # %% ../../../notebooks/04_scheduler.ipynb #81b98bbd
-class _PreemptAndAbort:
-    """The two ways a sequence leaves the queues before it has finished; mixed into `SchedulerBase`,
-    whose `waiting`, `running`, `block_manager` and `num_preemptions` they update."""
+class _QueueMoves:
+    """Moves between the queues besides admission; mixed into `SchedulerBase`, whose `waiting`,
+    `running`, `block_manager`, `max_num_seqs` and `num_preemptions` they use."""
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption)."""
@@ -39,8 +39,32 @@ class _PreemptAndAbort:
         seq.status = status
         return True
 
+    def undo_failed_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """The model failed in a step: the block manager forgets the K/V it may have half written, and
+        a prefill step's sequences go back to the front of `waiting`, in order, to be prefilled again."""
+        self.block_manager.discard_unwritten(seqs)
+        if is_prefill:
+            for seq in reversed(seqs):
+                self.running.remove(seq)
+                self.preempt(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Admit `child`, a new sequence whose tokens begin as running `parent`'s do, straight into
+        `running`, sharing `parent`'s K/V (the block manager's `fork`; vLLM V0's `fork_seq`). Returns
+        the `(source, destination)` blocks whose K/V must be copied; None when it cannot (no `fork`,
+        `parent` not running, no free seat or block): then `child` waits like a new sequence."""
+        bm = self.block_manager
+        if not (hasattr(bm, "fork") and parent.status == SequenceStatus.RUNNING
+                and len(self.running) < self.max_num_seqs and bm.can_fork(child)):
+            self.add(child)
+            return None
+        copies = bm.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return copies
+
 # %% ../../../notebooks/04_scheduler.ipynb #501a5751
-class SchedulerBase(_PreemptAndAbort):
+class SchedulerBase(_QueueMoves):
     """The queues and their bookkeeping, which every scheduling policy shares.
 
     Args:
@@ -133,10 +157,11 @@ class Scheduler(SchedulerBase):
         """Append each sampled token (one per sequence of the step) and retire the finished ones."""
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.append_token(token_id)
+            max_tokens = seq.sampling_params.max_tokens
             if token_id in self.eos_token_ids and not seq.sampling_params.ignore_eos:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-            elif (seq.sampling_params.max_tokens is not None
-                  and seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_seq_len):
+            elif ((max_tokens is not None and seq.num_completion_tokens >= max_tokens)
+                  or seq.num_tokens >= self.max_seq_len):
                 seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.is_finished:
                 self.block_manager.deallocate(seq)
