@@ -5,6 +5,7 @@
 notebooks/04_scheduler.ipynb). After vLLM's `EngineArgs`."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 # %% auto #0
 __all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
-           'EngineArgs', 'check_engine_args']
+           'fit_max_model_len', 'EngineArgs', 'check_engine_args']
 
 # %% ../notebooks/04_scheduler.ipynb #c88ab384
 def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
@@ -70,6 +71,25 @@ def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
     if args.max_num_batched_tokens < args.max_model_len:
         raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_model_len="
                          f"{args.max_model_len}: a long prompt could never be scheduled")
+
+
+def fit_max_model_len(args: "EngineArgs", num_cache_tokens: int, given: bool) -> None:
+    """Make one sequence of `max_model_len` tokens fit in the KV cache (`num_cache_tokens`, counted
+    in whole blocks of `block_size`), as vLLM checks at start-up.
+
+    Raises:
+        ValueError: `max_model_len` was `given` and is more than the cache holds (both numbers named).
+    Not given (the model's own limit): lowered to what the cache holds, with one warning.
+    """
+    holds = num_cache_tokens // args.block_size * args.block_size
+    if args.max_model_len <= holds:
+        return
+    if given:
+        raise ValueError(f"max_model_len={args.max_model_len} is more than the KV cache holds ({holds} tokens): "
+                         "lower max_model_len, or raise num_kvcache_blocks or kv_cache_memory_bytes")
+    warnings.warn(f"minivllm: the KV cache holds {holds} tokens, fewer than the model's max_position_embeddings "
+                  f"({args.max_model_len}): max_model_len is lowered to {holds}", stacklevel=3)
+    args.max_model_len = holds
 
 # %% ../notebooks/04_scheduler.ipynb #38eb584e
 @dataclass

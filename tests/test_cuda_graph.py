@@ -170,7 +170,7 @@ def test_preemption_abort_and_prefix_hits_between_replays(tiny):
     shared = random_prompts(1, 16, 16, seed=30)[0]
     prompts = [shared + p for p in random_prompts(6, 2, 8, seed=31)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    settings = dict(block_manager_cls=PrefixCachingBlockManager, num_kvcache_blocks=24)
+    settings = dict(block_manager_cls=PrefixCachingBlockManager, num_kvcache_blocks=24, max_model_len=96)
     graphs = graph_engine(folder, **settings)
     replays = count_replays(graphs.model_runner)
     out = run_with_abort(graphs, prompts, params, abort_index=2, abort_step=4)

@@ -70,8 +70,8 @@ def test_engine_greedy_equals_transformers(oracle, config):
 @pytest.mark.parametrize("caching", [True, False])
 def test_repeated_preemption_keeps_outputs(oracle, caching):
     folder, _, prompts, max_tokens, refs = oracle
-    # 84 blocks of 4 = 336 tokens: the longest sequence (322 tokens) fits alone, the batch does not
-    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=84,
+    # 84 blocks of 4 = 336 tokens (so max_model_len 336): the longest sequence (322 tokens) fits alone, the batch does not
+    engine = default_engine(folder, dtype="float64", max_model_len=84 * 4, num_kvcache_blocks=84,
                             block_size=4, enable_prefix_caching=caching)
     outs = run_engine(engine, prompts, _params([m + 12 for m in max_tokens]))
     assert engine.scheduler.num_preemptions >= 3, engine.scheduler.num_preemptions
@@ -308,3 +308,4 @@ def test_the_runner_scores_a_prompt_and_copies_blocks(oracle):
     cache[:, :, 0].normal_()
     runner.copy_blocks([(0, 2)])
     assert torch.equal(cache[:, :, 2], cache[:, :, 0]) and not torch.equal(cache[:, :, 1], cache[:, :, 0])
+

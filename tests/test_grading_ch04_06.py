@@ -489,7 +489,7 @@ def test_ch05_engine_equals_transformers(ex, ch05_engine_case):
     tokens equal transformers', every block free at the end."""
     folder, prompts, ref = ch05_engine_case
     kv, backend = (_Scaffold, _ReferenceDecode) if ex == "ch05_ex4" else (_graded(ex), PagedAttention)
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
                        block_manager_cls=kv, attention_backend=backend)
     outs = run_graded(ex, engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     _same_tokens(ex, "the engine", prompts, outs, ref)
@@ -589,7 +589,7 @@ def ch05_engine_case(tmp_path_factory):
 def test_ch05_ex5_engine_equals_transformers(ch05, ch05_engine_case):
     _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
     folder, prompts, ref = ch05_engine_case
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
                        block_manager_cls=ch05.MyBlockManager, attention_backend=PagedAttention)
     ids = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
            for p in prompts]

@@ -342,7 +342,7 @@ def test_seeded_request_is_the_same_alone_in_a_crowd_and_when_preempted(tiny, ca
                             presence_penalty=0.5)
     others = [SamplingParams(temperature=1.1, top_k=5, max_tokens=22, ignore_eos=True, frequency_penalty=0.3)] * 6
     alone = run_engine(LLMEngine(**engine_kwargs(folder, block_manager_cls=kv)), prompts[:1], [seeded])
-    small = LLMEngine(**engine_kwargs(folder, block_manager_cls=kv, num_kvcache_blocks=14))
+    small = LLMEngine(**engine_kwargs(folder, block_manager_cls=kv, num_kvcache_blocks=14, max_model_len=56))
     crowd = run_engine(small, prompts, [seeded] + others)
     assert small.scheduler.num_preemptions > 0
     assert crowd[0].outputs[0].token_ids == alone[0].outputs[0].token_ids

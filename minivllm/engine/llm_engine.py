@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import EngineArgs, resolve_device, resolve_dtype, resolve_lengths
+from ..config import EngineArgs, fit_max_model_len, resolve_device, resolve_dtype, resolve_lengths
 from ..core.kv_cache_manager import ContiguousBlockManager
 from ..core.sched.scheduler import Scheduler
 from .core import EngineCore, eos_token_ids, kv_cache_num_tokens
@@ -74,7 +74,8 @@ class LLMEngine:
         `output_processor_cls` given (None: chapter 04's own pieces).
     Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
         model_runner, core (`EngineCore`), output_processor, processor, requests, stats, eos_token_ids.
-    Raises: ValueError for an unknown or bad setting or model folder, or a KV cache that does not fit.
+    Raises: ValueError for an unknown or bad setting or model folder, a KV cache that does not fit in
+        memory, or one that holds fewer than a given `max_model_len` tokens (see `fit_max_model_len`).
     """
 
     def __init__(self, **kwargs):
@@ -84,9 +85,11 @@ class LLMEngine:
         path, device = resolve_model(args.model), resolve_device(args.device)
         self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
+        given = args.max_model_len is not None
         resolve_lengths(args, (config := self.model.config).max_position_embeddings)
+        fit_max_model_len(args, num_cache_tokens := kv_cache_num_tokens(args, self.model, device), given)
         self.block_manager = (args.block_manager_cls or ContiguousBlockManager).from_cache_size(
-            kv_cache_num_tokens(args, self.model, device), args.block_size, args.max_model_len)
+            num_cache_tokens, args.block_size, args.max_model_len)
         self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
         self.scheduler = (args.scheduler_cls or Scheduler)(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
