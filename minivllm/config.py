@@ -114,7 +114,7 @@ class EngineArgs:
         scheduler_cls: the scheduler class (None: `Scheduler`).
         model_runner_cls: the model runner class (None: `ModelRunner`); the engine builds it with its
             `from_engine_args(args, model, block_manager, generator)`.
-        sampler_cls: the sampler class (None: `model_runner.Sampler`), built with the EOS token ids.
+        sampler_cls: the sampler class, built with the EOS token ids (None: `model_runner.sample_batch`).
         output_processor_cls: the class that turns stepped sequences into outputs (None:
             `engine.OutputProcessor`), built with the engine.
         enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).

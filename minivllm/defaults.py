@@ -47,7 +47,7 @@ MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]
 
 
 # (chapter and name, condition on the engine's settings, sampler class); when no row fits, the model
-# runner keeps chapter 04's `Sampler` (greedy and temperature).
+# runner keeps chapter 04's `sample_batch` (greedy and temperature).
 SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("10 batched sampler: penalties, min-p, top-k, top-p, logprobs", lambda args: True, Sampler),
 ]
@@ -75,7 +75,7 @@ def model_runner_for(args: EngineArgs, device: torch.device) -> type | None:
 
 
 def sampler_for(args: EngineArgs) -> type | None:
-    """The sampler class of the first row of `SAMPLERS` that fits (None: chapter 04's `Sampler`)."""
+    """The sampler class of the first row of `SAMPLERS` that fits (None: chapter 04's `sample_batch`)."""
     return next((cls for _, fits, cls in SAMPLERS if fits(args)), None)
 
 

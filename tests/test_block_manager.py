@@ -59,11 +59,21 @@ def test_cannot_allocate_or_append_without_free_blocks():
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.0, "16", None])
-def test_bad_sizes_are_refused_with_a_value_error_naming_them(bad):
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(bad, 16)
+def test_bad_sizes_are_refused_once_at_the_boundary(bad):
+    """The user's sizes are checked by `EngineArgs` (a ValueError naming them); the pool, built from
+    checked settings, asserts its invariant instead of validating again."""
+    from minivllm.config import EngineArgs
+
     with pytest.raises(ValueError, match="block_size"):
-        BlockManager(4, bad)
+        EngineArgs(block_size=bad).check()
+    if bad is not None:  # None: no block count given (the byte budget sizes the cache)
+        with pytest.raises(ValueError, match="num_kvcache_blocks"):
+            EngineArgs(num_kvcache_blocks=bad).check()
+    if isinstance(bad, int) and bad < 1:
+        with pytest.raises(AssertionError):
+            BlockManager(bad, 16)
+        with pytest.raises(AssertionError):
+            BlockManager(4, bad)
 
 
 def test_block_manager_interface():
@@ -74,8 +84,8 @@ def test_block_manager_interface():
     bm.allocate(a)
     bm.discard_unwritten([a])
     assert a.block_table == [0, 1] and bm.num_free_blocks == 60
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager.from_cache_size(15, 16, 4096)  # not one block
+    with pytest.raises(AssertionError):
+        BlockManager.from_cache_size(15, 16, 4096)  # not one block (the engine refuses it first: kv_cache_num_tokens)
 
 
 def test_block_manager_imports_no_engine_attention_or_torch():

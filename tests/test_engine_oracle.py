@@ -309,3 +309,20 @@ def test_the_runner_scores_a_prompt_and_copies_blocks(oracle):
     runner.copy_blocks([(0, 2)])
     assert torch.equal(cache[:, :, 2], cache[:, :, 0]) and not torch.equal(cache[:, :, 1], cache[:, :, 0])
 
+
+def test_one_class_per_name_for_the_engine_parts():
+    """One `Sampler` (chapter 10's, sample/sampler.py; chapter 04 samples with `sample_batch`), one
+    block-manager interface name: no class of the package is defined twice under the same name."""
+    import ast
+    import pathlib
+    from collections import defaultdict
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "minivllm"
+    where = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(str(path.relative_to(root)))
+    assert where["Sampler"] == ["sample/sampler.py"]
+    assert not {name: files for name, files in where.items() if len(files) > 1}
+    assert "KVCacheManager" not in where and "ContiguousKVManager" not in where

@@ -58,9 +58,15 @@ def test_limits_max_num_seqs_and_batched_tokens():
     assert list(s.waiting) == seqs[2:]
 
 
-def test_scheduler_rejects_bad_limits():
+def test_bad_limits_are_refused_once_at_the_boundary():
+    """`EngineArgs` refuses a bad limit with a ValueError naming it; the scheduler, built from checked
+    settings, only asserts (no validation call of its own)."""
+    from minivllm.config import EngineArgs
+
     for kwargs in (dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(max_model_len=0)):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
+            EngineArgs(**kwargs).check()
+        with pytest.raises(AssertionError):
             make(**kwargs)
 
 
@@ -123,7 +129,7 @@ def test_contiguous_manager_reserves_one_region_per_sequence():
         s.add(x)
     batch, _ = s.schedule()
     assert batch == xs[:2] and [x.block_table for x in xs] == [[0], [1], []]
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):
         ContiguousBlockManager(0, 32)
 
 
@@ -134,7 +140,7 @@ def test_contiguous_manager_from_cache_size_and_discard_unwritten():
     m.allocate(x)
     m.discard_unwritten([x])  # nothing to forget: the region stays with its sequence
     assert x.block_table == [0] and m.num_free_blocks == 2
-    with pytest.raises(ValueError, match="299 tokens holds no region of max_model_len=300"):
+    with pytest.raises(AssertionError):  # the engine refuses it first (fit_max_model_len)
         ContiguousBlockManager.from_cache_size(299, 16, 300)
 
 

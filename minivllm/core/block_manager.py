@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from ..utils.checks import require_int
 from ..sequence import Sequence
 
 
@@ -94,23 +93,21 @@ class BlockPool:
     """`num_blocks` KV-cache blocks of `block_size` token slots: which are free, which are used.
 
     Args:
-        num_blocks: blocks in the cache (an int >= 1).
-        block_size: token slots per block (an int >= 1).
+        num_blocks: blocks in the cache (>= 1; the engine's settings are checked by `EngineArgs`).
+        block_size: token slots per block (>= 1).
     Attributes:
         blocks: a `BlockList` of every block, indexed by id (each made on first use by `block_cls`).
         free_block_ids: a `FreeBlockQueue`, least recently freed first.
         used_block_ids: ids of blocks with `ref_count > 0`.
         block_cls: the class of a block (a subclass that keeps more per block sets its own).
-    Raises:
-        ValueError: `num_blocks` or `block_size` is not an int >= 1.
     Memory: O(blocks ever used), not O(num_blocks). After vLLM V1's `BlockPool`.
     """
 
     block_cls: type[Block] = Block
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = require_int("num_blocks", num_blocks, minimum=1)
-        self.block_size = require_int("block_size", block_size, minimum=1)
+        assert num_blocks >= 1 and block_size >= 1, f"num_blocks={num_blocks}, block_size={block_size}"
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.blocks = BlockList(self.num_blocks, self.block_cls)
         self.free_block_ids = FreeBlockQueue(self.num_blocks)
         self.used_block_ids: set[int] = set()

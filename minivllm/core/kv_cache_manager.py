@@ -62,28 +62,19 @@ class ContiguousBlockManager:
     Args:
         num_blocks: how many sequences fit (one region each), >= 1.
         block_size: tokens per region; `from_cache_size` makes it `max_model_len`.
-    Raises:
-        ValueError: `num_blocks` or `block_size` < 1.
     Idea: what HF `generate` and servers before vLLM do; chapter 05 measures its waste.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"the KV cache holds no region of {block_size} tokens: num_blocks={num_blocks}")
+        assert num_blocks >= 1 and block_size >= 1, f"no region of {block_size} tokens: num_blocks={num_blocks}"
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_block_ids = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
 
     @classmethod
     def from_cache_size(cls, num_tokens: int, block_size: int, max_model_len: int) -> "ContiguousBlockManager":
-        """One region of `max_model_len` tokens per sequence (`block_size` is not used).
-
-        Raises:
-            ValueError: `num_tokens` < `max_model_len`: not one region.
-        """
-        if num_tokens < max_model_len:
-            raise ValueError(f"a KV cache of {num_tokens} tokens holds no region of max_model_len={max_model_len} "
-                             "tokens; lower max_model_len or raise num_kvcache_blocks / kv_cache_memory_bytes")
+        """One region of `max_model_len` tokens per sequence (`block_size` is not used). The engine
+        makes sure first that the cache holds one (`fit_max_model_len`)."""
         return cls(num_tokens // max_model_len, max_model_len)
 
     @property

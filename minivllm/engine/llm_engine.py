@@ -19,7 +19,7 @@ from ..sampling_params import RequestOutputKind
 from ..sequence import Sequence
 from ..transformers_utils.model_files import has_tokenizer, load_tokenizer, resolve_model
 from ..utils.checks import known_arguments
-from ..worker.model_runner import ModelRunner, Sampler
+from ..worker.model_runner import ModelRunner
 
 
 class OutputProcessor:
@@ -95,11 +95,12 @@ class LLMEngine:
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
         self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
             args, self.model, self.block_manager, make_generator(args.seed, device))
-        self.model_runner.sampler = (args.sampler_cls or Sampler)(self.eos_token_ids)
+        if args.sampler_cls is not None:
+            self.model_runner.sampler = args.sampler_cls(self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.model_runner)
         self.requests, self.stats = self.core.requests, self.core.stats
         self.output_processor = (args.output_processor_cls or OutputProcessor)(self)
-        parts = (self.scheduler, self.model_runner.sampler, self.output_processor)
+        parts = (self.scheduler, self.model_runner, self.output_processor)
         supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
         self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
 

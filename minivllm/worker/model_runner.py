@@ -62,10 +62,13 @@ def split_prefill(seqs: list[Sequence], limit: int | None) -> list[list[Sequence
     return groups
 
 # %% auto #0
-__all__ = ['PREFILL_MICROBATCH_TOKENS', 'prepare_batch', 'split_prefill', 'sample_batch', 'Sampler', 'kv_cache_bytes_per_token',
-           'ModelRunner']
+__all__ = ['PREFILL_MICROBATCH_TOKENS', 'SAMPLE_BATCH_FIELDS', 'prepare_batch', 'split_prefill', 'sample_batch',
+           'kv_cache_bytes_per_token', 'ModelRunner']
 
 # %% ../../notebooks/04_scheduler.ipynb #bb3e6035
+SAMPLE_BATCH_FIELDS = frozenset({"temperature", "seed"})  # the SamplingParams fields `sample_batch` acts on
+
+
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
     """One token per row of `logits [num_seqs, vocab_size]`: greedy rows in one argmax, the others
     one by one with their request's generator (`generators[seq_id]`, else `default_generator`)."""
@@ -77,25 +80,6 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, d
     return tokens
 
 
-class Sampler:
-    """Chapter 04's sampler: greedy and temperature sampling (`sample_batch`), one token per sequence.
-
-    Args:
-        eos_token_ids: the engine's end-of-sequence ids (a sampler may need them; this one does not).
-    Attributes:
-        sampling_fields: the `SamplingParams` fields it acts on.
-    """
-
-    sampling_fields = frozenset({"temperature", "seed"})
-
-    def __init__(self, eos_token_ids=frozenset()):
-        self.eos_token_ids = frozenset(eos_token_ids)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
-        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order."""
-        return sample_batch(logits, seqs, generators, default_generator)
-
-
 def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
     """Bytes of K and V one token occupies in the cache, over all layers."""
     attn0 = model.model.layers[0].self_attn
@@ -104,12 +88,20 @@ def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
 
 # %% ../../notebooks/04_scheduler.ipynb #37c076da
 class _RequestSampling:
-    """`ModelRunner`'s per-request sampling: it uses `sampler`, `generator` (requests without a seed),
-    `generators` (seq_id -> the generator of a seeded request) and `device`, set by its `__init__`."""
+    """`ModelRunner`'s per-request sampling: it uses `sampler` (None: `sample_batch`), `generator`
+    (requests without a seed), `generators` (seq_id -> the generator of a seeded request) and
+    `device`, set by its `__init__`."""
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order (`self.sampler`)."""
+        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order."""
+        if self.sampler is None:
+            return sample_batch(logits, seqs, self.generators, self.generator)
         return self.sampler(logits, seqs, self.generators, self.generator)
+
+    @property
+    def sampling_fields(self) -> frozenset[str]:
+        """The `SamplingParams` fields the runner's sampling acts on (see `Processor`)."""
+        return SAMPLE_BATCH_FIELDS if self.sampler is None else self.sampler.sampling_fields
 
     def add_generator(self, seq: Sequence) -> None:
         """Give a seeded request its own generator (a request without a seed shares `self.generator`)."""
@@ -159,7 +151,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
         pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers.
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
-        sampler: called with each step's logits (`Sampler` unless the engine sets another).
+        sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
 
     pack_cpu_linears = True
@@ -175,7 +167,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)
         self.generators: dict[int, object] = {}  # seq_id -> the generator of a seeded request
-        self.sampler = Sampler()  # the engine sets the one EngineArgs.sampler_cls names
+        self.sampler = None  # `sample_batch`, unless the engine sets EngineArgs.sampler_cls's
 
     @classmethod
     def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from ...utils.checks import require_int
 from ..kv_cache_manager import BlockManagerInterface
 from ...sequence import Sequence, SequenceStatus
 
@@ -75,17 +74,16 @@ class SchedulerBase(_QueueMoves):
         eos_token_ids: token ids that end a sequence (unless its `ignore_eos`).
     Attributes:
         sampling_fields: the `SamplingParams` fields the scheduler acts on (see `Processor`).
-    Raises:
-        ValueError: a limit is not an int >= 1.
+    The limits are the user's settings, checked once by `EngineArgs`; here they are asserted.
     """
 
     sampling_fields = frozenset({"max_tokens", "ignore_eos"})
 
     def __init__(self, block_manager: BlockManagerInterface, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
-        self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
-        self.max_num_batched_tokens = require_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-        self.max_model_len = require_int("max_model_len", max_model_len, minimum=1)
+        assert min(max_num_seqs, max_num_batched_tokens, max_model_len) >= 1, "limits are checked by EngineArgs"
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
