@@ -518,7 +518,7 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
     assert bm.num_free_blocks == num_blocks - len(held)
 
 
-# "From scratch": the KV-manager interface is written in the exercise's file, not inherited (`_written_here`).
+# "From scratch": the block-manager interface is written in the exercise's file, not inherited (`_written_here`).
 CH05_EX5_METHODS = ["can_allocate", "allocate", "deallocate", "can_append", "may_append"]
 
 

@@ -97,20 +97,10 @@ class StepStats:
     seconds: float
 
 
-# %% ../../notebooks/04_scheduler.ipynb #e668b479
-class EngineCore:
-    """The inner loop over checked requests: schedule, run, append tokens (vLLM V1's `EngineCore`).
 
-    Attributes: requests (id -> unfinished `Sequence`), num_cached_tokens (id -> prompt tokens found
-    cached at first admission), stats (a `StepStats` per step that ran).
-    """
-
-    def __init__(self, scheduler, model_runner: ModelRunner):
-        self.scheduler, self.model_runner = scheduler, model_runner
-        self.requests: dict[str, Sequence] = {}
-        self.num_cached_tokens: dict[str, int] = {}
-        self.stats: list[StepStats] = []
-        self._ids = itertools.count()
+class _RequestTable:
+    """`EngineCore`'s requests: it uses `requests` (id -> unfinished `Sequence`), `num_cached_tokens`,
+    `scheduler`, `model_runner` and `_ids` (an `itertools.count`), set by its `__init__`."""
 
     def add_request(self, request_id: str | int | None, seq: Sequence, parent: Sequence | None = None) -> str:
         """Queue a checked `Sequence`; returns its id (a fresh one for None). ValueError: id in use.
@@ -140,6 +130,22 @@ class EngineCore:
             self.scheduler.abort(seq)
             self.finish(seq)
             self.num_cached_tokens.pop(seq.request_id, None)
+
+
+# %% ../../notebooks/04_scheduler.ipynb #e668b479
+class EngineCore(_RequestTable):
+    """The inner loop over checked requests: schedule, run, append tokens (vLLM V1's `EngineCore`).
+
+    Attributes: requests (id -> unfinished `Sequence`), num_cached_tokens (id -> prompt tokens found
+    cached at first admission), stats (a `StepStats` per step that ran).
+    """
+
+    def __init__(self, scheduler, model_runner: ModelRunner):
+        self.scheduler, self.model_runner = scheduler, model_runner
+        self.requests: dict[str, Sequence] = {}
+        self.num_cached_tokens: dict[str, int] = {}
+        self.stats: list[StepStats] = []
+        self._ids = itertools.count()
 
     def step(self) -> list[Sequence]:
         """Schedule one batch, run it, sample; returns the sequences that ran (finished ones have left)."""

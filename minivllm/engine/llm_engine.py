@@ -22,48 +22,8 @@ from ..utils.checks import known_arguments
 from ..worker.model_runner import ModelRunner
 
 
-class OutputProcessor:
-    """Queues checked requests in the engine core and makes the outputs of each step (after vLLM
-    V1's `OutputProcessor`): here the text is made once, when a request finishes.
-
-    Args: engine, the `LLMEngine` (its `core` and `tokenizer` are used).
-    Attributes: sampling_fields, the `SamplingParams` fields it acts on.
-    """
-
-    sampling_fields = frozenset({"detokenize", "skip_special_tokens", "output_kind"})
-
-    def __init__(self, engine: "LLMEngine"):
-        self.core, self.tokenizer = engine.core, engine.tokenizer
-
-    def add_request(self, request_id: str | int | None, seq: Sequence) -> str:
-        """Queue a checked sequence; returns its request id. Raises ValueError: the id is in use."""
-        return self.core.add_request(request_id, seq)
-
-    def abort_request(self, request_id: str | int) -> None:
-        self.core.abort_request(request_id)
-
-    def process(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """The outputs of the sequences a step ran, as each request's `output_kind` asks."""
-        return [self.make_output(s) for s in seqs
-                if s.is_finished or s.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY]
-
-    def make_output(self, seq: Sequence) -> RequestOutput:
-        """`seq`'s `RequestOutput`; the text (see `completion_text`) once it has finished."""
-        params = seq.sampling_params
-        text = (completion_text(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids,
-                                params.skip_special_tokens)
-                if seq.is_finished and self.tokenizer is not None and params.detokenize else "")
-        token_ids = seq.completion_token_ids
-        if params.output_kind is RequestOutputKind.DELTA:
-            token_ids = token_ids[-1:]  # a step adds one token to each sequence it runs
-        completion = CompletionOutput(0, text, token_ids, finish_reason=seq.finish_reason)
-        cached = self.core.num_cached_tokens
-        num_cached = cached.pop(seq.request_id, 0) if seq.is_finished else cached.get(seq.request_id, 0)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), None, [completion],
-                             seq.is_finished, num_cached)
-
 # %% auto #0
-__all__ = ['OutputProcessor', 'LLMEngine']
+__all__ = ['LLMEngine', 'OutputProcessor']
 
 # %% ../../notebooks/04_scheduler.ipynb #3556cf1d
 class LLMEngine:
@@ -125,3 +85,44 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+# %% ../../notebooks/04_scheduler.ipynb #4acd8720
+class OutputProcessor:
+    """Queues checked requests in the engine core and makes the outputs of each step (after vLLM
+    V1's `OutputProcessor`): here the text is made once, when a request finishes.
+
+    Args: engine, the `LLMEngine` (its `core` and `tokenizer` are used).
+    Attributes: sampling_fields, the `SamplingParams` fields it acts on.
+    """
+
+    sampling_fields = frozenset({"detokenize", "skip_special_tokens", "output_kind"})
+
+    def __init__(self, engine: "LLMEngine"):
+        self.core, self.tokenizer = engine.core, engine.tokenizer
+
+    def add_request(self, request_id: str | int | None, seq: Sequence) -> str:
+        """Queue a checked sequence; returns its request id. Raises ValueError: the id is in use."""
+        return self.core.add_request(request_id, seq)
+
+    def abort_request(self, request_id: str | int) -> None:
+        self.core.abort_request(request_id)
+
+    def process(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the sequences a step ran, as each request's `output_kind` asks."""
+        return [self.make_output(s) for s in seqs
+                if s.is_finished or s.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY]
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        """`seq`'s `RequestOutput`; the text (see `completion_text`) once it has finished."""
+        params = seq.sampling_params
+        text = (completion_text(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids,
+                                params.skip_special_tokens)
+                if seq.is_finished and self.tokenizer is not None and params.detokenize else "")
+        token_ids = seq.completion_token_ids
+        if params.output_kind is RequestOutputKind.DELTA:
+            token_ids = token_ids[-1:]  # a step adds one token to each sequence it runs
+        completion = CompletionOutput(0, text, token_ids, finish_reason=seq.finish_reason)
+        cached = self.core.num_cached_tokens
+        num_cached = cached.pop(seq.request_id, 0) if seq.is_finished else cached.get(seq.request_id, 0)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), None, [completion],
+                             seq.is_finished, num_cached)
