@@ -5,6 +5,7 @@
 notebooks/04_scheduler.ipynb). After vLLM's `EngineArgs`."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 # %% auto #0
 __all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
-           'EngineArgs', 'check_engine_args']
+           'fit_max_model_len', 'EngineArgs', 'check_engine_args']
 
 # %% ../notebooks/04_scheduler.ipynb #c88ab384
 def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
@@ -71,6 +72,25 @@ def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
         raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_model_len="
                          f"{args.max_model_len}: a long prompt could never be scheduled")
 
+
+def fit_max_model_len(args: "EngineArgs", num_cache_tokens: int, given: bool) -> None:
+    """Make one sequence of `max_model_len` tokens fit in the KV cache (`num_cache_tokens`, counted
+    in whole blocks of `block_size`), as vLLM checks at start-up.
+
+    Raises:
+        ValueError: `max_model_len` was `given` and is more than the cache holds (both numbers named).
+    Not given (the model's own limit): lowered to what the cache holds, with one warning.
+    """
+    holds = num_cache_tokens // args.block_size * args.block_size
+    if args.max_model_len <= holds:
+        return
+    if given:
+        raise ValueError(f"max_model_len={args.max_model_len} is more than the KV cache holds ({holds} tokens): "
+                         "lower max_model_len, or raise num_kvcache_blocks or kv_cache_memory_bytes")
+    warnings.warn(f"minivllm: the KV cache holds {holds} tokens, fewer than the model's max_position_embeddings "
+                  f"({args.max_model_len}): max_model_len is lowered to {holds}", stacklevel=3)
+    args.max_model_len = holds
+
 # %% ../notebooks/04_scheduler.ipynb #38eb584e
 @dataclass
 class EngineArgs:
@@ -88,13 +108,13 @@ class EngineArgs:
         max_num_seqs: most sequences running at once (so also in one step).
         max_num_batched_tokens: most tokens in one prefill step (default max(8192, max_model_len)).
         max_model_len: most tokens per sequence (default: the model's max_position_embeddings).
-        kv_manager: the KV-cache manager class (None: `ContiguousKVManager`); it must have
+        block_manager_cls: the block manager class (None: `ContiguousBlockManager`); it must have
             `from_cache_size(num_tokens, block_size, max_model_len)`.
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
         scheduler_cls: the scheduler class (None: `Scheduler`).
         model_runner_cls: the model runner class (None: `ModelRunner`); the engine builds it with its
             `from_engine_args(args, model, block_manager, generator)`.
-        sampler_cls: the sampler class (None: `model_runner.Sampler`), built with the EOS token ids.
+        sampler_cls: the sampler class, built with the EOS token ids (None: `model_runner.sample_batch`).
         output_processor_cls: the class that turns stepped sequences into outputs (None:
             `engine.OutputProcessor`), built with the engine.
         enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).
@@ -112,7 +132,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    kv_manager: type | None = None
+    block_manager_cls: type | None = None
     attention_backend: type | None = None
     scheduler_cls: type | None = None
     model_runner_cls: type | None = None
@@ -146,7 +166,7 @@ def check_engine_args(args: "EngineArgs") -> None:
     args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,
                                                  minimum=1e-3, maximum=1)
     args.seed = require_int("seed", args.seed, minimum=SEED_MIN, maximum=SEED_MAX)
-    for name in ("kv_manager", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
+    for name in ("block_manager_cls", "attention_backend", "scheduler_cls", "model_runner_cls", "sampler_cls",
                  "output_processor_cls"):
         if getattr(args, name) is not None and not isinstance(getattr(args, name), type):
             raise ValueError(f"{name} must be a class or None, got {getattr(args, name)!r}")

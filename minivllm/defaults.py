@@ -1,4 +1,4 @@
-"""The default assembly: which KV-cache manager and attention backend `LLM()` builds the engine from.
+"""The default assembly: which block manager and attention backend `LLM()` builds the engine from.
 
 Written by hand, like `__init__.py`: it is the book's table of contents for the engine. Chapter 04's
 `LLMEngine` uses exactly the pieces it is given; this small table, above all of them, says which
@@ -23,8 +23,8 @@ from .attention.paged_attention import PagedAttention
 from .core.prefix_caching import PrefixCachingBlockManager
 from .sample.sampler import Sampler
 
-# (chapter and name, condition on the engine's settings, KV-cache manager class)
-KV_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+# (chapter and name, condition on the engine's settings, block manager class)
+BLOCK_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("06 prefix caching", lambda args: args.enable_prefix_caching, PrefixCachingBlockManager),
     ("05 paged blocks", lambda args: True, BlockManager),
 ]
@@ -47,7 +47,7 @@ MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]
 
 
 # (chapter and name, condition on the engine's settings, sampler class); when no row fits, the model
-# runner keeps chapter 04's `Sampler` (greedy and temperature).
+# runner keeps chapter 04's `sample_batch` (greedy and temperature).
 SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("10 batched sampler: penalties, min-p, top-k, top-p, logprobs", lambda args: True, Sampler),
 ]
@@ -59,9 +59,9 @@ OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
 ]
 
 
-def kv_manager_for(args: EngineArgs) -> type:
-    """The KV-cache manager class of the first row of `KV_MANAGERS` whose condition holds for `args`."""
-    return next(cls for _, holds, cls in KV_MANAGERS if holds(args))
+def block_manager_for(args: EngineArgs) -> type:
+    """The block manager class of the first row of `BLOCK_MANAGERS` whose condition holds for `args`."""
+    return next(cls for _, holds, cls in BLOCK_MANAGERS if holds(args))
 
 
 def attention_backend_for(device: torch.device, dtype: torch.dtype) -> type:
@@ -75,7 +75,7 @@ def model_runner_for(args: EngineArgs, device: torch.device) -> type | None:
 
 
 def sampler_for(args: EngineArgs) -> type | None:
-    """The sampler class of the first row of `SAMPLERS` that fits (None: chapter 04's `Sampler`)."""
+    """The sampler class of the first row of `SAMPLERS` that fits (None: chapter 04's `sample_batch`)."""
     return next((cls for _, fits, cls in SAMPLERS if fits(args)), None)
 
 

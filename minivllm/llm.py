@@ -115,7 +115,7 @@ class LLM:
     Args:
         model: a local Hugging Face folder (None: the default SmolLM2-135M-Instruct).
         **kwargs: the other fields of `EngineArgs`, and vLLM's arguments at their one value here (see
-            `engine_args_from_vllm`). A `kv_manager`, `attention_backend`, `model_runner_cls`,
+            `engine_args_from_vllm`). A `block_manager_cls`, `attention_backend`, `model_runner_cls`,
             `sampler_cls` or `output_processor_cls` not given comes from the default assembly
             (`minivllm.defaults`).
     Raises:
@@ -127,8 +127,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, **kwargs):
         args = engine_args_from_vllm(model, kwargs)
         args.check()
-        if args.kv_manager is None:
-            args.kv_manager = defaults.kv_manager_for(args)
+        if args.block_manager_cls is None:
+            args.block_manager_cls = defaults.block_manager_for(args)
         device = resolve_device(args.device)
         if args.attention_backend is None:
             args.attention_backend = defaults.attention_backend_for(device, resolve_dtype(args.dtype, device))

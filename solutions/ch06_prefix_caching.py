@@ -46,7 +46,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Share the blocks `cached_prefix` finds (`self._revive` adds a reference to a cached block),
+        """Share the blocks `cached_prefix` finds (`self.touch([block_id])` adds a reference to each cached block),
         take fresh blocks for the rest (`self._allocate_block()`), make the fresh full ones findable
         (`self._cache(block_id, hash, token_ids, parent)`), and set `seq.num_cached_tokens`: a fully
         cached prompt still computes its last token (its logits choose the next token), so at most
@@ -62,7 +62,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
             h = compute_hash(tokens, h) if full else NO_HASH
             if i < len(hits):
                 block_id = hits[i]
-                self._revive(block_id)
+                self.touch([block_id])
             else:
                 block_id = self._allocate_block().block_id
                 if full:

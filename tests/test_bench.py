@@ -452,7 +452,7 @@ def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch
     args = benchmarks.ladder.rung_engine_args("triton", {"max_model_len": 64}, cuda, torch.bfloat16)
     assert (args["attention_backend"], args["model_runner_cls"], args["enforce_eager"]) == \
         (GPUKernel, ModelRunner, True)
-    assert args["max_model_len"] == 64 and args["kv_manager"].__name__ == "PrefixCachingBlockManager"
+    assert args["max_model_len"] == 64 and args["block_manager_cls"].__name__ == "PrefixCachingBlockManager"
     with pytest.raises(benchmarks.ladder.RungSkipped, match="MODEL_RUNNERS"):
         benchmarks.ladder.rung_engine_args("cuda_graphs", {}, cuda, torch.bfloat16)
     monkeypatch.setattr(defaults, "MODEL_RUNNERS", [("graphs", lambda a, d: d.type == "cuda" and not a.enforce_eager,

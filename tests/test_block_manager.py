@@ -59,14 +59,24 @@ def test_cannot_allocate_or_append_without_free_blocks():
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.0, "16", None])
-def test_bad_sizes_are_refused_with_a_value_error_naming_them(bad):
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(bad, 16)
+def test_bad_sizes_are_refused_once_at_the_boundary(bad):
+    """The user's sizes are checked by `EngineArgs` (a ValueError naming them); the pool, built from
+    checked settings, asserts its invariant instead of validating again."""
+    from minivllm.config import EngineArgs
+
     with pytest.raises(ValueError, match="block_size"):
-        BlockManager(4, bad)
+        EngineArgs(block_size=bad).check()
+    if bad is not None:  # None: no block count given (the byte budget sizes the cache)
+        with pytest.raises(ValueError, match="num_kvcache_blocks"):
+            EngineArgs(num_kvcache_blocks=bad).check()
+    if isinstance(bad, int) and bad < 1:
+        with pytest.raises(AssertionError):
+            BlockManager(bad, 16)
+        with pytest.raises(AssertionError):
+            BlockManager(4, bad)
 
 
-def test_kv_manager_interface():
+def test_block_manager_interface():
     """`from_cache_size` (the engine's constructor) and `discard_unwritten` (nothing to undo)."""
     bm = BlockManager.from_cache_size(1000, 16, max_model_len=4096)
     assert (bm.num_blocks, bm.block_size, bm.num_free_blocks) == (62, 16, 62)
@@ -74,8 +84,8 @@ def test_kv_manager_interface():
     bm.allocate(a)
     bm.discard_unwritten([a])
     assert a.block_table == [0, 1] and bm.num_free_blocks == 60
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager.from_cache_size(15, 16, 4096)  # not one block
+    with pytest.raises(AssertionError):
+        BlockManager.from_cache_size(15, 16, 4096)  # not one block (the engine refuses it first: kv_cache_num_tokens)
 
 
 def test_block_manager_imports_no_engine_attention_or_torch():
@@ -328,3 +338,67 @@ def test_prefill_attention_in_chunks_equals_reference(tq, cached, chunk, seed):
     k, v = torch.randn(2, cached + tq, 2, 8, generator=g, dtype=torch.float64).unbind(0)
     torch.testing.assert_close(prefill_attention(q, k, v, 0.3, chunk), attention_reference(q, k, v, 0.3),
                                atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("prompt_len, copied", [(6, True), (5, False), (4, True), (1, False)])
+def test_fork_shares_the_full_blocks_and_names_the_partial_one_to_copy(prompt_len, copied):
+    """`fork` (the block manager's, not the caller's, reference counts): the blocks wholly before the
+    child's last token are shared, the one holding earlier tokens and the last is a fresh block whose
+    K/V must be copied from the parent's, and the child computes only its last token."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = seq(range(1, prompt_len + 1), 4)
+    bm.allocate(parent)
+    parent.append_token(99)
+    child = seq(range(1, prompt_len + 1), 4)
+    assert bm.can_fork(child)
+    copies = bm.fork(parent, child)
+    shared = (prompt_len - 1) // 4
+    assert child.block_table[:shared] == parent.block_table[:shared]
+    assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table[:shared])
+    assert child.num_cached_tokens == prompt_len - 1
+    if copied:
+        assert copies == [(parent.block_table[shared], child.block_table[shared])]
+        assert len(child.block_table) == shared + 1 and bm.blocks[child.block_table[-1]].ref_count == 1
+    else:
+        assert copies == [] and len(child.block_table) == shared
+    bm.deallocate(parent)
+    bm.deallocate(child)
+    assert bm.num_free_blocks == 8 and not bm.used_block_ids
+
+
+def test_can_fork_needs_a_free_block_only_for_a_partial_last_block():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    parent = seq(range(6), 4)
+    bm.allocate(parent)
+    assert not bm.can_fork(seq(range(6), 4))  # its second block is partial: a copy needs a free block
+    assert bm.can_fork(seq(range(5), 4))  # its last token starts a block: nothing to copy
+
+
+def test_touch_takes_a_free_block_out_of_the_free_queue():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(8), 4)
+    bm.allocate(a)
+    bm.touch(a.block_table)  # one more table holds them
+    assert [bm.blocks[b].ref_count for b in a.block_table] == [2, 2] and bm.num_free_blocks == 2
+    b = seq(range(8), 4)
+    bm.allocate(b)
+    bm.deallocate(b)  # blocks 3, 2 freed, nobody holds them
+    bm.touch([2])  # chapter 06 finds a freed block by its content and takes it back
+    assert 2 not in bm.free_block_ids and 2 in bm.used_block_ids and bm.blocks[2].ref_count == 1
+    assert list(bm.free_block_ids) == [3]
+
+
+def test_only_the_block_manager_changes_reference_counts_or_takes_blocks():
+    """Ownership: outside core/, no module of the package writes a `ref_count` or calls a block
+    manager's private `_allocate_block`/`_free_block`; engine/ does not run the model itself."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parent.parent / "minivllm"
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] == "core":
+            continue
+        text = path.read_text()
+        if re.search(r"ref_count\s*[-+]?=|\._allocate_block\(|\._free_block\(|kv_cache\[[^\]]*\]\s*=", text):
+            offenders.append(str(path.relative_to(root)))
+    assert offenders == [] or offenders == ["worker/model_runner.py"], offenders

@@ -58,7 +58,7 @@ def llama(tmp_path_factory):
 
 
 def engine(folder, device="cpu", dtype="float64", **kwargs) -> LLMEngine:
-    settings = dict(model=folder, dtype=dtype, device=device, kv_manager=BlockManager, block_size=4,
+    settings = dict(model=folder, dtype=dtype, device=device, block_manager_cls=BlockManager, block_size=4,
                     max_model_len=128, num_kvcache_blocks=400, max_num_seqs=MAX_NUM_SEQS)
     return LLMEngine(**{**settings, **kwargs})
 
@@ -171,7 +171,7 @@ def test_preemption_abort_and_prefix_hits_between_replays(tiny):
     shared = random_prompts(1, 16, 16, seed=30)[0]
     prompts = [shared + p for p in random_prompts(6, 2, 8, seed=31)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    settings = dict(kv_manager=PrefixCachingBlockManager, num_kvcache_blocks=24)
+    settings = dict(block_manager_cls=PrefixCachingBlockManager, num_kvcache_blocks=24, max_model_len=96)
     graphs = graph_engine(folder, **settings)
     replays = count_replays(graphs.model_runner)
     out = run_with_abort(graphs, prompts, params, abort_index=2, abort_step=4)

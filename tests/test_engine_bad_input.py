@@ -25,8 +25,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    # 8 blocks of 16 = 128 tokens of KV cache, max_model_len 256: some prompts fit the length but not the cache
-    return LLM(folder, dtype="float64", max_model_len=256, num_kvcache_blocks=8)
+    # 16 blocks of 16 = 256 tokens of KV cache, max_model_len 256 (a longer one is refused at start-up)
+    return LLM(folder, dtype="float64", max_model_len=256, num_kvcache_blocks=16)
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -34,7 +34,6 @@ def llm(folder):
     ({"prompt_token_ids": []}, "empty"),
     (list(range(100)) * 3, "max_model_len"),  # 300 tokens >= 256
     ([1] * 256, "max_model_len"),  # exactly max_model_len tokens
-    ([1] * 200, "whole KV cache"),  # < max_model_len, but > 128 cached tokens
     ([1, 2, 128], r"\[0, 128\)"),
     ([1, -2], r"\[0, 128\)"),
     ([1, 2.5], r"\[0, 128\)"),
@@ -80,12 +79,12 @@ def test_generate_with_one_bad_prompt_queues_nothing(llm):
 
 
 def test_longest_allowed_prompts(llm):
-    """A prompt of max_model_len - 1 tokens gets one token; one that fills the KV cache stops there."""
+    """A prompt of max_model_len - 1 tokens gets one token, "length" (the cache holds max_model_len tokens:
+    the two run one after the other)."""
     engine = llm.llm_engine
-    outs = run_engine(engine, [[1] * 128, [2] * 127], SamplingParams(temperature=0, max_tokens=50))
-    for o in outs:  # the whole cache holds 128 tokens: both stop with "length" at 128 + 1
-        assert o.outputs[0].finish_reason in ("length", "stop")
-        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) <= 129
+    outs = run_engine(engine, [[1] * 255, [2] * 255], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for o in outs:
+        assert len(o.outputs[0].token_ids) == 1 and o.outputs[0].finish_reason == "length"
     big = LLM(llm.llm_engine.args.model, dtype="float64", max_model_len=64, num_kvcache_blocks=64)
     out = big.generate([[3] * 63], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
@@ -116,7 +115,7 @@ def test_abort_and_duplicate_ids(llm):
     (dict(max_model_len=10_000), "max_position_embeddings"),
     (dict(max_model_len=256, max_num_batched_tokens=100), "max_num_batched_tokens"),
     (dict(kv_cache_memory_bytes=10), "KV cache"),
-    (dict(kv_manager="paged"), "kv_manager must be a class"),
+    (dict(block_manager_cls="paged"), "block_manager_cls must be a class"),
     (dict(attention_backend="torch"), "attention_backend must be a class"),
     (dict(block_size=True), "block_size"),
     (dict(enable_prefix_caching=1), "enable_prefix_caching"),
@@ -222,7 +221,7 @@ def test_generate_refuses_bad_containers_and_foreign_requests(llm):
 def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monkeypatch, kwargs, asked, front):
     """200 GiB on a machine with 24 GiB, or 10**9 blocks: a ValueError naming the size asked for and
     what is available, raised before the cache (or the block pool's bookkeeping) is allocated."""
-    import minivllm.engine.llm_engine as engine_module
+    import minivllm.engine.core as engine_module  # where kv_cache_num_tokens looks the memory up
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 24 * 2**30)
     with pytest.raises(ValueError, match=r"asks for .* GiB \(" + asked + r"\) but only 24.00 GiB is available"):
@@ -230,14 +229,14 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(folder, monk
 
 
 def test_available_memory_is_read_from_the_system():
-    from minivllm.engine.llm_engine import available_memory_bytes
+    from minivllm.engine.core import available_memory_bytes
 
     cpu = available_memory_bytes(torch.device("cpu"))
     assert 0 < cpu <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_cache_that_fits_is_allocated(folder, monkeypatch):
-    import minivllm.engine.llm_engine as engine_module
+    import minivllm.engine.core as engine_module  # where kv_cache_num_tokens looks the memory up
 
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 10 * 2**20)
     engine = LLMEngine(model=folder, dtype="float64", kv_cache_memory_bytes=2**20, max_model_len=256)
@@ -369,3 +368,25 @@ def test_malformed_chat_messages_are_refused_naming_the_problem(default_model_di
     assert len(chat_prompts(tokenizer, [{"role": "user", "content": "hi"}])) == 1
     with pytest.raises(ValueError, match=message):
         chat_prompts(tokenizer, messages)
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_or_lowered(folder):
+    """vLLM's start-up rule. 4 blocks of 16 hold 64 tokens: an explicit max_model_len=128 is refused,
+    naming both numbers and what to change; without one, the model's 512 is lowered to 64 with a
+    warning (before, it was accepted and a 10-token prompt asking 100 tokens got 54, "length")."""
+    from minivllm.attention.paged_attention import PagedAttention
+    from minivllm.core.block_manager import BlockManager
+    from minivllm.core.kv_cache_manager import ContiguousBlockManager
+
+    small = dict(model=folder, dtype="float64", num_kvcache_blocks=4, block_size=16)
+    for parts in (dict(block_manager_cls=BlockManager, attention_backend=PagedAttention), {}):
+        with pytest.raises(ValueError, match=r"max_model_len=128 is more than the KV cache holds \(64 tokens\): "
+                                             r"lower max_model_len, or raise num_kvcache_blocks"):
+            LLMEngine(max_model_len=128, **small, **parts)
+        with pytest.warns(UserWarning, match=r"holds 64 tokens, fewer than the model's max_position_embeddings "
+                                             r"\(512\): max_model_len is lowered to 64"):
+            engine = LLMEngine(**small, **parts)
+        assert engine.args.max_model_len == engine.scheduler.max_model_len == engine.processor.max_model_len == 64
+        assert type(engine.block_manager) is parts.get("block_manager_cls", ContiguousBlockManager)
+        with pytest.raises(ValueError, match="max_model_len=64"):
+            engine.add_request(None, list(range(1, 65)), GREEDY)  # refused at submission, not cut short

@@ -13,7 +13,7 @@ import torch
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
 from minivllm.attention.backend import ContiguousAttention
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.core.kv_cache_manager import ContiguousKVManager
+from minivllm.core.kv_cache_manager import ContiguousBlockManager
 from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ CONFIGS = {
     "prefix-caching-off": dict(enable_prefix_caching=False),
     "block-size-1": dict(block_size=1),
     "block-size-256": dict(block_size=256),
-    "contiguous-ch04": dict(kv_manager=ContiguousKVManager, attention_backend=ContiguousAttention,
+    "contiguous-ch04": dict(block_manager_cls=ContiguousBlockManager, attention_backend=ContiguousAttention,
                             num_kvcache_blocks=6 * MAX_MODEL_LEN // 16),
     "few-seqs-small-budget": dict(max_num_seqs=3, max_num_batched_tokens=MAX_MODEL_LEN),
 }
@@ -70,8 +70,8 @@ def test_engine_greedy_equals_transformers(oracle, config):
 @pytest.mark.parametrize("caching", [True, False])
 def test_repeated_preemption_keeps_outputs(oracle, caching):
     folder, _, prompts, max_tokens, refs = oracle
-    # 84 blocks of 4 = 336 tokens: the longest sequence (322 tokens) fits alone, the batch does not
-    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=84,
+    # 84 blocks of 4 = 336 tokens (so max_model_len 336): the longest sequence (322 tokens) fits alone, the batch does not
+    engine = default_engine(folder, dtype="float64", max_model_len=84 * 4, num_kvcache_blocks=84,
                             block_size=4, enable_prefix_caching=caching)
     outs = run_engine(engine, prompts, _params([m + 12 for m in max_tokens]))
     assert engine.scheduler.num_preemptions >= 3, engine.scheduler.num_preemptions
@@ -278,10 +278,10 @@ def test_each_attention_backend_equals_transformers(oracle, backend):
         require_cpu_kernel()
     cls, manager = {"cpu-kernel": (CPUPagedAttention if backend == "cpu-kernel" else None, BlockManager),
                     "plain-torch": (PagedAttention, BlockManager),
-                    "contiguous": (ContiguousAttention, ContiguousKVManager)}[backend]
+                    "contiguous": (ContiguousAttention, ContiguousBlockManager)}[backend]
     folder, _, prompts, max_tokens, refs = oracle
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN, device="cpu",
-                       kv_manager=manager, attention_backend=cls, num_kvcache_blocks=6 * MAX_MODEL_LEN // 16)
+                       block_manager_cls=manager, attention_backend=cls, num_kvcache_blocks=6 * MAX_MODEL_LEN // 16)
     assert type(engine.model_runner.attn) is cls and type(engine.block_manager) is manager
     outs = run_engine(engine, prompts, _params(max_tokens))
     assert [o.outputs[0].token_ids for o in outs] == refs
@@ -291,5 +291,38 @@ def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
     from minivllm.core.sched.scheduler import Scheduler
 
     engine = LLMEngine(model=oracle[0], dtype="float64", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=100)
-    assert type(engine.block_manager) is ContiguousKVManager and engine.block_manager.block_size == MAX_MODEL_LEN
+    assert type(engine.block_manager) is ContiguousBlockManager and engine.block_manager.block_size == MAX_MODEL_LEN
     assert type(engine.model_runner.attn) is ContiguousAttention and type(engine.scheduler) is Scheduler
+
+
+def test_the_runner_scores_a_prompt_and_copies_blocks(oracle):
+    """The model runner's services to the rest of the engine: `prompt_logits` (every position, no KV
+    cache) equals transformers' logits in float64, and `copy_blocks` copies K and V of every layer."""
+    folder, model, prompts, _, _ = oracle
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    runner, prompt = engine.model_runner, prompts[0]
+    with torch.inference_mode():
+        want = model(torch.tensor([prompt])).logits[0]
+    assert (runner.prompt_logits(prompt) - want).abs().max().item() < 1e-9
+    cache = runner.kv_cache
+    cache[:, :, 0].normal_()
+    runner.copy_blocks([(0, 2)])
+    assert torch.equal(cache[:, :, 2], cache[:, :, 0]) and not torch.equal(cache[:, :, 1], cache[:, :, 0])
+
+
+def test_one_class_per_name_for_the_engine_parts():
+    """One `Sampler` (chapter 10's, sample/sampler.py; chapter 04 samples with `sample_batch`), one
+    block-manager interface name: no class of the package is defined twice under the same name."""
+    import ast
+    import pathlib
+    from collections import defaultdict
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "minivllm"
+    where = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(str(path.relative_to(root)))
+    assert where["Sampler"] == ["sample/sampler.py"]
+    assert not {name: files for name, files in where.items() if len(files) > 1}
+    assert "KVCacheManager" not in where and "ContiguousKVManager" not in where

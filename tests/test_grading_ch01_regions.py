@@ -154,7 +154,7 @@ def test_ch01_ex2_engine_equals_transformers(ch01_engine_case):
     with graded("ch01_ex2"), ch02_stand_ins(None):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=20,
-                           kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention)
+                           block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention)
         outs = [run_engine(engine, prompts, params) for _ in range(2)]
     for round_outs in outs:
         for p, o, want in zip(prompts, round_outs, ref):

@@ -82,7 +82,7 @@ def engine_case(tmp_path_factory):
     prompts = random_prompts(12, 1, 80, seed=3, vocab=8)  # a small vocabulary: shared prefixes happen
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     kwargs = dict(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=40,
-                  kv_manager=BlockManager, attention_backend=PagedAttention)
+                  block_manager_cls=BlockManager, attention_backend=PagedAttention)
     with stand_ins():  # the grader's scheduler and batch layout (chapter 04's are stubs in its edition)
         ref = [o.outputs[0].token_ids for o in run_engine(LLMEngine(**kwargs, scheduler_cls=_GraderScheduler), prompts,
                                                           params)]
@@ -189,11 +189,11 @@ def _ch04_drive(scheduler_cls, manager, ops, max_num_seqs, budget=24, max_model_
        manager=st.sampled_from(["paged", "prefix", "contiguous"]), budget=st.integers(8, 24))
 def test_ch04_ex1_shortest_first_contract(ch04, ops, block_size, num_blocks, max_num_seqs, manager, budget):
     """Random adds, steps and aborts: shortest prompts admitted first, limits and invariants kept."""
-    from minivllm.core.kv_cache_manager import ContiguousKVManager
+    from minivllm.core.kv_cache_manager import ContiguousBlockManager
 
     bm = {"paged": lambda: BlockManager(num_blocks, block_size),
           "prefix": lambda: PrefixCachingBlockManager(num_blocks, block_size),
-          "contiguous": lambda: ContiguousKVManager(num_blocks, 24)}[manager]()
+          "contiguous": lambda: ContiguousBlockManager(num_blocks, 24)}[manager]()
     # max_model_len = the budget, as the engine ensures: a preempted sequence always fits a prefill again
     _ch04_drive(_with_grader_decode(ch04.MyScheduler), bm, ops, max_num_seqs, budget, budget)
 
@@ -243,11 +243,11 @@ def ch04_oracle(engine_case):
 @pytest.mark.parametrize("manager", ["paged", "contiguous"])
 def test_ch04_ex1_engine_equals_transformers(ch04, engine_case, ch04_oracle, manager):
     from minivllm.attention.backend import ContiguousAttention
-    from minivllm.core.kv_cache_manager import ContiguousKVManager
+    from minivllm.core.kv_cache_manager import ContiguousBlockManager
 
     kwargs, prompts, params, _ = engine_case
     if manager == "contiguous":  # 3 regions of 128 tokens: short prompts overtake long ones
-        kwargs = {**kwargs, "kv_manager": ContiguousKVManager, "attention_backend": ContiguousAttention,
+        kwargs = {**kwargs, "block_manager_cls": ContiguousBlockManager, "attention_backend": ContiguousAttention,
                   "num_kvcache_blocks": 3 * 128 // kwargs["block_size"]}
     with stand_ins():  # the grader's batch layout: in a chapter 04 edition the chapter's is a stub
         engine = LLMEngine(**kwargs, scheduler_cls=_with_grader_decode(ch04.MyScheduler))
@@ -489,8 +489,8 @@ def test_ch05_engine_equals_transformers(ex, ch05_engine_case):
     tokens equal transformers', every block free at the end."""
     folder, prompts, ref = ch05_engine_case
     kv, backend = (_Scaffold, _ReferenceDecode) if ex == "ch05_ex4" else (_graded(ex), PagedAttention)
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
-                       kv_manager=kv, attention_backend=backend)
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
+                       block_manager_cls=kv, attention_backend=backend)
     outs = run_graded(ex, engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     _same_tokens(ex, "the engine", prompts, outs, ref)
     assert engine.scheduler.num_preemptions > 0, "the cache should have been tight enough to preempt"
@@ -518,7 +518,7 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
     assert bm.num_free_blocks == num_blocks - len(held)
 
 
-# "From scratch": the KV-manager interface is written in the exercise's file, not inherited (`_written_here`).
+# "From scratch": the block-manager interface is written in the exercise's file, not inherited (`_written_here`).
 CH05_EX5_METHODS = ["can_allocate", "allocate", "deallocate", "can_append", "may_append"]
 
 
@@ -589,8 +589,8 @@ def ch05_engine_case(tmp_path_factory):
 def test_ch05_ex5_engine_equals_transformers(ch05, ch05_engine_case):
     _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
     folder, prompts, ref = ch05_engine_case
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=128, block_size=4, num_kvcache_blocks=30,
-                       kv_manager=ch05.MyBlockManager, attention_backend=PagedAttention)
+    engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
+                       block_manager_cls=ch05.MyBlockManager, attention_backend=PagedAttention)
     ids = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
            for p in prompts]
     done = {}
@@ -724,7 +724,7 @@ def test_ch06_ex1_engine_equals_transformers(ch06, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     refs = {tuple(p): hf_greedy(model, p, 6) for p in prompts}
     engine = LLMEngine(model=tmp_path, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
-                       kv_manager=ch06.MyPrefixCachingBlockManager, attention_backend=PagedAttention)
+                       block_manager_cls=ch06.MyPrefixCachingBlockManager, attention_backend=PagedAttention)
     first = run_graded("ch06_ex1", engine, prompts[-2:], params)
     again = run_graded("ch06_ex1", engine, prompts[-2:], params)  # whole blocks, found entirely
     both = run_graded("ch06_ex1", engine, prompts + prompts[-2:], params)  # repeats in one step; preemption

@@ -463,7 +463,7 @@ def test_ch04_engine_equals_transformers(ex, engine_case):
     with stand_ins(ex):
         with your_code(ex, "building the engine"):
             engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
-                               max_num_seqs=4, max_num_batched_tokens=64, kv_manager=BlockManager,
+                               max_num_seqs=4, max_num_batched_tokens=64, block_manager_cls=BlockManager,
                                attention_backend=PagedAttention, scheduler_cls=graded_scheduler(ex))
         outs = run_graded(ex, engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for i, (o, r) in enumerate(zip(outs, ref)):

@@ -4,7 +4,7 @@ ch06_ex2 (`compute_hash`), ch06_ex3 (`PrefixCachingBlockManager.allocate`) and c
 (`BlockCache._uncache`) are graded in the package itself: in a student edition they are the
 student's code, exported from the chapter (stubs until filled), and there is no reference to compare
 with. Each is graded alone: `_Scaffold` holds the grader's own stand-ins for the other two, written on
-the cache's given primitives (`_allocate_block`, `_revive`, `_cache`), and `_hashing` swaps in the
+the cache's given primitives (`_allocate_block`, `touch`, `_cache`), and `_hashing` swaps in the
 grader's hash, so a filled region passes whatever state the others are in.
 
 What is checked is the contract, never this chapter's code:
@@ -97,7 +97,7 @@ class _Scaffold(PrefixCachingBlockManager):
         assert not seq.block_table
         found = _lookup(self, seq.token_ids)[:(seq.num_tokens - 1) // self.block_size]
         for block_id in found:
-            self._revive(block_id)
+            self.touch([block_id])
         seq.block_table, seq.num_cached_tokens = list(found), len(found) * self.block_size
         h = self.blocks[found[-1]].hash if found else NO_HASH
         for i in range(len(found), seq.num_blocks):
@@ -241,7 +241,7 @@ class _Drive:
         free = list(bm.free_block_ids)
         _expect(len(free) == len(set(free)) == bm.num_free_blocks, f"{at}the free queue {free} holds a block twice")
         _expect(not set(free) & set(held), f"{at}blocks {sorted(set(free) & set(held))} are free and also held "
-                "(a cached block found for a sequence is taken with self._revive, which takes it out of the free "
+                "(a cached block found for a sequence is taken with self.touch, which takes it out of the free "
                 "queue if nobody held it)")
         _expect(set(free) | set(held) == set(range(bm.num_blocks)) and bm.used_block_ids == set(held),
                 f"{at}free {sorted(free)} and used {sorted(bm.used_block_ids)} should split the {bm.num_blocks} "
@@ -504,7 +504,7 @@ def test_ch06_engine_equals_transformers(ex, kind, ch06_engine_case):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with _hashing(kind):
         engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
-                           kv_manager=_graded(ex), attention_backend=PagedAttention)
+                           block_manager_cls=_graded(ex), attention_backend=PagedAttention)
         rounds = [prompts[:3], prompts, prompts[::-1]]
         try:  # run_engine checks the engine's invariants after every step
             outs = [run_engine(engine, batch, params) for batch in rounds]

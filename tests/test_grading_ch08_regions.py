@@ -235,7 +235,7 @@ def test_ch08_ex3_padded_rows_write_only_the_dummy_slot(tiny):
 
 # --- each piece in the engine ---------------------------------------------------------------------
 def _graph_engine(folder, max_num_seqs: int) -> LLMEngine:
-    return LLMEngine(model=folder, dtype="float64", device="cpu", kv_manager=BlockManager, block_size=4,
+    return LLMEngine(model=folder, dtype="float64", device="cpu", block_manager_cls=BlockManager, block_size=4,
                      max_model_len=128, num_kvcache_blocks=400, max_num_seqs=max_num_seqs,
                      attention_backend=CapturablePagedAttention, model_runner_cls=CUDAGraphModelRunner)
 

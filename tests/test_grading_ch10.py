@@ -142,7 +142,7 @@ def test_ch10_ex7_engine_greedy_equals_transformers_generate(ch10, tmp_path):
     hf = make_model(tmp_path, "llama", vocab_size=12)  # a small vocabulary: repeats are frequent
     prompts = random_prompts(4, 3, 12, seed=2, vocab=12)
     engine = LLMEngine(model=tmp_path, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=64,
-                       kv_manager=BlockManager, attention_backend=PagedAttention, sampler_cls=ch10.NoRepeatNGramSampler)
+                       block_manager_cls=BlockManager, attention_backend=PagedAttention, sampler_cls=ch10.NoRepeatNGramSampler)
     outs = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     check_invariants(engine)
     for p, o in zip(prompts, outs):

@@ -164,8 +164,8 @@ def _engine(ex: str, folder, model):
         stack.enter_context(ch02_graded(None))
         stack.enter_context(stand_ins(ch04_ex))
         stack.enter_context(mock.patch.object(engine_module, "load_model", lambda *a, **k: model))
-        yield LLMEngine(model=folder, dtype="float32", device="cpu", max_model_len=64, block_size=BLOCK_SIZE,
-                        num_kvcache_blocks=NUM_BLOCKS, max_num_seqs=4, max_num_batched_tokens=64, kv_manager=kv,
+        yield LLMEngine(model=folder, dtype="float32", device="cpu", max_model_len=BLOCK_SIZE * NUM_BLOCKS, block_size=BLOCK_SIZE,
+                        num_kvcache_blocks=NUM_BLOCKS, max_num_seqs=4, max_num_batched_tokens=64, block_manager_cls=kv,
                         attention_backend=backend, scheduler_cls=scheduler_cls)
 
 

@@ -246,7 +246,7 @@ def test_injected_collision_keeps_outputs_equal_to_transformers(tiny, monkeypatc
     got = {}
     for cls in (PrefixCachingBlockManager, TokensOnlyBlockManager):
         engine = LLMEngine(model=folder, dtype="float64", block_size=8, max_model_len=128, num_kvcache_blocks=32,
-                           kv_manager=cls, attention_backend=PagedAttention)
+                           block_manager_cls=cls, attention_backend=PagedAttention)
         if cls is PrefixCachingBlockManager:  # every step checked (invariants include the parent chains)
             got[cls] = [run_engine(engine, [p], params)[0] for p in prompts][2]
         else:  # the faulty manager breaks the invariants: run it unchecked
@@ -288,7 +288,7 @@ def test_a_failed_step_leaves_nothing_cached_that_was_not_written(tiny, monkeypa
     (`discard_unwritten`), so the same prompt afterwards is computed again, and equals transformers."""
     folder, model = tiny
     engine = LLMEngine(model=folder, dtype="float64", block_size=4, max_model_len=128, num_kvcache_blocks=32,
-                       kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention)
+                       block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompt = list(range(3, 30))
     run_engine(engine, [prompt[:9]], params)  # caches two prompt blocks and one completion block
@@ -319,7 +319,7 @@ def test_stepping_on_after_a_failed_prefill_prefills_again(tiny, monkeypatch, ma
     never written) and equal transformers; with the same prompt twice, the second one found no block
     the failed step was to write."""
     folder, model = tiny
-    kwargs = dict(kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention) if manager == "prefix caching" else {}
+    kwargs = dict(block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention) if manager == "prefix caching" else {}
     engine = LLMEngine(model=folder, dtype="float64", block_size=4, max_model_len=128, num_kvcache_blocks=32, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompt = list(range(3, 30))

@@ -305,7 +305,7 @@ def tiny(tmp_path_factory):
 
 
 def engine_kwargs(folder, **kw):
-    return {**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, kv_manager=BlockManager,
+    return {**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, block_manager_cls=BlockManager,
                    attention_backend=PagedAttention, sampler_cls=Sampler, num_kvcache_blocks=64), **kw}
 
 
@@ -351,8 +351,8 @@ def test_seeded_request_is_the_same_alone_in_a_crowd_and_when_preempted(tiny, ca
     seeded = SamplingParams(temperature=0.9, top_p=0.8, min_p=0.02, max_tokens=20, seed=123, ignore_eos=True,
                             presence_penalty=0.5)
     others = [SamplingParams(temperature=1.1, top_k=5, max_tokens=22, ignore_eos=True, frequency_penalty=0.3)] * 6
-    alone = run_engine(LLMEngine(**engine_kwargs(folder, kv_manager=kv)), prompts[:1], [seeded])
-    small = LLMEngine(**engine_kwargs(folder, kv_manager=kv, num_kvcache_blocks=14))
+    alone = run_engine(LLMEngine(**engine_kwargs(folder, block_manager_cls=kv)), prompts[:1], [seeded])
+    small = LLMEngine(**engine_kwargs(folder, block_manager_cls=kv, num_kvcache_blocks=14, max_model_len=56))
     crowd = run_engine(small, prompts, [seeded] + others)
     assert small.scheduler.num_preemptions > 0
     assert crowd[0].outputs[0].token_ids == alone[0].outputs[0].token_ids

@@ -9,7 +9,7 @@ from engine_helpers import check_invariants
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
-from minivllm.core.kv_cache_manager import ContiguousKVManager, slot_mapping
+from minivllm.core.kv_cache_manager import ContiguousBlockManager, slot_mapping
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.sequence import Sequence, SequenceStatus
 
@@ -58,9 +58,15 @@ def test_limits_max_num_seqs_and_batched_tokens():
     assert list(s.waiting) == seqs[2:]
 
 
-def test_scheduler_rejects_bad_limits():
+def test_bad_limits_are_refused_once_at_the_boundary():
+    """`EngineArgs` refuses a bad limit with a ValueError naming it; the scheduler, built from checked
+    settings, only asserts (no validation call of its own)."""
+    from minivllm.config import EngineArgs
+
     for kwargs in (dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(max_model_len=0)):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
+            EngineArgs(**kwargs).check()
+        with pytest.raises(AssertionError):
             make(**kwargs)
 
 
@@ -117,25 +123,25 @@ def test_abort_frees_blocks():
 
 
 def test_contiguous_manager_reserves_one_region_per_sequence():
-    s = Scheduler(ContiguousKVManager(2, 32), 8, 64, 32)
+    s = Scheduler(ContiguousBlockManager(2, 32), 8, 64, 32)
     xs = [seq(3, block_size=32) for _ in range(3)]
     for x in xs:
         s.add(x)
     batch, _ = s.schedule()
     assert batch == xs[:2] and [x.block_table for x in xs] == [[0], [1], []]
-    with pytest.raises(ValueError):
-        ContiguousKVManager(0, 32)
+    with pytest.raises(AssertionError):
+        ContiguousBlockManager(0, 32)
 
 
 def test_contiguous_manager_from_cache_size_and_discard_unwritten():
-    m = ContiguousKVManager.from_cache_size(1000, 16, 300)  # one region of max_model_len per sequence
+    m = ContiguousBlockManager.from_cache_size(1000, 16, 300)  # one region of max_model_len per sequence
     assert (m.num_blocks, m.block_size) == (3, 300)
     x = seq(5, block_size=300)
     m.allocate(x)
     m.discard_unwritten([x])  # nothing to forget: the region stays with its sequence
     assert x.block_table == [0] and m.num_free_blocks == 2
-    with pytest.raises(ValueError, match="299 tokens holds no region of max_model_len=300"):
-        ContiguousKVManager.from_cache_size(299, 16, 300)
+    with pytest.raises(AssertionError):  # the engine refuses it first (fit_max_model_len)
+        ContiguousBlockManager.from_cache_size(299, 16, 300)
 
 
 def test_slot_mapping_is_block_then_offset():
@@ -188,3 +194,44 @@ def test_random_operations_keep_invariants(manager, ops, block_size, num_blocks,
         check_invariants(s)
     assert s.is_finished()
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_fork_admits_the_child_into_running_beside_its_parent():
+    """The scheduler moves the forked sequence itself: into `running` with the parent's blocks shared
+    (the block manager's `fork`), or into `waiting` when it cannot (no seat, parent finished, or a
+    manager without reference counts)."""
+    s = make(max_num_seqs=2)
+    parent = seq(6)
+    s.add(parent)
+    s.postprocess(s.schedule()[0], [9])
+    child = seq(6)
+    copies = s.fork(parent, child)
+    assert child.status == SequenceStatus.RUNNING and list(s.running) == [parent, child]
+    assert copies == [(parent.block_table[1], child.block_table[1])] and child.num_cached_tokens == 5
+    assert s.block_manager.blocks[parent.block_table[0]].ref_count == 2
+    third = seq(6)
+    assert s.fork(parent, third) is None and list(s.waiting) == [third]  # no free seat: it waits
+    check_invariants(s)
+    contiguous = make(manager=lambda n, bs: ContiguousBlockManager(2, 64))
+    p = seq(6)
+    contiguous.add(p)
+    contiguous.postprocess(contiguous.schedule()[0], [9])
+    c = seq(6)
+    assert contiguous.fork(p, c) is None and list(contiguous.waiting) == [c]
+
+
+def test_undo_failed_step_sends_a_prefill_back_and_keeps_a_decode_running():
+    s = make()
+    a, b = seq(5), seq(3)
+    s.add(a)
+    s.add(b)
+    batch, is_prefill = s.schedule()
+    s.undo_failed_step(batch, is_prefill)
+    assert list(s.waiting) == [a, b] and not s.running and a.block_table == [] == b.block_table
+    batch, is_prefill = s.schedule()
+    s.postprocess(batch, [9, 9])
+    batch, is_prefill = s.schedule()
+    assert not is_prefill
+    s.undo_failed_step(batch, is_prefill)
+    assert list(s.running) == [a, b] and not s.waiting
+    check_invariants(s)

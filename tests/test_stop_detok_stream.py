@@ -44,7 +44,7 @@ def paris(tmp_path_factory):
 
 def paris_engine(folder, **kw):
     return LLMEngine(model=folder, dtype="float64", max_model_len=64, num_kvcache_blocks=32, block_size=4,
-                     kv_manager=BlockManager, attention_backend=PagedAttention, **CH10, **kw)
+                     block_manager_cls=BlockManager, attention_backend=PagedAttention, **CH10, **kw)
 
 
 def one(engine, prompt, params):
@@ -196,7 +196,7 @@ def tiny(tmp_path_factory):
 
 
 def tiny_engine(folder, kv=BlockManager, **kw):
-    return LLMEngine(**{**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, kv_manager=kv,
+    return LLMEngine(**{**dict(model=folder, dtype="float64", max_model_len=128, block_size=4, block_manager_cls=kv,
                                attention_backend=PagedAttention, num_kvcache_blocks=64, **CH10), **kw})
 
 
@@ -287,7 +287,7 @@ def test_n_completions_when_the_first_finishes_at_once_or_seats_are_few(tiny):
     folder, _ = tiny
     for kw, params in [(dict(), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=1, ignore_eos=True)),
                        (dict(max_num_seqs=2), SamplingParams(n=5, temperature=1.0, seed=2, max_tokens=4, ignore_eos=True)),
-                       (dict(num_kvcache_blocks=8), SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
+                       (dict(num_kvcache_blocks=8, max_model_len=32), SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
                                                                    ignore_eos=True))]:
         engine = tiny_engine(folder, **kw)
         out = run_engine(engine, [list(range(1, 11))], params)[0]

@@ -26,7 +26,7 @@ from .runners import (
 from .throughput import roofline_fields
 from .workload import Workload
 from ..config import EngineArgs, resolve_device, resolve_dtype
-from ..core.kv_cache_manager import ContiguousKVManager
+from ..core.kv_cache_manager import ContiguousBlockManager
 from ..core.prefix_caching import PrefixCachingBlockManager
 from ..model_executor.model_loader import load_config, load_model
 from ..sampling_params import SamplingParams
@@ -82,10 +82,10 @@ def rung_engine_args(name: str, engine_args: dict, device: torch.device, dtype: 
         ValueError: `name` is not an engine rung.
     """
     if name == "continuous":
-        return dict(engine_args, kv_manager=ContiguousKVManager, attention_backend=ContiguousAttention,
+        return dict(engine_args, block_manager_cls=ContiguousBlockManager, attention_backend=ContiguousAttention,
                     model_runner_cls=ModelRunner, enable_prefix_caching=False, enforce_eager=True)
     if name == "paged":
-        return dict(engine_args, kv_manager=PrefixCachingBlockManager, attention_backend=PagedAttention,
+        return dict(engine_args, block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention,
                     model_runner_cls=ModelRunner, enable_prefix_caching=True, enforce_eager=True)
     if name not in ("triton", "cuda_graphs"):
         raise ValueError(f"{name!r} is not an engine rung; engine rungs: continuous, paged, triton, cuda_graphs")
@@ -95,7 +95,7 @@ def rung_engine_args(name: str, engine_args: dict, device: torch.device, dtype: 
     if backend in PLAIN_TORCH_BACKENDS:
         raise RungSkipped(f"minivllm.defaults.ATTENTION_BACKENDS picks {backend.__name__} (plain torch) on "
                           f"{device.type} in {str(dtype).removeprefix('torch.')}: no GPU kernel to measure")
-    args = dict(engine_args, kv_manager=PrefixCachingBlockManager, attention_backend=backend,
+    args = dict(engine_args, block_manager_cls=PrefixCachingBlockManager, attention_backend=backend,
                 enable_prefix_caching=True)
     if name == "triton":
         return dict(args, model_runner_cls=ModelRunner, enforce_eager=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-from ..utils.checks import require_int
 from ..sequence import Sequence
 
 
@@ -94,23 +93,21 @@ class BlockPool:
     """`num_blocks` KV-cache blocks of `block_size` token slots: which are free, which are used.
 
     Args:
-        num_blocks: blocks in the cache (an int >= 1).
-        block_size: token slots per block (an int >= 1).
+        num_blocks: blocks in the cache (>= 1; the engine's settings are checked by `EngineArgs`).
+        block_size: token slots per block (>= 1).
     Attributes:
         blocks: a `BlockList` of every block, indexed by id (each made on first use by `block_cls`).
         free_block_ids: a `FreeBlockQueue`, least recently freed first.
         used_block_ids: ids of blocks with `ref_count > 0`.
         block_cls: the class of a block (a subclass that keeps more per block sets its own).
-    Raises:
-        ValueError: `num_blocks` or `block_size` is not an int >= 1.
     Memory: O(blocks ever used), not O(num_blocks). After vLLM V1's `BlockPool`.
     """
 
     block_cls: type[Block] = Block
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = require_int("num_blocks", num_blocks, minimum=1)
-        self.block_size = require_int("block_size", block_size, minimum=1)
+        assert num_blocks >= 1 and block_size >= 1, f"num_blocks={num_blocks}, block_size={block_size}"
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.blocks = BlockList(self.num_blocks, self.block_cls)
         self.free_block_ids = FreeBlockQueue(self.num_blocks)
         self.used_block_ids: set[int] = set()
@@ -133,11 +130,48 @@ class BlockPool:
         self.used_block_ids.remove(block.block_id)
         self.free_block_ids.append(block.block_id)
 
+    def touch(self, block_ids: list[int]) -> None:
+        """One more reference to each block: another block table holds it now (vLLM's `touch`). A
+        block nobody held leaves the free queue (chapter 06 finds such blocks by their content)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_block_ids.remove(block_id)
+                self.used_block_ids.add(block_id)
+            block.ref_count += 1
+
+# %% ../../notebooks/05_paged_attention.ipynb #e22c32ab
+class _Fork:
+    """Sharing a sequence's blocks with a new sequence; mixed into `BlockManager`, whose
+    `block_size`, `num_free_blocks`, `touch` and `_allocate_block` it uses."""
+
+    def can_fork(self, child: Sequence) -> bool:
+        """Whether `fork` finds the free block it needs for `child` (one when its last block is partial)."""
+        return self.num_free_blocks >= int((child.num_tokens - 1) % self.block_size > 0)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Give `child`, a new sequence whose tokens begin as `parent`'s do, the K/V of all its tokens
+        but the last: `parent`'s full blocks by reference, a fresh block for the partial one. Sets
+        `child.block_table` and `num_cached_tokens` (`num_tokens - 1`: a decode step computes the last).
+
+        Returns the `(source, destination)` block pairs whose K/V the model runner must copy.
+        """
+        assert not child.block_table and child.token_ids == parent.token_ids[:child.num_tokens]
+        shared, partial = divmod(child.num_tokens - 1, self.block_size)
+        child.block_table = parent.block_table[:shared]
+        self.touch(child.block_table)
+        copies = []
+        if partial:
+            copies.append((parent.block_table[shared], self._allocate_block().block_id))
+            child.block_table.append(copies[0][1])
+        child.num_cached_tokens = child.num_tokens - 1
+        return copies
+
 # %% ../../notebooks/05_paged_attention.ipynb #bd2b8010
-class BlockManager(BlockPool):
+class BlockManager(_Fork, BlockPool):
     """Allocates KV-cache blocks to sequences and keeps their block tables (`seq.block_table`).
 
-    Args, attributes and errors: as `BlockPool`. After nano-vllm's `BlockManager`.
+    Args and attributes: as `BlockPool`. `fork`: see `_Fork`. After nano-vllm's `BlockManager`.
     """
 
     @classmethod

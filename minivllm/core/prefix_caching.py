@@ -107,15 +107,6 @@ class BlockCache(BlockManager):
         self._uncache(block.block_id)
         return block
 
-    def _revive(self, block_id: int) -> CachedBlock:
-        """Add a reference to a cached block, taking it out of the free queue if nobody held it."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            self.free_block_ids.remove(block_id)
-            self.used_block_ids.add(block_id)
-        block.ref_count += 1
-        return block
-
     def discard_unwritten(self, seqs: list[Sequence]) -> None:
         """A step failed before writing its K/V: uncache its blocks past the cached prefix (never reused)."""
         for seq in seqs:
@@ -158,7 +149,7 @@ class PrefixCachingBlockManager(BlockCache):
             block_id = self.hash_to_block_id.get(h, -1)
             hit = hit and i < hittable and self._is_hit(block_id, token_ids, parent)
             if hit:
-                self._revive(block_id)
+                self.touch([block_id])
                 seq.num_cached_tokens += self.block_size
             else:
                 block_id = self._allocate_block().block_id

@@ -36,8 +36,7 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 # %% auto #0
-__all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats',
-           'undo_failed_step', 'EngineCore']
+__all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats', 'EngineCore']
 
 # %% ../../notebooks/04_scheduler.ipynb #31967d26
 def kv_cache_num_tokens(args: EngineArgs, model, device: torch.device) -> int:
@@ -98,31 +97,15 @@ class StepStats:
     seconds: float
 
 
-def undo_failed_step(scheduler, seqs: list[Sequence], is_prefill: bool) -> None:
-    """The model failed in a step: the KV manager forgets the K/V it may have half written, and a
-    prefill step's sequences go back to the front of `waiting`, in order, to be prefilled again."""
-    scheduler.block_manager.discard_unwritten(seqs)
-    for seq in reversed(seqs) if is_prefill else ():
-        scheduler.running.remove(seq)
-        scheduler.preempt(seq)
 
-# %% ../../notebooks/04_scheduler.ipynb #e668b479
-class EngineCore:
-    """The inner loop over checked requests: schedule, run, append tokens (vLLM V1's `EngineCore`).
+class _RequestTable:
+    """`EngineCore`'s requests: it uses `requests` (id -> unfinished `Sequence`), `num_cached_tokens`,
+    `scheduler`, `model_runner` and `_ids` (an `itertools.count`), set by its `__init__`."""
 
-    Attributes: requests (id -> unfinished `Sequence`), num_cached_tokens (id -> prompt tokens found
-    cached at first admission), stats (a `StepStats` per step that ran).
-    """
-
-    def __init__(self, scheduler, model_runner: ModelRunner):
-        self.scheduler, self.model_runner = scheduler, model_runner
-        self.requests: dict[str, Sequence] = {}
-        self.num_cached_tokens: dict[str, int] = {}
-        self.stats: list[StepStats] = []
-        self._ids = itertools.count()
-
-    def add_request(self, request_id: str | int | None, seq: Sequence) -> str:
-        """Queue a checked `Sequence`; returns its id (a fresh one for None). ValueError: id in use."""
+    def add_request(self, request_id: str | int | None, seq: Sequence, parent: Sequence | None = None) -> str:
+        """Queue a checked `Sequence`; returns its id (a fresh one for None). ValueError: id in use.
+        With `parent` (a running sequence whose tokens `seq`'s begin with), `seq` shares its K/V when the
+        scheduler can fork it (`Scheduler.fork`; the runner copies the blocks it must), else it waits."""
         if request_id is None:  # a fresh id, skipping any the user chose
             request_id = next(i for i in map(str, self._ids) if i not in self.requests)
         request_id = str(request_id)
@@ -131,7 +114,10 @@ class EngineCore:
         seq.request_id = request_id
         self.requests[request_id] = seq
         self.model_runner.add_generator(seq)
-        self.scheduler.add(seq)
+        if parent is None:
+            self.scheduler.add(seq)
+        elif copies := self.scheduler.fork(parent, seq):
+            self.model_runner.copy_blocks(copies)
         return request_id
 
     def finish(self, seq: Sequence) -> None:
@@ -145,6 +131,22 @@ class EngineCore:
             self.finish(seq)
             self.num_cached_tokens.pop(seq.request_id, None)
 
+
+# %% ../../notebooks/04_scheduler.ipynb #e668b479
+class EngineCore(_RequestTable):
+    """The inner loop over checked requests: schedule, run, append tokens (vLLM V1's `EngineCore`).
+
+    Attributes: requests (id -> unfinished `Sequence`), num_cached_tokens (id -> prompt tokens found
+    cached at first admission), stats (a `StepStats` per step that ran).
+    """
+
+    def __init__(self, scheduler, model_runner: ModelRunner):
+        self.scheduler, self.model_runner = scheduler, model_runner
+        self.requests: dict[str, Sequence] = {}
+        self.num_cached_tokens: dict[str, int] = {}
+        self.stats: list[StepStats] = []
+        self._ids = itertools.count()
+
     def step(self) -> list[Sequence]:
         """Schedule one batch, run it, sample; returns the sequences that ran (finished ones have left)."""
         t0, sched = time.perf_counter(), self.scheduler
@@ -155,10 +157,11 @@ class EngineCore:
         try:
             token_ids = self.model_runner.run(seqs, is_prefill)
         except BaseException:
-            undo_failed_step(sched, seqs, is_prefill)  # their K/V may be half written
+            sched.undo_failed_step(seqs, is_prefill)  # their K/V may be half written
             raise
-        for s in seqs if is_prefill else ():
-            self.num_cached_tokens.setdefault(s.request_id, min(s.num_cached_tokens, s.num_prompt_tokens))
+        if is_prefill:
+            for s in seqs:
+                self.num_cached_tokens.setdefault(s.request_id, min(s.num_cached_tokens, s.num_prompt_tokens))
         sched.postprocess(seqs, token_ids)
         for seq in (s for s in seqs if s.is_finished):
             self.finish(seq)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import EngineArgs, resolve_device, resolve_dtype, resolve_lengths
-from ..core.kv_cache_manager import ContiguousKVManager
+from ..config import EngineArgs, fit_max_model_len, resolve_device, resolve_dtype, resolve_lengths
+from ..core.kv_cache_manager import ContiguousBlockManager
 from ..core.sched.scheduler import Scheduler
 from .core import EngineCore, eos_token_ids, kv_cache_num_tokens
 from .processor import Processor, completion_text
@@ -19,9 +19,74 @@ from ..sampling_params import RequestOutputKind
 from ..sequence import Sequence
 from ..transformers_utils.model_files import has_tokenizer, load_tokenizer, resolve_model
 from ..utils.checks import known_arguments
-from ..worker.model_runner import ModelRunner, Sampler
+from ..worker.model_runner import ModelRunner
 
 
+# %% auto #0
+__all__ = ['LLMEngine', 'OutputProcessor']
+
+# %% ../../notebooks/04_scheduler.ipynb #3556cf1d
+class LLMEngine:
+    """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
+
+    Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `block_manager_cls`,
+        `attention_backend`, `scheduler_cls`, `model_runner_cls`, `sampler_cls` and
+        `output_processor_cls` given (None: chapter 04's own pieces).
+    Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
+        model_runner, core (`EngineCore`), output_processor, processor, requests, stats, eos_token_ids.
+    Raises: ValueError for an unknown or bad setting or model folder, a KV cache that does not fit in
+        memory, or one that holds fewer than a given `max_model_len` tokens (see `fit_max_model_len`).
+    """
+
+    def __init__(self, **kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        self.args = args = EngineArgs(**known_arguments("LLMEngine", kwargs, fields, {}))
+        args.check()
+        path, device = resolve_model(args.model), resolve_device(args.device)
+        self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
+        self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
+        given = args.max_model_len is not None
+        resolve_lengths(args, (config := self.model.config).max_position_embeddings)
+        fit_max_model_len(args, num_cache_tokens := kv_cache_num_tokens(args, self.model, device), given)
+        self.block_manager = (args.block_manager_cls or ContiguousBlockManager).from_cache_size(
+            num_cache_tokens, args.block_size, args.max_model_len)
+        self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
+        self.scheduler = (args.scheduler_cls or Scheduler)(
+            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
+        self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
+            args, self.model, self.block_manager, make_generator(args.seed, device))
+        if args.sampler_cls is not None:
+            self.model_runner.sampler = args.sampler_cls(self.eos_token_ids)
+        self.core = EngineCore(self.scheduler, self.model_runner)
+        self.requests, self.stats = self.core.requests, self.core.stats
+        self.output_processor = (args.output_processor_cls or OutputProcessor)(self)
+        parts = (self.scheduler, self.model_runner, self.output_processor)
+        supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
+        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
+
+    def add_request(self, request_id: str | int | None, prompt, sampling_params=None) -> str:
+        """Check a request (see `Processor.process`) and queue it; returns its id. Raises ValueError."""
+        return self.output_processor.add_request(request_id, self.processor.process(prompt, sampling_params))
+
+    def step(self) -> list[RequestOutput]:
+        """One step; the `RequestOutput`s of the requests it advanced (finished ones leave the engine)."""
+        return self.output_processor.process(self.core.step())
+
+    def abort_request(self, request_id: str | int | list) -> None:
+        """Stop requests wherever they are and free their blocks (unknown ids are ignored, as in vLLM)."""
+        for rid in request_id if isinstance(request_id, (list, tuple, set)) else [request_id]:
+            self.output_processor.abort_request(rid)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+# %% ../../notebooks/04_scheduler.ipynb #4acd8720
 class OutputProcessor:
     """Queues checked requests in the engine core and makes the outputs of each step (after vLLM
     V1's `OutputProcessor`): here the text is made once, when a request finishes.
@@ -61,63 +126,3 @@ class OutputProcessor:
         num_cached = cached.pop(seq.request_id, 0) if seq.is_finished else cached.get(seq.request_id, 0)
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), None, [completion],
                              seq.is_finished, num_cached)
-
-# %% auto #0
-__all__ = ['OutputProcessor', 'LLMEngine']
-
-# %% ../../notebooks/04_scheduler.ipynb #3556cf1d
-class LLMEngine:
-    """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
-
-    Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `kv_manager`,
-        `attention_backend`, `scheduler_cls`, `model_runner_cls`, `sampler_cls` and
-        `output_processor_cls` given (None: chapter 04's own pieces).
-    Attributes: args, model, tokenizer (None if the folder has none), block_manager, scheduler,
-        model_runner, core (`EngineCore`), output_processor, processor, requests, stats, eos_token_ids.
-    Raises: ValueError for an unknown or bad setting or model folder, or a KV cache that does not fit.
-    """
-
-    def __init__(self, **kwargs):
-        fields = {f.name for f in dataclasses.fields(EngineArgs)}
-        self.args = args = EngineArgs(**known_arguments("LLMEngine", kwargs, fields, {}))
-        args.check()
-        path, device = resolve_model(args.model), resolve_device(args.device)
-        self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
-        self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
-        resolve_lengths(args, (config := self.model.config).max_position_embeddings)
-        self.block_manager = (args.kv_manager or ContiguousKVManager).from_cache_size(
-            kv_cache_num_tokens(args, self.model, device), args.block_size, args.max_model_len)
-        self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
-        self.scheduler = (args.scheduler_cls or Scheduler)(
-            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
-        self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
-            args, self.model, self.block_manager, make_generator(args.seed, device))
-        self.model_runner.sampler = (args.sampler_cls or Sampler)(self.eos_token_ids)
-        self.core = EngineCore(self.scheduler, self.model_runner)
-        self.requests, self.stats = self.core.requests, self.core.stats
-        self.output_processor = (args.output_processor_cls or OutputProcessor)(self)
-        parts = (self.scheduler, self.model_runner.sampler, self.output_processor)
-        supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
-        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
-
-    def add_request(self, request_id: str | int | None, prompt, sampling_params=None) -> str:
-        """Check a request (see `Processor.process`) and queue it; returns its id. Raises ValueError."""
-        return self.output_processor.add_request(request_id, self.processor.process(prompt, sampling_params))
-
-    def step(self) -> list[RequestOutput]:
-        """One step; the `RequestOutput`s of the requests it advanced (finished ones leave the engine)."""
-        return self.output_processor.process(self.core.step())
-
-    def abort_request(self, request_id: str | int | list) -> None:
-        """Stop requests wherever they are and free their blocks (unknown ids are ignored, as in vLLM)."""
-        for rid in request_id if isinstance(request_id, (list, tuple, set)) else [request_id]:
-            self.output_processor.abort_request(rid)
-
-    def get_tokenizer(self):
-        return self.tokenizer
-
-    def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)

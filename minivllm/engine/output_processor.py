@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.block_manager import BlockManager
 from .detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, finish_text, update_text
 from .logprobs import logprobs_dict
-from ..baselines.naive import CausalAttention
 from ..outputs import CompletionOutput, RequestOutput
 from .processor import completion_text
 from ..sample.ops import gather_logprobs
@@ -24,14 +22,13 @@ from ..sequence import Sequence, SequenceStatus
 
 
 @torch.inference_mode()
-def compute_prompt_logprobs(model, token_ids: list[int], num: int, decode=None) -> list:
+def compute_prompt_logprobs(model_runner, token_ids: list[int], num: int, decode=None) -> list:
     """vLLM's `prompt_logprobs`: None for the first token, then `{token_id: Logprob}` for each prompt
-    token given the ones before it, with the top `num` (-1: all). One plain forward over the prompt
-    (no KV cache), so a prompt whose prefix came from the prefix cache gets every position too."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(token_ids, device=device)
-    hidden = model(ids, torch.arange(len(ids), device=device), CausalAttention(model.model.layers[0].self_attn.scale))
-    logits = model.compute_logits(hidden[:-1])
+    token given the ones before it, with the top `num` (-1: all). The logits come from the model
+    runner's `prompt_logits` (no KV cache), so a prompt whose prefix came from the prefix cache gets
+    every position too."""
+    logits = model_runner.prompt_logits(token_ids)[:-1]
+    ids = torch.tensor(token_ids, device=logits.device)
     logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
     rows = gather_logprobs(logprobs, ids[1:], [num] * (len(ids) - 1)) if len(ids) > 1 else []
     return [None] + [logprobs_dict(r, decode) for r in rows]
@@ -58,28 +55,12 @@ def fork_sequence(core, parent: Sequence, request_id: str, params) -> Sequence:
     manager's reference counts), and a copy of the block that holds the last prompt token when that
     block holds earlier prompt tokens too (the copy is written to, the original is `parent`'s). It
     joins the running sequences and recomputes only the last prompt token, whose logits give its
-    first token. When it cannot (a KV manager without reference counts, no free seat or block, or
-    `parent` already finished) it is queued as a new request with the same prompt.
+    first token. When it cannot (a block manager without reference counts, no free seat or block, or
+    `parent` already finished) it is queued as a new request with the same prompt. The engine core
+    does it: the scheduler's `fork`, the block manager's `fork`, the model runner's `copy_blocks`.
     """
-    sched, bm = core.scheduler, core.scheduler.block_manager
     child = Sequence(parent.prompt_token_ids, params, block_size=parent.block_size, prompt=parent.prompt)
-    core.add_request(request_id, child)  # queued in `waiting`, with its generator
-    n, bs = child.num_tokens, bm.block_size
-    shared, partial = divmod(n - 1, bs)
-    if (not isinstance(bm, BlockManager) or parent.is_finished or len(sched.running) >= sched.max_num_seqs
-            or bm.num_free_blocks < (partial > 0)):
-        return child
-    sched.waiting.remove(child)
-    table = parent.block_table[:shared]
-    for block_id in table:
-        bm.blocks[block_id].ref_count += 1
-    if partial:
-        copy = bm._allocate_block().block_id
-        kv_cache = core.model_runner.kv_cache  # [2, num_layers, num_blocks, block_size, ...]
-        kv_cache[:, :, copy] = kv_cache[:, :, parent.block_table[shared]]
-        table.append(copy)
-    child.block_table, child.num_cached_tokens, child.status = table, n - 1, SequenceStatus.RUNNING
-    sched.running.append(child)
+    core.add_request(request_id, child, parent=parent)
     return child
 
 
@@ -230,7 +211,7 @@ class OutputRequests:
                              f"request id {str(request_id)!r}: its completion id {clash[0]!r} is already in use")
         decode = self.decode if p.detokenize else None  # vLLM: no text, no decoded_token
         prompt_logprobs = (None if p.prompt_logprobs is None else
-                           compute_prompt_logprobs(self.model, seq.prompt_token_ids, p.prompt_logprobs, decode))
+                           compute_prompt_logprobs(self.core.model_runner, seq.prompt_token_ids, p.prompt_logprobs, decode))
         request_id = self.core.add_request(request_id, seq)
         parent = self.requests[request_id] = ParentRequest(request_id, p.n, prompt_logprobs)
         self._track(parent, make_state(seq, 0, self.tokenizer))

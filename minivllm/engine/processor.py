@@ -105,14 +105,14 @@ class Processor:
         tokenizer: the model's tokenizer, or None (then prompts must be token ids).
         vocab_size: token ids must be in `[0, vocab_size)`.
         max_model_len: a prompt must leave room for one generated token.
-        kv_manager: the KV-cache manager; a prompt must fit in the whole cache, and its `block_size`
+        block_manager: the block manager; a prompt must fit in the whole cache, and its `block_size`
             is the sequence's.
         supported_fields: the `SamplingParams` fields some part of the engine acts on (None: all).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_manager, supported_fields=None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_manager, supported_fields=None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.kv_manager, self.supported_fields = kv_manager, supported_fields
+        self.block_manager, self.supported_fields = block_manager, supported_fields
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         """Check a request and wrap it in a `Sequence` (not yet queued).
@@ -151,7 +151,7 @@ class Processor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
                              f"room to generate (a prompt must have at most {self.max_model_len - 1} tokens)")
-        kv = self.kv_manager
+        kv = self.block_manager
         seq = Sequence(ids, sampling_params, block_size=kv.block_size, prompt=text)
         if seq.num_blocks > kv.num_blocks:
             raise ValueError(f"the prompt has {len(ids)} tokens but the whole KV cache holds "

@@ -12,7 +12,7 @@ from ..attention.backend import AttentionMetadata, ContiguousAttention
 from ..core.kv_cache_manager import slot_mapping
 from ..model_executor.layers.linear import pack_linear_layers
 from ..sample.generator import make_generator, sample
-from ..model_executor.models.llama import LlamaForCausalLM
+from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
 
 # A CPU prefill step runs in forward passes of at most this many new tokens: the same tokens, smaller
@@ -62,10 +62,13 @@ def split_prefill(seqs: list[Sequence], limit: int | None) -> list[list[Sequence
     return groups
 
 # %% auto #0
-__all__ = ['PREFILL_MICROBATCH_TOKENS', 'prepare_batch', 'split_prefill', 'sample_batch', 'Sampler', 'kv_cache_bytes_per_token',
-           'ModelRunner']
+__all__ = ['PREFILL_MICROBATCH_TOKENS', 'SAMPLE_BATCH_FIELDS', 'prepare_batch', 'split_prefill', 'sample_batch',
+           'kv_cache_bytes_per_token', 'ModelRunner']
 
 # %% ../../notebooks/04_scheduler.ipynb #bb3e6035
+SAMPLE_BATCH_FIELDS = frozenset({"temperature", "seed"})  # the SamplingParams fields `sample_batch` acts on
+
+
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
     """One token per row of `logits [num_seqs, vocab_size]`: greedy rows in one argmax, the others
     one by one with their request's generator (`generators[seq_id]`, else `default_generator`)."""
@@ -77,25 +80,6 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, d
     return tokens
 
 
-class Sampler:
-    """Chapter 04's sampler: greedy and temperature sampling (`sample_batch`), one token per sequence.
-
-    Args:
-        eos_token_ids: the engine's end-of-sequence ids (a sampler may need them; this one does not).
-    Attributes:
-        sampling_fields: the `SamplingParams` fields it acts on.
-    """
-
-    sampling_fields = frozenset({"temperature", "seed"})
-
-    def __init__(self, eos_token_ids=frozenset()):
-        self.eos_token_ids = frozenset(eos_token_ids)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
-        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order."""
-        return sample_batch(logits, seqs, generators, default_generator)
-
-
 def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
     """Bytes of K and V one token occupies in the cache, over all layers."""
     attn0 = model.model.layers[0].self_attn
@@ -104,12 +88,20 @@ def kv_cache_bytes_per_token(model: LlamaForCausalLM) -> int:
 
 # %% ../../notebooks/04_scheduler.ipynb #37c076da
 class _RequestSampling:
-    """`ModelRunner`'s per-request sampling: it uses `sampler`, `generator` (requests without a seed),
-    `generators` (seq_id -> the generator of a seeded request) and `device`, set by its `__init__`."""
+    """`ModelRunner`'s per-request sampling: it uses `sampler` (None: `sample_batch`), `generator`
+    (requests without a seed), `generators` (seq_id -> the generator of a seeded request) and
+    `device`, set by its `__init__`."""
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order (`self.sampler`)."""
+        """One token per row of `logits [num_seqs, vocab_size]`, for `seqs` in order."""
+        if self.sampler is None:
+            return sample_batch(logits, seqs, self.generators, self.generator)
         return self.sampler(logits, seqs, self.generators, self.generator)
+
+    @property
+    def sampling_fields(self) -> frozenset[str]:
+        """The `SamplingParams` fields the runner's sampling acts on (see `Processor`)."""
+        return SAMPLE_BATCH_FIELDS if self.sampler is None else self.sampler.sampling_fields
 
     def add_generator(self, seq: Sequence) -> None:
         """Give a seeded request its own generator (a request without a seed shares `self.generator`)."""
@@ -120,20 +112,46 @@ class _RequestSampling:
         """Forget a finished request's generator (nothing to do for a request without a seed)."""
         self.generators.pop(seq.seq_id, None)
 
+# %% ../../notebooks/04_scheduler.ipynb #0fef5706
+class _CacheAndPrompts:
+    """`ModelRunner`'s KV cache and whole-prompt logits: it uses `model`, `kv_cache`, `dtype` and
+    `device`, set by its `__init__`."""
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
+        attn0 = self.model.model.layers[0].self_attn
+        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
+                           attn0.head_dim, dtype=self.dtype, device=self.device)
+
+    def copy_blocks(self, block_pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block `source` into block `destination`, every layer, for each
+        `(source, destination)` pair (vLLM's `copy_blocks`; the block manager's `fork` names them)."""
+        sources, destinations = (list(ids) for ids in zip(*block_pairs))
+        self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The logits after each of `token_ids`, `[num_tokens, vocab_size]`: one forward pass over them
+        alone, with no KV cache (causal attention among themselves; vLLM's `prompt_logprobs` use them)."""
+        ids = torch.tensor(token_ids, device=self.device)
+        scale = self.model.model.layers[0].self_attn.scale
+        no_cache = lambda layer_idx, q, k, v: attention_reference(q, k, v, scale, causal=True)  # noqa: E731
+        return self.model.compute_logits(self.model(ids, torch.arange(len(ids), device=self.device), no_cache))
+
 # %% ../../notebooks/04_scheduler.ipynb #7fd079f0
-class ModelRunner(_RequestSampling):
+class ModelRunner(_RequestSampling, _CacheAndPrompts):
     """Runs one scheduled batch through the model and samples one token per sequence.
 
     Args:
         model: our decoder (chapter 02).
-        block_manager: the KV-cache manager; its `num_blocks` and `block_size` size the KV cache.
+        block_manager: the block manager; its `num_blocks` and `block_size` size the KV cache.
         generator: the generator of requests without a seed (`make_generator`; None: seed 0).
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
         pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers.
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
-        sampler: called with each step's logits (`Sampler` unless the engine sets another).
+        sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
 
     pack_cpu_linears = True
@@ -149,18 +167,12 @@ class ModelRunner(_RequestSampling):
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)
         self.generators: dict[int, object] = {}  # seq_id -> the generator of a seeded request
-        self.sampler = Sampler()  # the engine sets the one EngineArgs.sampler_cls names
+        self.sampler = None  # `sample_batch`, unless the engine sets EngineArgs.sampler_cls's
 
     @classmethod
     def from_engine_args(cls, args, model: LlamaForCausalLM, block_manager, generator=None) -> "ModelRunner":
         """The runner `LLMEngine` builds from its `EngineArgs` (a subclass that needs more settings reads them here)."""
         return cls(model, block_manager, generator, args.attention_backend)
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
-        attn0 = self.model.model.layers[0].self_attn
-        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
-                           attn0.head_dim, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:

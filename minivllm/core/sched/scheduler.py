@@ -7,17 +7,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from ...utils.checks import require_int
-from ..kv_cache_manager import KVCacheManager
+from ..kv_cache_manager import BlockManagerInterface
 from ...sequence import Sequence, SequenceStatus
 
 # %% auto #0
 __all__ = ['SchedulerBase', 'Scheduler']
 
 # %% ../../../notebooks/04_scheduler.ipynb #81b98bbd
-class _PreemptAndAbort:
-    """The two ways a sequence leaves the queues before it has finished; mixed into `SchedulerBase`,
-    whose `waiting`, `running`, `block_manager` and `num_preemptions` they update."""
+class _QueueMoves:
+    """Moves between the queues besides admission; mixed into `SchedulerBase`, whose `waiting`,
+    `running`, `block_manager`, `max_num_seqs` and `num_preemptions` they use."""
 
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption)."""
@@ -39,29 +38,52 @@ class _PreemptAndAbort:
         seq.status = status
         return True
 
+    def undo_failed_step(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """The model failed in a step: the block manager forgets the K/V it may have half written, and
+        a prefill step's sequences go back to the front of `waiting`, in order, to be prefilled again."""
+        self.block_manager.discard_unwritten(seqs)
+        if is_prefill:
+            for seq in reversed(seqs):
+                self.running.remove(seq)
+                self.preempt(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Admit `child`, a new sequence whose tokens begin as running `parent`'s do, straight into
+        `running`, sharing `parent`'s K/V (the block manager's `fork`; vLLM V0's `fork_seq`). Returns
+        the `(source, destination)` blocks whose K/V must be copied; None when it cannot (no `fork`,
+        `parent` not running, no free seat or block): then `child` waits like a new sequence."""
+        bm = self.block_manager
+        if not (hasattr(bm, "fork") and parent.status == SequenceStatus.RUNNING
+                and len(self.running) < self.max_num_seqs and bm.can_fork(child)):
+            self.add(child)
+            return None
+        copies = bm.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return copies
+
 # %% ../../../notebooks/04_scheduler.ipynb #501a5751
-class SchedulerBase(_PreemptAndAbort):
+class SchedulerBase(_QueueMoves):
     """The queues and their bookkeeping, which every scheduling policy shares.
 
     Args:
-        block_manager: the KV-cache manager (see `KVCacheManager`).
+        block_manager: the block manager (see `BlockManagerInterface`).
         max_num_seqs: most sequences running at once (so also in one step).
         max_num_batched_tokens: most tokens computed in one prefill step.
         max_model_len: most tokens (prompt + completion) in one sequence.
         eos_token_ids: token ids that end a sequence (unless its `ignore_eos`).
     Attributes:
         sampling_fields: the `SamplingParams` fields the scheduler acts on (see `Processor`).
-    Raises:
-        ValueError: a limit is not an int >= 1.
+    The limits are the user's settings, checked once by `EngineArgs`; here they are asserted.
     """
 
     sampling_fields = frozenset({"max_tokens", "ignore_eos"})
 
-    def __init__(self, block_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_manager: BlockManagerInterface, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
-        self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
-        self.max_num_batched_tokens = require_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-        self.max_model_len = require_int("max_model_len", max_model_len, minimum=1)
+        assert min(max_num_seqs, max_num_batched_tokens, max_model_len) >= 1, "limits are checked by EngineArgs"
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -133,10 +155,11 @@ class Scheduler(SchedulerBase):
         """Append each sampled token (one per sequence of the step) and retire the finished ones."""
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.append_token(token_id)
+            max_tokens = seq.sampling_params.max_tokens
             if token_id in self.eos_token_ids and not seq.sampling_params.ignore_eos:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-            elif (seq.sampling_params.max_tokens is not None
-                  and seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_seq_len):
+            elif ((max_tokens is not None and seq.num_completion_tokens >= max_tokens)
+                  or seq.num_tokens >= self.max_seq_len):
                 seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             if seq.is_finished:
                 self.block_manager.deallocate(seq)
