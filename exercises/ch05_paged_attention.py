@@ -2,7 +2,7 @@
 """Chapter 05's extend exercises. Your answers go between the TODO lines; see the chapter notebook
 (the rebuild exercises ch05_ex1-ex4 are in the chapter's export cells).
 
-Exercise 5 (ch05_ex5) — a block manager of your own, with vLLM's admission watermark: the KV-manager
+Exercise 5 (ch05_ex5) — a block manager of your own, with vLLM's admission watermark: the block-manager
 interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch
 in this file (an inherited method, the package's `BlockManager`'s say, does not count: the grader
 checks where each is written), in any free order you like. Graded by its contract: invariants under random operation sequences

@@ -34,7 +34,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         raise NotImplementedError('ch06_prefix_caching.cached_prefix: walk the full blocks, chaining hashes and parents, until the first miss')
 
     def allocate(self, seq: Sequence) -> None:
-        """Share the blocks `cached_prefix` finds (`self.touch([block_id])` adds a reference to each cached block),
+        """Share the blocks `cached_prefix` finds (`self.touch` adds a reference to a cached block),
         take fresh blocks for the rest (`self._allocate_block()`), make the fresh full ones findable
         (`self._cache(block_id, hash, token_ids, parent)`), and set `seq.num_cached_tokens`: a fully
         cached prompt still computes its last token (its logits choose the next token), so at most

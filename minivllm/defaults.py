@@ -18,7 +18,7 @@ from .worker.cuda_graph import CUDAGraphModelRunner
 from .attention.backends.cpu_attn import CPUPagedAttention
 from .attention.backends.flash_attn import FlashAttnPagedAttention
 from .attention.backends.triton_attn import TritonPagedAttention
-from .engine.output_processor import StreamingOutputProcessor
+from .engine.output_processor import OutputProcessor
 from .attention.paged_attention import PagedAttention
 from .core.prefix_caching import PrefixCachingBlockManager
 from .sample.sampler import Sampler
@@ -53,9 +53,9 @@ SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
 ]
 
 # (chapter and name, condition on the engine's settings, output processor class); when no row fits,
-# the engine uses chapter 04's `OutputProcessor` (the text once a request has finished).
+# the engine uses chapter 04's `SimpleOutputProcessor` (the text once a request has finished).
 OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
-    ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, StreamingOutputProcessor),
+    ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, OutputProcessor),
 ]
 
 

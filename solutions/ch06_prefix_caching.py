@@ -46,7 +46,7 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Share the blocks `cached_prefix` finds (`self.touch([block_id])` adds a reference to each cached block),
+        """Share the blocks `cached_prefix` finds (`self.touch` adds a reference to a cached block),
         take fresh blocks for the rest (`self._allocate_block()`), make the fresh full ones findable
         (`self._cache(block_id, hash, token_ids, parent)`), and set `seq.num_cached_tokens`: a fully
         cached prompt still computes its last token (its logits choose the next token), so at most

@@ -39,5 +39,5 @@ def test_the_plumbing_comes_after_the_engine_loop_in_an_appendix():
     loop = targets.index("engine.core")
     assert loop < appendix
     for i, target in enumerate(targets):
-        if target in PLUMBING or (target == "engine.llm_engine" and "class OutputProcessor" in cells[i][1]):
+        if target in PLUMBING or (target == "engine.llm_engine" and "class SimpleOutputProcessor" in cells[i][1]):
             assert i > appendix, f"{target} exported at cell {i}, before the appendix (cell {appendix})"

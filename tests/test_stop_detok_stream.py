@@ -18,7 +18,7 @@ from engine_helpers import check_invariants, make_model, one_thread, random_prom
 from minivllm.core.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, finish_text, update_text
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.output_processor import StreamingOutputProcessor, iter_outputs
+from minivllm.engine.output_processor import OutputProcessor, iter_outputs
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.engine.processor import completion_text
@@ -27,7 +27,7 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from test_detokenize import PIECES, PROMPT, sentencepiece_tokenizer
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
-CH10 = dict(sampler_cls=Sampler, output_processor_cls=StreamingOutputProcessor)
+CH10 = dict(sampler_cls=Sampler, output_processor_cls=OutputProcessor)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from ..worker.model_runner import ModelRunner
 
 
 # %% auto #0
-__all__ = ['LLMEngine', 'OutputProcessor']
+__all__ = ['LLMEngine', 'SimpleOutputProcessor']
 
 # %% ../../notebooks/04_scheduler.ipynb #3556cf1d
 class LLMEngine:
@@ -59,7 +59,7 @@ class LLMEngine:
             self.model_runner.sampler = args.sampler_cls(self.eos_token_ids)
         self.core = EngineCore(self.scheduler, self.model_runner)
         self.requests, self.stats = self.core.requests, self.core.stats
-        self.output_processor = (args.output_processor_cls or OutputProcessor)(self)
+        self.output_processor = (args.output_processor_cls or SimpleOutputProcessor)(self)
         parts = (self.scheduler, self.model_runner, self.output_processor)
         supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
         self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
@@ -87,7 +87,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
 # %% ../../notebooks/04_scheduler.ipynb #4acd8720
-class OutputProcessor:
+class SimpleOutputProcessor:
     """Queues checked requests in the engine core and makes the outputs of each step (after vLLM
     V1's `OutputProcessor`): here the text is made once, when a request finishes.
 

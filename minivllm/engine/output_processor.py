@@ -44,7 +44,7 @@ def child_sampling_params(params, index: int):
 # %% auto #0
 __all__ = ['compute_prompt_logprobs', 'child_sampling_params', 'fork_sequence', 'RequestState', 'ParentRequest', 'make_state',
            'advance', 'completion_output', 'request_output', 'stop_sequence', 'completion_ids', 'fork_completions',
-           'OutputRequests', 'StreamingOutputProcessor', 'iter_outputs']
+           'OutputRequests', 'OutputProcessor', 'iter_outputs']
 
 # %% ../../notebooks/10_sampling.ipynb #b7aac12b
 def fork_sequence(core, parent: Sequence, request_id: str, params) -> Sequence:
@@ -238,7 +238,7 @@ class OutputRequests:
             self.core.abort_request(request_id)
 
 # %% ../../notebooks/10_sampling.ipynb #0bf6a054
-class StreamingOutputProcessor(OutputRequests):
+class OutputProcessor(OutputRequests):
     """Queues requests and makes each step's outputs, the text token by token (vLLM V1's `OutputProcessor`).
 
     Per sequence a step ran: `advance`, `stop_sequence` on a stop, `fork_completions` after a
