@@ -122,8 +122,7 @@ class Processor:
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
                 sequence keeps a checked copy) or set while no part acts on it; the prompt is empty, is text but there
-                is no tokenizer, holds ids outside `[0, vocab_size)`, has `max_model_len` tokens or more,
-                or needs more blocks than the whole KV cache.
+                is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len` tokens or more.
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):
@@ -151,9 +150,5 @@ class Processor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
                              f"room to generate (a prompt must have at most {self.max_model_len - 1} tokens)")
-        kv = self.block_manager
-        seq = Sequence(ids, sampling_params, block_size=kv.block_size, prompt=text)
-        if seq.num_blocks > kv.num_blocks:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the whole KV cache holds "
-                             f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks of {kv.block_size})")
-        return seq
+        # the KV cache holds max_model_len tokens (EngineArgs' check at start-up), so the prompt fits it
+        return Sequence(ids, sampling_params, block_size=self.block_manager.block_size, prompt=text)
