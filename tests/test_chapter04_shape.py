@@ -1,12 +1,12 @@
 """Chapter 04 reads as steps: the scheduler, the runner and the engine loop first, the plumbing
-(settings, request checks, outputs) in an appendix; short export cells with prose or a check between."""
+(settings, request checks, outputs) in an appendix. (Short export cells with prose or a check between
+them, in every chapter: tests/test_pipeline.py.)"""
 from __future__ import annotations
 
 import json
 import pathlib
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "04_scheduler.ipynb"
-MAX_EXPORT_LINES = 60
 PLUMBING = ("config", "outputs", "engine.processor")
 
 
@@ -20,16 +20,6 @@ def _export_target(source: str) -> str | None:
     if not first.startswith("#| export"):
         return None
     return first.removeprefix("#| export").strip() or "core.sched.scheduler"
-
-
-def test_export_cells_are_short_and_never_more_than_two_in_a_row():
-    run = 0
-    for kind, source in _cells():
-        exported = kind == "code" and _export_target(source) is not None
-        if exported:
-            assert len(source.splitlines()) <= MAX_EXPORT_LINES, source.splitlines()[:3]
-        run = run + 1 if exported else 0
-        assert run <= 2, f"three export cells in a row, the last: {source.splitlines()[:2]}"
 
 
 def test_the_plumbing_comes_after_the_engine_loop_in_an_appendix():

@@ -68,3 +68,28 @@ def test_import_layers_hold():
     lint = Path(sys.executable).parent / "lint-imports"
     r = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+EXPORT_CELL_MAX_LINES = 60  # an export cell a reader takes in at once
+EXPORT_CELLS_IN_A_ROW_MAX = 2  # then prose, or a cell that uses what was just written
+
+
+@pytest.mark.parametrize("chapter", [p.name for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))])
+def test_chapters_build_in_small_steps(chapter):
+    """A chapter builds its modules in small steps: export cells of at most 60 lines, and never more
+    than two of them in a row without prose or a check between them."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / chapter, as_version=4)
+    long, runs, run = [], [], []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.lstrip().startswith("#| export"):
+            run.append(cell.get("id"))
+            if len(cell.source.splitlines()) > EXPORT_CELL_MAX_LINES:
+                long.append((cell.get("id"), len(cell.source.splitlines())))
+        else:
+            run = []
+        if len(run) > EXPORT_CELLS_IN_A_ROW_MAX:
+            runs.append(list(run))
+    assert not long, f"{chapter}: export cells over {EXPORT_CELL_MAX_LINES} lines (cell id, lines): {long}"
+    assert not runs, f"{chapter}: more than {EXPORT_CELLS_IN_A_ROW_MAX} export cells in a row: {runs}"

@@ -51,7 +51,11 @@ class Rung:
     num_requests: int | None = None
     needs_cuda: bool = False
 
+# %% auto #0
+__all__ = ['LADDER', 'RUNGS', 'PLAIN_TORCH_BACKENDS', 'Rung', 'RungSkipped', 'rung_engine_args', 'greedy', 'run_naive',
+           'run_static', 'run_rung', 'run_entry', 'ladder_record', 'ladder', 'format_ladder_report']
 
+# %% ../../notebooks/09_benchmark.ipynb #e920f3c7
 LADDER = (Rung("naive", "naive loop", "02", num_requests=2),
           Rung("static", "static batching", "03", num_requests=32),
           Rung("continuous", "continuous batching", "04", num_requests=32),
@@ -64,10 +68,6 @@ PLAIN_TORCH_BACKENDS = (ContiguousAttention, PagedAttention, CPUPagedAttention) 
 
 class RungSkipped(Exception):
     """A rung cannot run here; the message says why."""
-
-# %% auto #0
-__all__ = ['LADDER', 'RUNGS', 'PLAIN_TORCH_BACKENDS', 'Rung', 'RungSkipped', 'rung_engine_args', 'greedy', 'run_naive',
-           'run_static', 'run_rung', 'run_entry', 'ladder_record', 'ladder', 'format_ladder_report']
 
 # %% ../../notebooks/09_benchmark.ipynb #85a8adea
 def rung_engine_args(name: str, engine_args: dict, device: torch.device, dtype: torch.dtype) -> dict:

@@ -51,7 +51,11 @@ class RunResult:
         """Output tokens per second."""
         return self.num_output_tokens / self.seconds
 
+# %% auto #0
+__all__ = ['WARMUP_PROMPT_LEN', 'WARMUP_OUTPUT_LEN', 'DEFAULT_HF_BATCH_SIZE', 'RunResult', 'timed', 'release_memory', 'StepLog',
+           'warm_up_engine', 'generate_until', 'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf']
 
+# %% ../../notebooks/09_benchmark.ipynb #aed7ef6d
 def timed(fn, *args, **kwargs):
     """`(fn(*args, **kwargs), wall seconds)`: the one clock of a benchmark run."""
     t0 = time.perf_counter()
@@ -64,10 +68,6 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-# %% auto #0
-__all__ = ['WARMUP_PROMPT_LEN', 'WARMUP_OUTPUT_LEN', 'DEFAULT_HF_BATCH_SIZE', 'RunResult', 'timed', 'release_memory', 'StepLog',
-           'warm_up_engine', 'generate_until', 'bench_params', 'run_engine', 'load_hf', 'hf_generate', 'run_hf']
 
 # %% ../../notebooks/09_benchmark.ipynb #224f75db
 class StepLog:
