@@ -106,7 +106,7 @@ if [[ $STAGES_TO_RUN == *" graphs "* ]]; then
     stage graphs "$GRAPHS_CAP" "$OUT_DIR/gpu_cuda_graphs.log" "$PY" -c '
 import json, sys, torch
 from minivllm.benchmarks.env import write_json
-from minivllm.worker.cuda_graph import decode_step_benchmark
+from minivllm.benchmarks.decode_step import decode_step_benchmark
 result = decode_step_benchmark(**eval(sys.argv[2]))
 result["command"] = sys.argv[3]
 write_json(result, sys.argv[1])

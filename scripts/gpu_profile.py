@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from minivllm.benchmarks import decode_step  # noqa: E402
 from minivllm.worker import cuda_graph  # noqa: E402
 from minivllm.benchmarks.dummy import dummy_model  # noqa: E402
 from minivllm.benchmarks.env import environment, write_json  # noqa: E402
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         save(record, args.out)
     if "compiled" in stages:
         runs = {}
-        for name, cls in (("default runner", None), ("compiled small ops", cuda_graph.CompiledOpsGraphRunner)):
+        for name, cls in (("default runner", None), ("compiled small ops", decode_step.CompiledOpsGraphRunner)):
             llm = LLM(str(folder), dtype=dtype, **engine_args, **({"model_runner_cls": cls} if cls else {}))
             warm_up_engine(llm)
             prompts = [{"prompt_token_ids": list(p)} for p in workload.prompts]

@@ -18,10 +18,8 @@ from minivllm import defaults
 from minivllm.attention.backend import ContiguousAttention
 from minivllm.core.block_manager import BlockManager
 from minivllm.config import EngineArgs
-from minivllm.worker.cuda_graph import (COMPILE_OPTIONS, CUDAGRAPH_BACKENDS, CapturablePagedAttention, CompiledOpsGraphRunner,
-                                 CUDAGraph, CUDAGraphModelRunner, DecodeBuffers, StandInGraph,
-                                 compile_small_ops, cudagraph_capture_sizes, decode_step_seconds,
-                                 padded_batch_size, prepare_decode_inputs, supports_cudagraph)
+from minivllm.benchmarks.decode_step import CompiledOpsGraphRunner, decode_step_seconds
+from minivllm.worker.cuda_graph import (COMPILE_OPTIONS, CUDAGRAPH_BACKENDS, CapturablePagedAttention, CUDAGraph, CUDAGraphModelRunner, DecodeBuffers, StandInGraph, compile_small_ops, cudagraph_capture_sizes, padded_batch_size, prepare_decode_inputs, supports_cudagraph)
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.attention.backends.flash_attn import FlashAttnPagedAttention
 from minivllm.attention.backends.triton_attn import TritonPagedAttention
@@ -503,7 +501,7 @@ def test_gpu_compiled_small_ops_equal_eager():
     """`compile_small_ops` may only change rounding: in float32, the compiled decode step's logits equal
     the eager runner's (a model of SmolLM2-135M's shape, random weights, logits of order 1). Chapter 08
     keeps the switch off while this fails (on an H200 in bfloat16 the difference was 1.25)."""
-    from minivllm.worker.cuda_graph import decode_step_benchmark
+    from minivllm.benchmarks.decode_step import decode_step_benchmark
 
     result = decode_step_benchmark(batch_sizes=(1, 3, 8), context_len=40, dtype=torch.float32, num_steps=2)
     diff = result["max_abs_logit_diff"]

@@ -8,7 +8,6 @@ and vLLM's `cudagraph_capture_sizes`."""
 from __future__ import annotations
 
 import bisect
-import time
 import warnings
 from typing import Callable
 
@@ -61,10 +60,9 @@ def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
 
 # %% auto #0
 __all__ = ['MAX_CAPTURE_SIZE', 'SMALL_CAPTURE_SIZES', 'CAPTURE_SIZE_STEP', 'DECODE_INPUTS', 'HOST_READS', 'CUDAGRAPH_BACKENDS',
-           'COMPILE_OPTIONS', 'SMOLLM2_135M_SHAPE', 'cudagraph_capture_sizes', 'padded_batch_size', 'DecodeBuffers',
-           'prepare_decode_inputs', 'CUDAGraph', 'graph_pool', 'storages', 'StandInGraph', 'supports_cudagraph',
-           'CapturablePagedAttention', 'DecodeGraphs', 'CUDAGraphModelRunner', 'compile_small_ops',
-           'decode_step_seconds', 'CompiledOpsGraphRunner', 'decode_step_benchmark']
+           'COMPILE_OPTIONS', 'cudagraph_capture_sizes', 'padded_batch_size', 'DecodeBuffers', 'prepare_decode_inputs',
+           'CUDAGraph', 'graph_pool', 'storages', 'StandInGraph', 'supports_cudagraph', 'CapturablePagedAttention',
+           'DecodeGraphs', 'CUDAGraphModelRunner', 'compile_small_ops']
 
 # %% ../../notebooks/08_cuda_graphs.ipynb #8f918d91
 DECODE_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens")  # one int64 per row
@@ -366,85 +364,3 @@ def compile_small_ops(model, options: dict | None = COMPILE_OPTIONS) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding)):
             module.compile(dynamic=True, options=options)
-
-# %% ../../notebooks/08_cuda_graphs.ipynb #3ee22fe8
-SMOLLM2_135M_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                          rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def decode_step_seconds(runner: ModelRunner, seqs: list[Sequence], num_steps: int = 20, warmup: int = 3) -> float:
-    """Mean wall time in seconds of `num_steps` decode forward passes over `seqs` (no sampling),
-    after `warmup` untimed ones; the device is synchronised before and after the clock."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        for _ in range(warmup):
-            runner.forward_logits(seqs, False)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            runner.forward_logits(seqs, False)
-        sync()
-    return (time.perf_counter() - t0) / num_steps
-
-# %% ../../notebooks/08_cuda_graphs.ipynb #77a8d5ce
-class CompiledOpsGraphRunner(CUDAGraphModelRunner):
-    """`CUDAGraphModelRunner` with `compile_small_ops` on (for the measurement)."""
-
-    compile_small_ops = True
-
-# %% ../../notebooks/08_cuda_graphs.ipynb #60989835
-def decode_step_benchmark(batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context_len: int = 256,
-                          attention_backend: type | None = None, dtype: torch.dtype = torch.bfloat16,
-                          device: str = "cuda", num_steps: int = 20) -> dict:
-    """Decode step times (ms) of eager, graphs, and graphs with compiled small ops, on a model of
-    SmolLM2-135M's shape with random weights; one KV cache per variant, freed before the next (the
-    compiled variant runs last: compiling changes the model in place).
-
-    Args:
-        batch_sizes: decode batch sizes to time. context_len: tokens per sequence.
-        attention_backend: a class `supports_cudagraph` accepts (None: `TritonPagedAttention` where it
-            is available, else `CapturablePagedAttention`).
-        dtype, device: of the model. num_steps: timed steps per point.
-    Returns:
-        `{"model", "device", "torch", "date", "context_len", "attention_backend", "batch_sizes",
-        "ms_per_step": {variant: [...]}, "max_abs_logit_diff": {variant: largest difference from eager}}`.
-    """
-    from transformers import LlamaConfig
-
-    from minivllm.core.block_manager import BlockManager
-    from minivllm.model_executor.models.llama import LlamaForCausalLM
-
-    device = torch.device(device)
-    backend = attention_backend or (TritonPagedAttention if TritonPagedAttention.is_available(device, dtype)
-                                    else CapturablePagedAttention)
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_SHAPE)).to(dtype).eval()
-    max_len, block_size = context_len + 1, 16
-    graph_args = dict(max_num_seqs=max(batch_sizes), max_model_len=max_len)
-    variants = {"eager": (ModelRunner, {}), "CUDA graphs": (CUDAGraphModelRunner, graph_args),
-                "CUDA graphs + compiled small ops": (CompiledOpsGraphRunner, graph_args)}
-    result = {"model": "SmolLM2-135M's shape, random weights", "device": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "context_len": context_len, "attention_backend": backend.__name__, "batch_sizes": list(batch_sizes),
-              "ms_per_step": {}, "max_abs_logit_diff": {}}
-    eager_logits = {}
-    for name, (cls, kwargs) in variants.items():
-        bm = BlockManager(max(batch_sizes) * -(-max_len // block_size), block_size)
-        runner = cls(model, bm, attention_backend=backend, **kwargs)
-        times, diff = [], 0.0
-        for b in batch_sizes:
-            seqs = [Sequence([1] * context_len, block_size=block_size) for _ in range(b)]
-            for s in seqs:
-                bm.allocate(s)
-            times.append(1e3 * decode_step_seconds(runner, seqs, num_steps))
-            with torch.inference_mode():
-                logits = runner.forward_logits(seqs, False).float()
-            diff = max(diff, (logits - eager_logits.setdefault(b, logits.clone())).abs().max().item())
-            for s in seqs:
-                bm.deallocate(s)
-        result["ms_per_step"][name], result["max_abs_logit_diff"][name] = times, diff
-        del runner
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return result
