@@ -232,6 +232,7 @@ def test_graders_code_is_not_an_answer(tmp_path):
 # ------------------------------------------------------------------ a release of every chapter at once
 CHAPTERS = sorted({e[:4] for e in EXERCISES})
 KERNEL_REGIONS = ["ch07_ex1", "ch07_ex2", "ch07_ex3"]  # graded regions inside `@triton.jit` kernels
+KERNEL_HELPERS = ["_attend_tile"]  # `@triton.jit` functions with a region that only kernels call (inlined)
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +325,7 @@ def test_kernel_stubs_compile_to_their_task_on_a_gpu(every_chapter):
     `tl.static_assert(False, task)`. Lowered through Triton's front end for an sm_90 GPU (no GPU
     needed, as tests/triton_lowering.py does), each stubbed kernel stops at its stub with its task."""
     stubs = _kernel_tasks(every_chapter)
-    assert sorted(stubs) == ["copy_blocks_kernel", "paged_decode_kernel", "paged_prefill_kernel",
+    assert sorted(stubs) == ["_attend_tile", "copy_blocks_kernel", "paged_decode_kernel", "paged_prefill_kernel",
                              "reduce_splits_kernel", "store_kvcache_kernel"], stubs
     assert {m["id"] for m in grading.STUB.finditer((every_chapter / "minivllm/attention/ops/triton_attention.py")
                                                    .read_text())} == set(KERNEL_REGIONS)
@@ -337,7 +338,7 @@ def test_kernel_stubs_compile_to_their_task_on_a_gpu(every_chapter):
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stderr[-3000:]
     errors = json.loads(run.stdout)
-    assert sorted(errors) == sorted(stubs)
+    assert sorted(errors) == sorted(set(stubs) - set(KERNEL_HELPERS))  # a helper is lowered in the kernels calling it
     for name, error in errors.items():
         assert error and error.startswith("CompileTimeAssertionFailure") and error.endswith(stubs[name]), (name, error)
 

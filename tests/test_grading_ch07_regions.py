@@ -1,9 +1,10 @@
 """Grading tests for chapter 07's rebuild exercises (`python -m minivllm.course.grade ch07_ex2`, or `pytest -m ch07_ex2`).
 
-ch07_ex1 (the KV-store kernel), ch07_ex2 (the online-softmax update in the decode and the prefill
-kernel) and ch07_ex3 (the split-K reduction kernel) are graded in the package itself: in a student
-edition they are the student's kernels, exported from the chapter (stubs until filled), and there is
-no reference to compare with. Each is graded alone, by its contract:
+ch07_ex1 (the KV-store kernel), ch07_ex2 (the online-softmax step `_attend_tile`, and its calls
+with the keys each row sees in the decode and the prefill kernel) and ch07_ex3 (the split-K
+reduction kernel) are graded in the package itself: in a student edition they are the student's
+kernels, exported from the chapter (stubs until filled), and there is no reference to compare with.
+Each is graded alone, by its contract:
 
 * ch07_ex1: the caches after `store_kvcache` equal `index_copy_` of the rows whose slot is not -1,
   every other slot keeps a sentinel (exact: a copy), for K/V given as strided views;
@@ -17,8 +18,10 @@ Without CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, s
 kernels' module is imported, as tests/test_triton_kernels.py does) on CPU tensors and tiny shapes;
 the interpreter reports an exception inside a kernel as `InterpreterError`, which `_in_kernel`
 unwraps, so an untouched stub fails with its `NotImplementedError`. With CUDA the same tests run the
-compiled kernels. The dtype is one of the drawn values in the attention graders (rather than a
-parameter), so that a failure is shrunk once — float32 first — since each example is slow to run.
+compiled kernels; the compiler reports an error in a `@triton.jit` function a kernel calls
+(ch07_ex2's `_attend_tile`, its stub say) at the call, and `_in_kernel` brings out the error inside
+it. The dtype is one of the drawn values in the attention graders (rather than a parameter), so
+that a failure is shrunk once — float32 first — since each example is slow to run.
 """
 from __future__ import annotations
 
@@ -52,6 +55,10 @@ try:  # Triton's interpreter wraps what a kernel raises
     from triton.runtime.errors import InterpreterError
 except ImportError:  # pragma: no cover - older Triton
     InterpreterError = RuntimeError
+try:  # the compiler's errors (a GPU), each wrapping the one inside a function the kernel calls
+    from triton.compiler.errors import CompilationError
+except ImportError:  # pragma: no cover - older Triton
+    CompilationError = InterpreterError
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 GARBAGE = 10**9  # block-table entries past a sequence's last block: not a block, must never be read
@@ -69,13 +76,22 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 @contextmanager
 def _in_kernel(ex: str):
-    """Run a kernel; a stub's NotImplementedError comes out as itself, any other failure names `ex`."""
+    """Run a kernel; a stub's NotImplementedError comes out as itself, any other failure names `ex` (and,
+    compiled, the error inside the function the kernel calls where the compiler reports only the call)."""
     try:
         yield
     except InterpreterError as e:
         if isinstance(e.__cause__, NotImplementedError):
             raise e.__cause__ from None
         raise AssertionError(f"{ex}: the kernel raised under Triton's interpreter: {e.__cause__ or e!r}") from e
+    except CompilationError as e:
+        inner = e
+        while isinstance(inner.__cause__, CompilationError):  # a jit function the kernel calls (inlined)
+            inner = inner.__cause__
+        if inner is e:
+            raise
+        raise AssertionError(f"{ex}: the kernel did not compile, in a function it calls: "
+                             f"{type(inner).__name__}: {inner}") from e
 
 
 def _expect(ok: bool, message: str) -> None:

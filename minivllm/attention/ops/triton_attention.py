@@ -123,6 +123,27 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # %% ../../../notebooks/07_triton_kernels.ipynb #987dc5e8
 @triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of keys in the online softmax (`partial_by_tiles`' loop body), shared by the decode and
+    prefill kernels (Triton inlines it into each). q `[rows, BLOCK_D]`; k, v `[BLOCK_N, BLOCK_D]`; visible
+    bool, `[rows, BLOCK_N]` or `[1, BLOCK_N]` (False: a key the row must not see); the running m_i, l_i
+    `[rows]` and acc `[rows, BLOCK_D]` in ACC_DTYPE, m in log2 units (qk_scale = scale · log2 e). Returns
+    them updated. Each row must see a key in its first tile (else m stays -inf, and -inf - -inf is NaN).
+    After the Triton tutorial's `_attn_fwd_inner` (FlashAttention-2, Dao 2023)."""
+    # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where not visible), then the online-softmax update of m_i, l_i and acc (exp2); return the three
+    ### BEGIN SOLUTION
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+    return m_new, l_i, acc
+    ### END SOLUTION
+
+
+@triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                         out_ptr, m_ptr, l_ptr, qk_scale, min_split_len,
                         stride_q_seq, stride_q_head, stride_bt_seq, stride_o_seq, stride_o_head, stride_o_split,
@@ -152,17 +173,10 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         kv_off = row[:, None] * HEAD_DIM + d[None, :]
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where t >= end), then the online-softmax update of m_i, l_i and acc (exp2)
-        ### BEGIN SOLUTION
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale  # log2 units
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-        m_i = m_new
+        # EXERCISE ch07_ex2 (5 points): update m_i, l_i and acc with _attend_tile, every row seeing the keys t < end
+        ### BEGIN SOLUTION
+        m_i, l_i, acc = _attend_tile(q, k, v, t_mask[None, :], m_i, l_i, acc, qk_scale, ACC_DTYPE, PRECISION)
         ### END SOLUTION
     o_off = seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + d[None, :]
     if ONE_SPLIT:  # normalise and write the output (an empty sequence: zeros)
@@ -322,17 +336,11 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         kv_off = ((block * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where t >= kv_end or t > pos), then the online-softmax update (exp2)
-        ### BEGIN SOLUTION
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale
-        s = tl.where(t_mask[None, :] & (t[None, :] <= pos[:, None]), s, float("-inf"))  # causal
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
-        m_i = m_new
+        # EXERCISE ch07_ex2 (5 points): the keys each row sees (t < kv_end and t <= pos: causal), then update m_i, l_i and acc with _attend_tile
+        ### BEGIN SOLUTION
+        visible = t_mask[None, :] & (t[None, :] <= pos[:, None])  # key 0 is visible to every row: m stays finite
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE, PRECISION)
         ### END SOLUTION
     tl.store(out_ptr + (q_start + r[:, None]) * stride_o_tok + head * stride_o_head + d[None, :],
              (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
