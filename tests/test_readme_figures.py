@@ -66,3 +66,20 @@ def test_render_needs_the_markers():
     for broken in ("no markers", f"{m.END}\n{m.BEGIN}\n", f"{m.BEGIN}\n{m.BEGIN}\n{m.END}\n"):
         with pytest.raises(ValueError, match="figures:begin"):
             m.render(broken, "new")
+
+
+def test_run_times_come_from_the_notebooks(tmp_path):
+    """The run-time table reads the cells' execution metadata: a re-executed chapter changes it (the
+    check then fails until the script is rerun), and its grader cells are counted apart."""
+    m = _script()
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    stamp = lambda s: f"2026-12-01T10:00:{s:02d}.000000Z"
+    cell = lambda src, a, b: {"cell_type": "code", "source": src, "outputs": [], "execution_count": 1,
+                              "metadata": {"execution": {"iopub.execute_input": stamp(a), "iopub.status.idle": stamp(b)}}}
+    nb = {"cells": [cell("x = 1", 0, 5), cell('grade("ch01_ex1")', 10, 40), {"cell_type": "markdown", "source": "",
+                                                                              "metadata": {}}]}
+    (nbs / "01_a.ipynb").write_text(json.dumps(nb))
+    table = m.run_times(nbs)
+    assert "| whole chapter (s) | 35 |" in table and "| without its grader cells (s) | 5 |" in table
+    assert "| its longest cell (s) | 30 |" in table
