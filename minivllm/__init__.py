@@ -1,7 +1,7 @@
 """minivllm: a small vLLM-style inference engine, exported from the chapters in notebooks/.
 
-Hand-written, like `__main__.py` and `defaults.py`; every other module is generated from a chapter
-notebook (its first line names the notebook to edit). vLLM's offline API is importable from here:
+Hand-written, like `__main__.py`, `defaults.py` and `course/grade.py`; every other module is generated
+from a chapter notebook (its first line names the notebook to edit). vLLM's offline API is importable from here:
 `from minivllm import LLM, SamplingParams`.
 """
 __version__ = "0.1.0"

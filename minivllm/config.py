@@ -116,7 +116,7 @@ class EngineArgs:
             `from_engine_args(args, model, block_manager, generator)`.
         sampler_cls: the sampler class, built with the EOS token ids (None: `model_runner.sample_batch`).
         output_processor_cls: the class that turns stepped sequences into outputs (None:
-            `engine.SimpleOutputProcessor`), built with the engine.
+            `engine.llm_engine.SimpleOutputProcessor`), built with the engine.
         enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).
         seed: seeds the sampling of requests without their own seed.
     """

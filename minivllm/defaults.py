@@ -1,4 +1,5 @@
-"""The default assembly: which block manager and attention backend `LLM()` builds the engine from.
+"""The default assembly: which block manager, attention backend, model runner, sampler and output
+processor `LLM()` builds the engine from.
 
 Written by hand, like `__init__.py`: it is the book's table of contents for the engine. Chapter 04's
 `LLMEngine` uses exactly the pieces it is given; this small table, above all of them, says which

@@ -18,7 +18,7 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
     "entrypoints/": ("the command line", (4,), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nthe speedup ladder", (9,), (1, 0)),
+    "benchmarks/": ("throughput, roofline,\nthe speedup ladder", (8, 9), (1, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
 }
 # the request's path: text in, through the engine's folders, and tokens back out

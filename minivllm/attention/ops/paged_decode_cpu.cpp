@@ -1,7 +1,7 @@
 // minivllm's paged decode attention for CPUs: one query per sequence over its cached K/V, read in
 // place through its block table (no gather, no padding). The contract of vLLM's paged_attention
 // kernels (Kwon et al., SOSP 2023); the work split follows vLLM's CPU backend (csrc/cpu/attention.cpp).
-// Hand-written (not generated); built and loaded by minivllm/kernels/cpu_decode.py, explained in the
+// Hand-written (not generated); built and loaded by minivllm/attention/backends/cpu_attn.py, explained in the
 // appendix of notebooks/05_paged_attention.ipynb. float32, float64 and bfloat16: a bfloat16 cache
 // and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
 // sum of V stay in float32, and the output is rounded to bfloat16 once, at the end.

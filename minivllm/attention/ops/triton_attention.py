@@ -142,7 +142,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.conste
     return m_new, l_i, acc
     ### END SOLUTION
 
-
+# %% ../../../notebooks/07_triton_kernels.ipynb #1bb27d38
 @triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                         out_ptr, m_ptr, l_ptr, qk_scale, min_split_len,
