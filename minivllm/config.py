@@ -51,10 +51,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(DTYPES)}")
 
 # %% auto #0
-__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'resolve_device', 'resolve_dtype', 'resolve_lengths',
-           'fit_max_model_len', 'EngineArgs', 'check_engine_args']
+__all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'MIN_MAX_MODEL_LEN', 'resolve_device', 'resolve_dtype',
+           'resolve_lengths', 'fit_max_model_len', 'EngineArgs', 'check_engine_args']
 
 # %% ../notebooks/04_scheduler.ipynb #c88ab384
+MIN_MAX_MODEL_LEN = 2  # tokens: a prompt token and a generated one
+
+
 def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
     """Fill `max_model_len` (the model's limit) and `max_num_batched_tokens` when None, and check them.
 
@@ -84,6 +87,9 @@ def fit_max_model_len(args: "EngineArgs", num_cache_tokens: int, given: bool) ->
     holds = num_cache_tokens // args.block_size * args.block_size
     if args.max_model_len <= holds:
         return
+    if holds < MIN_MAX_MODEL_LEN:
+        raise ValueError(f"the KV cache holds {holds} tokens: a sequence needs at least {MIN_MAX_MODEL_LEN} (a prompt "
+                         "token and a generated one); raise num_kvcache_blocks or kv_cache_memory_bytes")
     if given:
         raise ValueError(f"max_model_len={args.max_model_len} is more than the KV cache holds ({holds} tokens): "
                          "lower max_model_len, or raise num_kvcache_blocks or kv_cache_memory_bytes")
@@ -160,7 +166,7 @@ def check_engine_args(args: "EngineArgs") -> None:
     args.max_num_seqs = require_int("max_num_seqs", args.max_num_seqs, minimum=1)
     for name in ("num_kvcache_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_model_len"):
         if getattr(args, name) is not None:  # max_model_len: a prompt token and a generated one at least
-            setattr(args, name, require_int(name, getattr(args, name), minimum=2 if name == "max_model_len" else 1))
+            setattr(args, name, require_int(name, getattr(args, name), minimum=MIN_MAX_MODEL_LEN if name == "max_model_len" else 1))
     require_bool("enable_prefix_caching", args.enable_prefix_caching)
     require_bool("enforce_eager", args.enforce_eager)
     args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,

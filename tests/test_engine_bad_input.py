@@ -390,3 +390,35 @@ def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_or_lowered(folder):
         assert type(engine.block_manager) is parts.get("block_manager_cls", ContiguousBlockManager)
         with pytest.raises(ValueError, match="max_model_len=64"):
             engine.add_request(None, list(range(1, 65)), GREEDY)  # refused at submission, not cut short
+
+
+def test_a_kv_cache_of_fewer_than_two_tokens_is_refused_at_start_up(folder):
+    """Lowering max_model_len to what the cache holds must not go below a prompt token and a generated
+    one: one block of one token used to give an engine that refused every prompt."""
+    with pytest.raises(ValueError, match=r"the KV cache holds 1 tokens: a sequence needs at least 2"):
+        LLMEngine(model=folder, dtype="float64", num_kvcache_blocks=1, block_size=1)
+
+
+def test_more_completions_than_kv_blocks_are_refused_and_others_complete(llm):
+    """n is checked at submission against the cache's blocks (each completion holds one of its own):
+    an enormous n used to build a list of n completion ids and run the process out of memory."""
+    engine = llm.llm_engine
+    for n in (17, 10**9):
+        with pytest.raises(ValueError, match=rf"n={n} is more than the KV cache's 16 blocks"):
+            engine.add_request(None, [1, 2, 3], SamplingParams(n=n, max_tokens=2))
+    outs = run_engine(engine, [[4, 5]], GREEDY)
+    assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 4
+    check_invariants(engine)
+
+
+def test_aborting_a_request_whose_first_completion_finished_forgets_it(folder):
+    """An n > 1 request aborted after one completion finished left its prefix-cache count behind, and a
+    later request with the same id reported it."""
+    engine = LLM(folder, dtype="float64", block_size=4, num_kvcache_blocks=64, max_model_len=64).llm_engine
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=1, n=2))
+    engine.step()  # completion 0 finishes in its prefill step; completion 1 is queued
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests() and engine.core.num_cached_tokens == {}
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=1))
+    assert [o.num_cached_tokens for o in engine.step()] == [4]  # the first block, found in the cache
+    check_invariants(engine)

@@ -129,7 +129,7 @@ class _RequestTable:
         if seq is not None:  # unknown ids are ignored, as in vLLM
             self.scheduler.abort(seq)
             self.finish(seq)
-            self.num_cached_tokens.pop(seq.request_id, None)
+        self.num_cached_tokens.pop(str(request_id), None)  # also a finished completion of an aborted request
 
 
 # %% ../../notebooks/04_scheduler.ipynb #e668b479

@@ -122,7 +122,8 @@ class Processor:
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
                 sequence keeps a checked copy) or set while no part acts on it; the prompt is empty, is text but there
-                is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len` tokens or more.
+                is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len` tokens or more; `n` is more than
+                the KV cache's blocks (each completion holds one of its own).
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):
@@ -133,6 +134,8 @@ class Processor:
         if unsupported:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
+        if sampling_params.n > self.block_manager.num_blocks:  # each completion holds a block of its own
+            raise ValueError(f"n={sampling_params.n} is more than the KV cache's {self.block_manager.num_blocks} blocks")
         text, raw = split_prompt(prompt, self.tokenizer)
         what = f" (its 'prompt_token_ids' is a {type(raw).__name__})" if isinstance(prompt, dict) else ""
         try:
