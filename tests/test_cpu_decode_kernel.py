@@ -269,7 +269,11 @@ def test_build_folder_is_per_source_flags_python_torch_and_cpu(monkeypatch, tmp_
 
 
 def test_the_source_ships_in_the_package():
-    assert cd.KERNEL_SOURCE.is_file() and cd.KERNEL_SOURCE.parent.name == "kernels"
+    import minivllm.attention.ops as ops
+
+    assert cd.KERNEL_SOURCE.is_file() and cd.KERNEL_SOURCE.parent == Path(ops.__file__).parent
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"minivllm.attention.ops" = ["*.cpp"]' in pyproject  # the wheel's package data
     text = cd.KERNEL_SOURCE.read_text()
     assert "torch::Tensor paged_decode_attention(" in text and "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in text
 
