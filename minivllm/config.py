@@ -58,11 +58,14 @@ __all__ = ['DEFAULT_CPU_KV_CACHE_BYTES', 'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'MIN_
 MIN_MAX_MODEL_LEN = 2  # tokens: a prompt token and a generated one
 
 
-def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
+def resolve_lengths(args: "EngineArgs", max_position_embeddings: int, chunks_prefills: bool = False) -> None:
     """Fill `max_model_len` (the model's limit) and `max_num_batched_tokens` when None, and check them.
+    `chunks_prefills`: the scheduler splits a long prompt over several steps (chapter 11), so the
+    budget need not hold one (default budget: 8192 then, else at least `max_model_len`, as in vLLM).
 
     Raises:
-        ValueError: `max_model_len` above the model's limit, or a token budget below `max_model_len`.
+        ValueError: `max_model_len` above the model's limit, a token budget below `max_num_seqs`, or
+            (without `chunks_prefills`) below `max_model_len`.
     """
     if args.max_model_len is None:
         args.max_model_len = max_position_embeddings
@@ -70,8 +73,12 @@ def resolve_lengths(args: "EngineArgs", max_position_embeddings: int) -> None:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
                          f"{max_position_embeddings}")
     if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len)
-    if args.max_num_batched_tokens < args.max_model_len:
+        args.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunks_prefills else max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len)
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_num_seqs="
+                         f"{args.max_num_seqs}: a step could not give every running sequence a token")
+    if args.max_num_batched_tokens < args.max_model_len and not chunks_prefills:
         raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} is smaller than max_model_len="
                          f"{args.max_model_len}: a long prompt could never be scheduled")
 
@@ -112,7 +119,8 @@ class EngineArgs:
         kv_cache_memory_bytes: KV-cache budget in bytes (default 1 GiB on CPU).
         gpu_memory_utilization: on CUDA, the fraction of all memory the process may fill (weights + cache).
         max_num_seqs: most sequences running at once (so also in one step).
-        max_num_batched_tokens: most tokens in one prefill step (default max(8192, max_model_len)).
+        max_num_batched_tokens: most tokens computed in one step (default 8192; without chunked
+            prefill at least max_model_len).
         max_model_len: most tokens per sequence (default: the model's max_position_embeddings).
         block_manager_cls: the block manager class (None: `ContiguousBlockManager`); it must have
             `from_cache_size(num_tokens, block_size, max_model_len)`.
@@ -124,6 +132,8 @@ class EngineArgs:
         output_processor_cls: the class that turns stepped sequences into outputs (None:
             `engine.llm_engine.SimpleOutputProcessor`), built with the engine.
         enforce_eager: never capture CUDA graphs (vLLM's name; read by `minivllm.defaults`).
+        enable_chunked_prefill: let a prompt's prefill span several steps (chapter 11's scheduler).
+        long_prefill_token_threshold: most tokens of one prompt per step with chunked prefill (0: no cap).
         seed: seeds the sampling of requests without their own seed.
     """
 
@@ -145,6 +155,8 @@ class EngineArgs:
     sampler_cls: type | None = None
     output_processor_cls: type | None = None
     enforce_eager: bool = False
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     seed: int = 0
 
     def check(self) -> None:
@@ -169,6 +181,9 @@ def check_engine_args(args: "EngineArgs") -> None:
             setattr(args, name, require_int(name, getattr(args, name), minimum=MIN_MAX_MODEL_LEN if name == "max_model_len" else 1))
     require_bool("enable_prefix_caching", args.enable_prefix_caching)
     require_bool("enforce_eager", args.enforce_eager)
+    require_bool("enable_chunked_prefill", args.enable_chunked_prefill)
+    args.long_prefill_token_threshold = require_int("long_prefill_token_threshold", args.long_prefill_token_threshold,
+                                                    minimum=0)
     args.gpu_memory_utilization = require_number("gpu_memory_utilization", args.gpu_memory_utilization,
                                                  minimum=1e-3, maximum=1)
     args.seed = require_int("seed", args.seed, minimum=SEED_MIN, maximum=SEED_MAX)

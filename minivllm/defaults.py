@@ -1,11 +1,12 @@
-"""The default assembly: which block manager, attention backend, model runner, sampler and output
-processor `LLM()` builds the engine from.
+"""The default assembly: which scheduler, block manager, attention backend, model runner, sampler and
+output processor `LLM()` builds the engine from.
 
 Written by hand, like `__init__.py`: it is the book's table of contents for the engine. Chapter 04's
 `LLMEngine` uses exactly the pieces it is given; this small table, above all of them, says which
 pieces `LLM` gives it. Each chapter that adds a piece adds its row here (the chapter shows the row).
 The first row whose condition holds wins, so better pieces go first. Chapter 04's own pieces (the
-contiguous reservation and `ContiguousAttention`) are `LLMEngine`'s defaults and need no row.
+prefill-first `Scheduler`, the contiguous reservation and `ContiguousAttention`) are `LLMEngine`'s
+defaults and need no row. `LLM` picks the scheduler first: the rows after it may read `scheduler_cls`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Callable
 import torch
 
 from .core.block_manager import BlockManager
+from .core.chunked_prefix_caching import ChunkedPrefixCachingBlockManager
+from .core.sched.chunked_prefill import ChunkedPrefillScheduler
+from .worker.mixed_batch import MixedBatchCUDAGraphModelRunner, MixedBatchModelRunner
 from .config import EngineArgs
 from .worker.cuda_graph import CUDAGraphModelRunner
 from .attention.backends.cpu_attn import CPUPagedAttention
@@ -24,8 +28,24 @@ from .attention.paged_attention import PagedAttention
 from .core.prefix_caching import PrefixCachingBlockManager
 from .sample.sampler import Sampler
 
+
+def chunked(args: EngineArgs) -> bool:
+    """Whether the engine's scheduler is chapter 11's token-budget scheduler (or a subclass of it)."""
+    return isinstance(args.scheduler_cls, type) and issubclass(args.scheduler_cls, ChunkedPrefillScheduler)
+
+
+# (chapter and name, condition on the engine's settings, scheduler class); when no row fits, the
+# engine uses chapter 04's prefill-first `Scheduler`.
+SCHEDULERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("11 one token budget: prefill chunks beside decodes",  # unless a given runner cannot run mixed steps
+     lambda args: getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
+     ChunkedPrefillScheduler),
+]
+
 # (chapter and name, condition on the engine's settings, block manager class)
 BLOCK_MANAGERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("11 prefix caching, blocks cached once computed", lambda args: args.enable_prefix_caching and chunked(args),
+     ChunkedPrefixCachingBlockManager),
     ("06 prefix caching", lambda args: args.enable_prefix_caching, PrefixCachingBlockManager),
     ("05 paged blocks", lambda args: True, BlockManager),
 ]
@@ -42,6 +62,10 @@ ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool],
 # (chapter and name, condition on (engine settings, device), model runner class); when no row fits,
 # the engine uses chapter 04's eager `ModelRunner`.
 MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = [
+    ("11 mixed batches, 08 CUDA graphs for decode",
+     lambda args, device: chunked(args) and device.type == "cuda" and not args.enforce_eager,
+     MixedBatchCUDAGraphModelRunner),
+    ("11 mixed batches: prefill chunks beside decodes", lambda args, device: chunked(args), MixedBatchModelRunner),
     ("08 CUDA graphs for decode", lambda args, device: device.type == "cuda" and not args.enforce_eager,
      CUDAGraphModelRunner),
 ]
@@ -58,6 +82,11 @@ SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
 OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, OutputProcessor),
 ]
+
+
+def scheduler_for(args: EngineArgs) -> type | None:
+    """The scheduler class of the first row of `SCHEDULERS` that fits (None: chapter 04's `Scheduler`)."""
+    return next((cls for _, fits, cls in SCHEDULERS if fits(args)), None)
 
 
 def block_manager_for(args: EngineArgs) -> type:

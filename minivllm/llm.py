@@ -24,7 +24,7 @@ VLLM_ONLY_LLM_ARGS = {
     "tokenizer_mode": "auto", "skip_tokenizer_init": False, "quantization": None, "revision": None,
     "tokenizer_revision": None, "hf_token": None, "hf_overrides": None, "kv_cache_dtype": "auto",
     "load_format": "auto", "swap_space": 0, "cpu_offload_gb": 0, "enable_lora": False,
-    "enable_chunked_prefill": False, "speculative_config": None, "compilation_config": None,
+    "speculative_config": None, "compilation_config": None,
     "distributed_executor_backend": None, "disable_custom_all_reduce": False, "disable_log_stats": True}
 
 
@@ -115,8 +115,8 @@ class LLM:
     Args:
         model: a local Hugging Face folder (None: the default SmolLM2-135M-Instruct).
         **kwargs: the other fields of `EngineArgs`, and vLLM's arguments at their one value here (see
-            `engine_args_from_vllm`). A `block_manager_cls`, `attention_backend`, `model_runner_cls`,
-            `sampler_cls` or `output_processor_cls` not given comes from the default assembly
+            `engine_args_from_vllm`). A `scheduler_cls`, `block_manager_cls`, `attention_backend`,
+            `model_runner_cls`, `sampler_cls` or `output_processor_cls` not given comes from the default assembly
             (`minivllm.defaults`).
     Raises:
         ValueError: an argument minivllm does not have (or not with that value), or a bad setting.
@@ -127,6 +127,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, **kwargs):
         args = engine_args_from_vllm(model, kwargs)
         args.check()
+        args.scheduler_cls = args.scheduler_cls or defaults.scheduler_for(args)
         if args.block_manager_cls is None:
             args.block_manager_cls = defaults.block_manager_for(args)
         device = resolve_device(args.device)

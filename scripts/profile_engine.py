@@ -91,20 +91,23 @@ def instrument(llm: LLM, timer: StepTimer) -> int:
         timer.add("scheduler", time.perf_counter() - t0)
         if seqs:
             timer.steps[timer.kind] += 1
-            timer.tokens[timer.kind] += (sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill
-                                         else len(seqs))
+            spans = (scheduler.scheduled_span(s, is_prefill) for s in seqs)
+            timer.tokens[timer.kind] += sum(end - start for start, end in spans)
         return seqs, is_prefill
 
     scheduler.schedule = schedule_and_note_kind
     scheduler.postprocess = timer.wrap(scheduler.postprocess, "scheduler")
     runner.forward_logits = timer.wrap(runner.forward_logits, "pass")  # prepare + model + LM head
+    if hasattr(runner, "forward_mixed"):  # chapter 11's mixed steps (prefill chunks beside decodes)
+        runner.forward_mixed = timer.wrap(runner.forward_mixed, "pass")
     runner.sample = timer.wrap(runner.sample, "sampling")
     model.compute_logits = timer.wrap(model.compute_logits, "lm head")
     engine.step = timer.wrap(engine.step, "step")  # the whole step; "engine rest" is what the parts leave
 
-    attn_cls = type(runner.attn)  # a timed subclass: Python looks __call__ up on the class
-    runner.attn.__class__ = type(f"Timed{attn_cls.__name__}", (attn_cls,),
-                                 {"__call__": timer.wrap(attn_cls.__call__, "attention")})
+    for attn in (runner.attn, getattr(runner, "mixed_attn", None)):  # chapter 11: mixed steps' attention
+        if attn is not None:  # a timed subclass: Python looks __call__ up on the class
+            attn.__class__ = type(f"Timed{type(attn).__name__}", (type(attn),),
+                                  {"__call__": timer.wrap(type(attn).__call__, "attention")})
 
     def start(module, args):
         timer.sync()

@@ -82,7 +82,12 @@ def check_invariants(engine_or_scheduler) -> None:
     bs = bm.block_size
     for seq in running:
         stored = seq.num_tokens - 1  # the newest token's KV is written by the next step
-        assert len(seq.block_table) == -(-stored // bs), (seq, seq.block_table)
+        computed = getattr(seq, "num_computed_tokens", None)  # chapter 11: a prefill may span steps
+        if computed is None:
+            assert len(seq.block_table) == -(-stored // bs), (seq, seq.block_table)
+        else:  # admission takes blocks for all its tokens, the newest included
+            assert computed <= stored, (seq, computed)
+            assert -(-stored // bs) <= len(seq.block_table) <= -(-seq.num_tokens // bs), (seq, seq.block_table)
     holders = Counter(b for seq in running for b in seq.block_table)
     for block in bm.blocks:
         assert block.ref_count == holders[block.block_id], (block, holders[block.block_id])
@@ -101,8 +106,12 @@ def check_invariants(engine_or_scheduler) -> None:
             assert block.hash == h and len(block.token_ids) == bs, (h, block)
         for seq in running:
             parent = NO_HASH
+            computed = getattr(seq, "num_computed_tokens", None)
             for i, block_id in enumerate(seq.block_table):
                 block = bm.blocks[block_id]
+                if computed is not None and (i + 1) * bs > computed:  # ch11: cached only once computed
+                    assert block.hash == NO_HASH, f"block {block_id} of {seq} is cached before its K/V is computed"
+                    break
                 if (i + 1) * bs > seq.num_tokens - 1 or block.hash == NO_HASH:
                     break
                 assert block.token_ids == seq.block(i), f"block {block_id} of {seq} holds other tokens"

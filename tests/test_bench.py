@@ -130,7 +130,8 @@ def test_warm_up_runs_prefill_decode_and_kernel_before_the_clock(tiny_llama, mon
         monkeypatch.setattr(cls, name, wrapper)
 
     backend = defaults.attention_backend_for(torch.device("cpu"), torch.float32)  # what LLM() picks here
-    spy(backend, "__call__", lambda attn: "prefill attention" if attn.metadata.is_prefill else "decode attention")
+    spy(backend, "prefill", "prefill attention")  # the backend's two kinds of attention (chapter 05's interface)
+    spy(backend, "decode", "decode attention")
     spy(LlamaForCausalLM, "forward", "engine forward")
     spy(transformers.LlamaForCausalLM, "forward", "hf forward")
     timed = benchmarks.runners.timed

@@ -371,10 +371,21 @@ def test_default_assembly_picks_graphs_only_on_cuda_without_enforce_eager(tiny):
     assert defaults.model_runner_for(EngineArgs(), cuda) is CUDAGraphModelRunner
     assert defaults.model_runner_for(EngineArgs(enforce_eager=True), cuda) is None
     assert defaults.model_runner_for(EngineArgs(), cpu) is None
+    from minivllm.core.sched.chunked_prefill import ChunkedPrefillScheduler
+    from minivllm.core.sched.scheduler import Scheduler
     from minivllm.llm import LLM
+    from minivllm.worker.mixed_batch import MixedBatchCUDAGraphModelRunner, MixedBatchModelRunner
 
-    llm = LLM(tiny[0], dtype="float64", device="cpu", num_kvcache_blocks=64, attention_backend=PagedAttention)
+    chunked = EngineArgs(scheduler_cls=ChunkedPrefillScheduler)  # chapter 11's scheduler: its mixed steps
+    assert defaults.model_runner_for(chunked, cuda) is MixedBatchCUDAGraphModelRunner
+    assert defaults.model_runner_for(EngineArgs(scheduler_cls=ChunkedPrefillScheduler, enforce_eager=True),
+                                     cuda) is MixedBatchModelRunner
+    assert defaults.model_runner_for(chunked, cpu) is MixedBatchModelRunner
+    llm = LLM(tiny[0], dtype="float64", device="cpu", num_kvcache_blocks=64, attention_backend=PagedAttention,
+              scheduler_cls=Scheduler)
     assert type(llm.llm_engine.model_runner) is ModelRunner
+    llm = LLM(tiny[0], dtype="float64", device="cpu", num_kvcache_blocks=64, attention_backend=PagedAttention)
+    assert type(llm.llm_engine.model_runner) is MixedBatchModelRunner
 
 
 def test_compile_small_ops_compiles_the_norms_and_the_rotary_embedding(tiny, monkeypatch):

@@ -153,10 +153,14 @@ def test_attention_backend_plugs_in(oracle):
 
     calls = []
 
-    class CountingAttention(PagedAttention):
-        def __call__(self, layer_idx, q, k, v):
-            calls.append(self.metadata.is_prefill)
-            return super().__call__(layer_idx, q, k, v)
+    class CountingAttention(PagedAttention):  # chapter 05's interface: the engine calls prefill and decode
+        def prefill(self, *args):
+            calls.append(True)
+            return super().prefill(*args)
+
+        def decode(self, *args):
+            calls.append(False)
+            return super().decode(*args)
 
     folder, _, prompts, max_tokens, refs = oracle
     engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, attention_backend=CountingAttention)
@@ -215,8 +219,10 @@ def test_prefill_microbatches_keep_outputs(oracle, monkeypatch, limit):
     from minivllm.worker.model_runner import ModelRunner
 
     folder, _, prompts, max_tokens, refs = oracle
+    from minivllm.core.sched.scheduler import Scheduler
+
     monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
-    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
+    engine = default_engine(folder, dtype="float64", max_model_len=MAX_MODEL_LEN, scheduler_cls=Scheduler)  # ch04's steps
     passes = []
     real = engine.model_runner.forward_logits
     monkeypatch.setattr(engine.model_runner, "forward_logits", lambda seqs, p: passes.append((len(seqs), p)) or real(seqs, p))

@@ -125,7 +125,7 @@ def test_llm_takes_vllm_arguments_at_their_one_value(folder, tmp_path):
     assert llm.llm_engine.args.enforce_eager is True
     for kwargs, message in [(dict(tensor_parallel_size=2), "does not have vLLM's tensor_parallel_size=2"),
                             (dict(trust_remote_code=True), "trust_remote_code"),
-                            (dict(enable_chunked_prefill=True), "enable_chunked_prefill"),
+                            (dict(enable_chunked_prefill="yes"), "enable_chunked_prefill"),  # chapter 11's: a bool
                             (dict(swap_space=4), "swap_space"),
                             (dict(tokenizer=str(tmp_path)), "tokenizer"),
                             (dict(max_num_seq=4), "did you mean 'max_num_seqs'"),

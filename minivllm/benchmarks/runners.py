@@ -81,13 +81,14 @@ class StepLog:
     def __init__(self):
         self.steps: list[tuple[list[int], list[int]]] = []
 
-    def attach(self, runner) -> None:
-        """Record every later `runner.run` call (attach after the warm-up: only timed steps count)."""
+    def attach(self, runner, scheduler) -> None:
+        """Record every later `runner.run` call, each sequence's span from `scheduler.scheduled_span`
+        (attach after the warm-up: only timed steps count)."""
         run = runner.run
 
         def recorded(seqs, is_prefill: bool):
-            self.steps.append(([s.num_tokens - s.num_cached_tokens if is_prefill else 1 for s in seqs],
-                               [s.num_tokens for s in seqs]))
+            spans = [scheduler.scheduled_span(s, is_prefill) for s in seqs]
+            self.steps.append(([end - start for start, end in spans], [end for _, end in spans]))
             return run(seqs, is_prefill)
         runner.run = recorded
 
@@ -178,7 +179,7 @@ def run_engine(model: str | None, workload: Workload, dtype: str = "float32", us
                          "--input-len/--output-len or raise --max-model-len/--num-kvcache-blocks")
     warmup_s = warm_up_engine(llm)
     log = StepLog()
-    log.attach(llm.llm_engine.model_runner)
+    log.attach(llm.llm_engine.model_runner, llm.llm_engine.scheduler)
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompts]
     params = bench_params(workload, sampling)
     if time_limit is None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "llm.py": ("LLM: the offline API", (4,), (0, 2)),
     "engine/": ("processor, LLMEngine,\nEngineCore, detokenizer,\noutput processor", (4, 10), (1, 2)),
-    "core/": ("scheduler,\nKV-cache manager:\nblocks, prefix caching", (4, 5, 6), (2, 2)),
-    "worker/": ("model runner,\nCUDA graphs", (4, 8), (3, 2)),
+    "core/": ("schedulers,\nKV-cache manager:\nblocks, prefix caching", (4, 5, 6, 11), (2, 2)),
+    "worker/": ("model runner, CUDA\ngraphs, mixed batches", (4, 8, 11), (3, 2)),
     "model_executor/": ("the decoder:\nlayers, weights", (2,), (4, 2)),
     "sample/": ("sampler, its ops,\nseeded generator", (2, 10), (5, 2)),
     "attention/": ("backends,\npaged attention,\nC++, Triton kernels", (4, 5, 7), (4, 1)),
@@ -18,7 +18,7 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
     "entrypoints/": ("the command line", (4,), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nthe speedup ladder", (8, 9), (1, 0)),
+    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency", (8, 9, 11), (1, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
 }
 # the request's path: text in, through the engine's folders, and tokens back out

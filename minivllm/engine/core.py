@@ -148,12 +148,12 @@ class EngineCore(_RequestTable):
         self._ids = itertools.count()
 
     def step(self) -> list[Sequence]:
-        """Schedule one batch, run it, sample; returns the sequences that ran (finished ones have left)."""
+        """Schedule one batch, run it, sample; returns the sequences that got a token (finished ones have left)."""
         t0, sched = time.perf_counter(), self.scheduler
         seqs, is_prefill = sched.schedule()
         if not seqs:
             return []
-        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs)
+        num_tokens = sum(end - start for start, end in (sched.scheduled_span(s, is_prefill) for s in seqs))
         try:
             token_ids = self.model_runner.run(seqs, is_prefill)
         except BaseException:
@@ -162,9 +162,9 @@ class EngineCore(_RequestTable):
         if is_prefill:
             for s in seqs:
                 self.num_cached_tokens.setdefault(s.request_id, min(s.num_cached_tokens, s.num_prompt_tokens))
-        sched.postprocess(seqs, token_ids)
+        advanced = sched.postprocess(seqs, token_ids)
         for seq in (s for s in seqs if s.is_finished):
             self.finish(seq)
         self.stats.append(StepStats(is_prefill, len(seqs), num_tokens, len(sched.waiting), len(sched.running),
                                     sched.block_manager.num_free_blocks, time.perf_counter() - t0))
-        return seqs
+        return advanced

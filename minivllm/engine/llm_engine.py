@@ -46,13 +46,13 @@ class LLMEngine:
         self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
         given = args.max_model_len is not None
-        resolve_lengths(args, (config := self.model.config).max_position_embeddings)
+        chunks_prefills = args.enable_chunked_prefill and getattr(args.scheduler_cls, "chunks_prefills", False)
+        resolve_lengths(args, (config := self.model.config).max_position_embeddings, chunks_prefills)
         fit_max_model_len(args, num_cache_tokens := kv_cache_num_tokens(args, self.model, device), given)
         self.block_manager = (args.block_manager_cls or ContiguousBlockManager).from_cache_size(
             num_cache_tokens, args.block_size, args.max_model_len)
         self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
-        self.scheduler = (args.scheduler_cls or Scheduler)(
-            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, self.eos_token_ids)
+        self.scheduler = (args.scheduler_cls or Scheduler).from_engine_args(args, self.block_manager, self.eos_token_ids)
         self.model_runner = (args.model_runner_cls or ModelRunner).from_engine_args(
             args, self.model, self.block_manager, make_generator(args.seed, device))
         if args.sampler_cls is not None:

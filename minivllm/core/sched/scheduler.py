@@ -72,9 +72,8 @@ class SchedulerBase(_QueueMoves):
         max_num_batched_tokens: most tokens computed in one prefill step.
         max_model_len: most tokens (prompt + completion) in one sequence.
         eos_token_ids: token ids that end a sequence (unless its `ignore_eos`).
-    Attributes:
-        sampling_fields: the `SamplingParams` fields the scheduler acts on (see `Processor`).
-    The limits are the user's settings, checked once by `EngineArgs`; here they are asserted.
+    Attributes: sampling_fields, the `SamplingParams` fields the scheduler acts on (see `Processor`).
+    The limits are checked once by `EngineArgs`; here they are asserted.
     """
 
     sampling_fields = frozenset({"max_tokens", "ignore_eos"})
@@ -83,26 +82,46 @@ class SchedulerBase(_QueueMoves):
                  max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         assert min(max_num_seqs, max_num_batched_tokens, max_model_len) >= 1, "limits are checked by EngineArgs"
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.block_manager = block_manager
+        self.max_model_len, self.block_manager = max_model_len, block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order
         self.num_preemptions = 0  # over the scheduler's life, for tests and plots
 
+    @classmethod  # how `LLMEngine` builds it (a subclass that needs more settings reads them here)
+    def from_engine_args(cls, args, block_manager: BlockManagerInterface, eos_token_ids) -> "SchedulerBase":
+        return cls(block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, eos_token_ids)
+
     @property
-    def max_seq_len(self) -> int:
-        """Longest a sequence may grow: `max_model_len`, or the whole KV cache if that is smaller."""
+    def max_seq_len(self) -> int:  # longest a sequence may grow: max_model_len, or the whole cache if smaller
         return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of `waiting`."""
+    def add(self, seq: Sequence) -> None:  # at the back of `waiting`
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
         self.waiting.append(seq)
 
-    def is_finished(self) -> bool:
-        """True when no sequence is waiting or running."""
+    def is_finished(self) -> bool:  # nothing waiting or running
         return not self.waiting and not self.running
+
+    def scheduled_span(self, seq: Sequence, is_prefill: bool) -> tuple[int, int]:
+        """Positions `[start, end)` a step computes for `seq`: a prefill from `num_cached_tokens`, a decode its last."""
+        return (seq.num_cached_tokens if is_prefill else seq.num_tokens - 1), seq.num_tokens
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Append each sampled token (one per sequence of the step) and retire the finished ones.
+        Returns the sequences that got a token (here all; vLLM's `update_from_output`)."""
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.append_token(token_id)
+            max_tokens, params = seq.sampling_params.max_tokens, seq.sampling_params
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            elif ((max_tokens is not None and seq.num_completion_tokens >= max_tokens)
+                  or seq.num_tokens >= self.max_seq_len):
+                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            if seq.is_finished:
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+        return seqs
 
 # %% ../../../notebooks/04_scheduler.ipynb #9f1f4fd4
 class Scheduler(SchedulerBase):
@@ -151,16 +170,4 @@ class Scheduler(SchedulerBase):
         return scheduled
         ### END SOLUTION
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Append each sampled token (one per sequence of the step) and retire the finished ones."""
-        for seq, token_id in zip(seqs, token_ids, strict=True):
-            seq.append_token(token_id)
-            max_tokens = seq.sampling_params.max_tokens
-            if token_id in self.eos_token_ids and not seq.sampling_params.ignore_eos:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            elif ((max_tokens is not None and seq.num_completion_tokens >= max_tokens)
-                  or seq.num_tokens >= self.max_seq_len):
-                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            if seq.is_finished:
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+
