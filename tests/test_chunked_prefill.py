@@ -11,6 +11,7 @@ import itertools
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -299,3 +300,20 @@ def test_scheduler_contract(manager, ops, block_size, num_blocks, max_num_seqs, 
 def test_engine_args_defaults_follow_vllm():
     args = EngineArgs()
     assert args.enable_chunked_prefill is True and args.long_prefill_token_threshold == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("budget", [7, None])
+def test_gpu_mixed_steps_and_graph_replays_equal_transformers(oracle, budget):
+    """On CUDA the default assembly runs decode steps through chapter 08's graphs and mixed steps
+    eagerly (float64: the plain-torch capturable backend)."""
+    from minivllm.worker.cuda_graph import CapturablePagedAttention
+    from minivllm.worker.mixed_batch import MixedBatchCUDAGraphModelRunner
+
+    folder, prompts, max_tokens, refs = oracle
+    e = engine(folder, budget, device="cuda", attention_backend=CapturablePagedAttention)
+    assert isinstance(e.model_runner, MixedBatchCUDAGraphModelRunner) and e.model_runner.decode_graphs is not None
+    outs = run_engine(e, prompts, greedy(max_tokens))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert any(not st.is_prefill for st in e.stats) and any(st.is_prefill for st in e.stats)

@@ -316,6 +316,25 @@ def test_engine_with_the_triton_backend_equals_transformers(tmp_path):
     check_invariants(llm.llm_engine)
 
 
+def test_chunked_prefill_through_the_triton_kernels_equals_transformers(tmp_path):
+    """Chapter 11's mixed steps with the Triton backend: a budget of 8 tokens and a threshold of 5, so
+    chunks of several prompts run beside decodes and read their cached prefixes through the kernels."""
+    model = make_model(tmp_path, "llama")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (13, 3, 9)]
+    prompts.append(prompts[0][:8] + [5, 6, 7])  # a hit on the first prompt's first block
+    llm = LLM(tmp_path, dtype="float64", device=DEVICE.type, attention_backend=TwoSplitTriton, block_size=4,
+              num_kvcache_blocks=24, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4,
+              long_prefill_token_threshold=5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 4)
+    stats = llm.llm_engine.stats
+    assert any(s.is_prefill and s.num_seqs > 1 for s in stats) and max(s.num_tokens for s in stats) <= 8
+    check_invariants(llm.llm_engine)
+
+
 # ------------------------------------------------------------------------------ the backend choice
 
 def test_triton_is_chosen_on_cuda_only():
