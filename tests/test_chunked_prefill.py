@@ -136,13 +136,15 @@ def test_prompt_logprobs_do_not_depend_on_chunking(oracle):
 def test_a_partial_prefill_makes_no_output_and_decodes_go_on(oracle):
     folder = oracle[0]
     e = engine(folder, 16, block_size=16)
-    stream = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,  # noqa: E731
-                                      output_kind=RequestOutputKind.DELTA)
+    stream = lambda n, **kw: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,  # noqa: E731
+                                            output_kind=RequestOutputKind.DELTA, **kw)
     e.add_request("short", [1, 2, 3], stream(20))
     assert [o.request_id for o in e.step()] == ["short"]  # its prefill, sampled
-    e.add_request("long", list(range(50)), stream(3))  # 50 tokens: 15 a step beside the decode, then 5
-    steps = [[(o.request_id, len(o.outputs[0].token_ids)) for o in e.step()] for _ in range(4)]
-    assert steps == [[("short", 1)]] * 3 + [[("short", 1), ("long", 1)]]
+    e.add_request("long", list(range(50)), stream(3, prompt_logprobs=1))  # 15 a step beside the decode, then 5
+    outs = [e.step() for _ in range(4)]  # vllm#14239: prompt logprobs made an output for a partial prefill
+    assert [[(o.request_id, len(o.outputs[0].token_ids)) for o in step] for step in outs] == \
+        [[("short", 1)]] * 3 + [[("short", 1), ("long", 1)]]
+    assert len(outs[3][1].prompt_logprobs) == 50  # all of them, once
     assert [st.num_tokens for st in e.stats[1:5]] == [16, 16, 16, 6]
     while e.has_unfinished_requests():
         e.step()
