@@ -587,8 +587,9 @@ def test_package_imports_without_the_optional_extras():
 
 
 def test_gpu_check_script_dry_run(tmp_path):
-    """The GPU check's own logic on a CPU: the ladder stage with a tiny model, the JSON record and the summary."""
-    env = dict(os.environ, PY=sys.executable, STAGES="ladder", MINIVLLM_CACHE=str(tmp_path / "cache"),
+    """The GPU check's own logic on a CPU: the ladder and mixed stages with a tiny model, the JSON records and
+    the summary."""
+    env = dict(os.environ, PY=sys.executable, STAGES="ladder mixed", MINIVLLM_CACHE=str(tmp_path / "cache"),
                OMP_NUM_THREADS="1")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path / "out")],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -600,9 +601,14 @@ def test_gpu_check_script_dry_run(tmp_path):
                                                                      paged="ok", triton="skipped",
                                                                      cuda_graphs="skipped")
     summary = json.loads((out / "gpu_check.json").read_text())
-    assert summary["dry_run"] and [s["name"] for s in summary["stages"]] == ["ladder"]
+    assert summary["dry_run"] and [s["name"] for s in summary["stages"]] == ["ladder", "mixed"]
     assert summary["stages"][0]["exit_status"] == 0 and summary["ladder"]["best_rung"] == r["best_rung"]
     assert "cpu" in summary["hardware"] and (out / "gpu_check.log").read_text().count("== ladder") >= 2
+    m = json.loads((out / "gpu_bench_mixed.json").read_text())
+    assert m["command"].startswith("python -m minivllm bench --workload mixed --model-config ")
+    assert m["kind"] == "mixed" and m["budget"] == 16 and m["contenders"]["chunked"]["max_step_tokens"] <= 16
+    assert summary["stages"][1]["exit_status"] == 0 and summary["mixed"]["ratios"] == m["ratios"]
+    assert summary["mixed"]["chunked"]["p99_itl_s"] == m["contenders"]["chunked"]["p99_itl_s"]
 
 
 @pytest.mark.gpu
@@ -655,7 +661,7 @@ def test_bench_samples_when_asked_and_refuses_bad_sampling_flags(tiny_llama, cap
     assert "--ladder" in capsys.readouterr().err
 
 
-# chapter 11's part of the bench command: `--workload mixed` and `--compare ch09` (minivllm/benchmarks/chunked_prefill_cli.py)
+# chapter 11's part of the bench command, `--workload mixed` and `--compare ch09`: benchmarks/chunked_prefill_cli.py
 MIXED_ARGS = ["--workload", "mixed", "--dtype", "float64", "--threads", "1", "--block-size", "4",
               "--mixed-num-decoding", "3", "--mixed-decode-input-len", "5", "--mixed-decode-output-len", "12",
               "--mixed-num-long", "2", "--mixed-long-input-len", "40", "--mixed-long-output-len", "3",
@@ -706,7 +712,7 @@ def test_bench_mixed_workload_record(tiny_llama, tmp_path, capsys, schedulers_bu
     assert r["meets_targets"] == dict(p99_itl=r["ratios"]["p99_itl"] <= 0.5,
                                       output_tok_s=r["ratios"]["output_tok_s"] >= 0.95)
     assert r["threads"] == 1 and "cpu" in r["hardware"] and set(r["versions"]) >= {"minivllm", "torch"}
-    assert r["date"] and "note" in r
+    assert r["date"] and "note" in r and len(r["load_average"]["start"]) == len(r["load_average"]["end"]) == 3
 
 
 def test_bench_mixed_summary_and_refusals(tiny_llama, capsys):
@@ -719,6 +725,7 @@ def test_bench_mixed_summary_and_refusals(tiny_llama, capsys):
                            (["--workload", "mixed", "--num-requests", "3"], "--num-requests"),
                            (["--workload", "mixed", "--temperature", "0.5"], "--sampling"),
                            (["--workload", "mixed", "--mixed-num-decoding", "0"], "--mixed-num-decoding"),
+                           (["--workload", "mixed", "--mixed-decode-output-len", "1"], "--mixed-decode-output-len"),
                            (["--workload", "mixed", "--mixed-budget", "0"], "--mixed-budget"),
                            (["--workload", "mixed", "--mixed-budget", "8", "--max-num-seqs", "9"], "--max-num-seqs"),
                            (["--mixed-budget", "64"], "need --workload mixed"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -99,10 +100,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workload mixed does not take {', '.join(wrong)} (its lengths are the --mixed-* flags, "
                          "its token budget --mixed-budget, its sampling greedy)")
     w = mixed_workload(args)
-    at_least_one = ("num_decoding", "decode_input_len", "decode_output_len", "long_input_len", "long_output_len",
-                    "arrival_every")
+    lowest = dict(num_decoding=1, decode_input_len=1, decode_output_len=2,  # two tokens: one gap between them
+                  long_input_len=1, long_output_len=1, arrival_every=1)
     for name in MIXED_FIELDS:
-        low = 1 if name in at_least_one else 0
+        low = lowest.get(name, 0)
         if getattr(w, name) < low:
             raise ValueError(f"{_flag(name)} must be >= {low}, got {getattr(w, name)}")
     if args.mixed_budget < 1:
@@ -247,6 +248,14 @@ def format_ch09_report(r: dict) -> str:
             f"engine output tok/s; target >= {r['ch09_target_min']}x)")
 
 
+def _load_average() -> list[float] | None:
+    """The system's 1, 5 and 15-minute load averages (runnable processes; None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     """`python -m minivllm bench`: `--workload mixed` and `--compare ch09` here, anything else chapter 09's `run`."""
     check_args(args)
@@ -258,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         bench_cli.check_args(argparse.Namespace(**{**vars(args), "input_len": lengths[0], "output_len": lengths[1]}))
     else:
         bench_cli.check_args(args)
+    load_start = _load_average()
     threads = args.threads or torch.get_num_threads()
     print(f"minivllm bench on {cpu_model()} with {threads} torch threads", file=sys.stderr)
     engine_args = {k: getattr(args, k) for k in bench_cli.ENGINE_FLAGS if getattr(args, k) is not None}
@@ -275,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         record, report = compare_ch09(model, args, engine_args), format_ch09_report
     if args.model_config is not None:
         record["model"] = f"{args.model_config} (dummy weights)"
+    # what else kept the machine busy: on a shared CPU the contenders' ratio is the figure to trust
+    record["load_average"] = dict(start=load_start, end=_load_average())
     if sys.argv[1:2] == ["bench"]:  # run from the shell, not from a test or a notebook
         record["command"] = "python -m minivllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.output_json:
