@@ -1,23 +1,27 @@
 """`python -m minivllm ...` (and the `minivllm` command): the command line, assembled from the chapters.
 
 Written by hand, like `__init__.py` and `defaults.py`: each chapter that adds a command adds its
-`add_cli(subparsers)` line here. A subcommand's parser sets `func(args) -> exit status`.
+`add_cli(subparsers)` line here, and a chapter that extends a command adds its flags to the parser that
+`add_cli` returns. A subcommand's parser sets `func(args) -> exit status`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from minivllm.benchmarks import chunked_prefill_cli
 from minivllm.benchmarks import cli as bench_cli
 from minivllm.entrypoints import cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `python -m minivllm` parser: `generate` and `convert` (chapter 04), `bench` (chapter 09)."""
+    """The `python -m minivllm` parser: `generate` and `convert` (chapter 04), `bench` (chapter 09; chapter 11
+    adds `--workload mixed` and `--compare ch09`)."""
     parser = argparse.ArgumentParser(prog="python -m minivllm", description="minivllm: a small vLLM-style engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     cli.add_cli(subparsers)
-    bench_cli.add_cli(subparsers)
+    bench = bench_cli.add_cli(subparsers, compare=chunked_prefill_cli.COMPARE)
+    chunked_prefill_cli.add_bench_flags(bench)
     return parser
 
 

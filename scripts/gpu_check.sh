@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: every test marked `gpu`, then chapter 09's speedup ladder on Qwen3-0.6B (its config
 # shipped in minivllm/model_configs/, dummy bfloat16 weights, nothing downloaded), 256 requests with
-# prompt and output lengths uniform in 100-1024, EOS ignored, against transformers' generate.
+# prompt and output lengths uniform in 100-1024, EOS ignored, against transformers' generate; then
+# chapter 11's mixed workload on the same model (16 streams decoding while 2,048-token prompts arrive:
+# prefill-first against a budget of 512 tokens per step).
 #
 #   scripts/gpu_check.sh [OUT_DIR]            # OUT_DIR, else $OUT, else results/
 #   scripts/gpu_check.sh --dry-run [OUT_DIR]  # the same stages on a CPU with a tiny model, to check the
@@ -9,18 +11,21 @@
 #
 # It runs from the repository root with the machine's own Python (PY; default `python`, else
 # `python3`) and installs nothing: PYTHONPATH=. makes the package importable without installing it.
-# Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP, GRAPHS_CAP seconds; defaults 120, 290 and 75,
-# so the whole check stays under 9 minutes), and the ladder rewrites its JSON record after every rung,
-# so a stage stopped by its cap still leaves what it finished. STAGES chooses the stages (default
-# "pytest ladder graphs").
+# Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP, MIXED_CAP, GRAPHS_CAP seconds; defaults 120,
+# 290, 90 and 75, so the whole check stays under 10 minutes), and the ladder rewrites its JSON record
+# after every rung, so a stage stopped by its cap still leaves what it finished. STAGES chooses the
+# stages (default "pytest ladder mixed graphs").
 # Files written into OUT_DIR:
 #   gpu_check.log          everything below, in order
 #   gpu_pytest.log/.xml    the gpu tests' output and their JUnit XML
 #   gpu_bench_ladder.json  the ladder's record (hardware, versions, date, exact command, figures)
 #   gpu_bench_ladder.log   the ladder's progress and report
+#   gpu_bench_mixed.json   chapter 11's mixed workload: p99/median ITL, mean TTFT, output tok/s, ratios
+#   gpu_bench_mixed.log    its progress and report
 #   gpu_cuda_graphs.json   chapter 08's decode-step times: eager, graphs, graphs + compiled small ops
 #   gpu_cuda_graphs.log    its output
-#   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's summary
+#   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's and
+#                          the mixed workload's summaries
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$(command -v python || command -v python3)}
@@ -40,8 +45,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MINIVLLM_CACHE=${MINIVLLM_CACHE:-${TMPDIR:-/tmp}/minivllm-gpu-check}  # the dummy model's folder
 PYTEST_CAP=${PYTEST_CAP:-120}
 BENCH_CAP=${BENCH_CAP:-290}
+MIXED_CAP=${MIXED_CAP:-90}
 GRAPHS_CAP=${GRAPHS_CAP:-75}
-STAGES_TO_RUN=" ${STAGES:-pytest ladder graphs} "
+STAGES_TO_RUN=" ${STAGES:-pytest ladder mixed graphs} "
 LOG=$OUT_DIR/gpu_check.log
 : >"$LOG"
 DONE_STAGES=()  # name<TAB>exit status<TAB>seconds<TAB>cap<TAB>command, one per stage
@@ -87,13 +93,22 @@ if ((DRY_RUN)); then
 tiny_config("qwen3", tie_word_embeddings=True).to_json_file(sys.argv[1], use_diff=False)' "$MODEL_CONFIG"
     LADDER=(--model-config "$MODEL_CONFIG" --dtype float32 --device cpu --num-requests 6 --input-len 4 24
             --output-len 2 8 --hf-batch-size 6 --time-limit 30)
+    MIXED=(--model-config "$MODEL_CONFIG" --dtype float32 --device cpu --mixed-num-decoding 3
+           --mixed-decode-output-len 12 --mixed-num-long 2 --mixed-long-input-len 64 --mixed-long-output-len 2
+           --mixed-first-arrival-step 2 --mixed-arrival-every 4 --mixed-budget 16)
 else
     LADDER=(--model-config qwen3-0.6b --dtype bfloat16 --num-requests 256 --input-len 100 1024
             --output-len 100 1024 --hf-batch-size 256 --time-limit 35)
+    MIXED=(--model-config qwen3-0.6b --dtype bfloat16 --mixed-budget 512)  # MixedWorkload's defaults
 fi
 if [[ $STAGES_TO_RUN == *" ladder "* ]]; then
     stage ladder "$BENCH_CAP" "$OUT_DIR/gpu_bench_ladder.log" \
         "$PY" -m minivllm bench --ladder "${LADDER[@]}" --compare hf --output-json "$OUT_DIR/gpu_bench_ladder.json"
+fi
+
+if [[ $STAGES_TO_RUN == *" mixed "* ]]; then
+    stage mixed "$MIXED_CAP" "$OUT_DIR/gpu_bench_mixed.log" \
+        "$PY" -m minivllm bench --workload mixed "${MIXED[@]}" --output-json "$OUT_DIR/gpu_bench_mixed.json"
 fi
 
 if [[ $STAGES_TO_RUN == *" graphs "* ]]; then
@@ -138,6 +153,12 @@ if record.is_file():
                              roofline_ratio=r.get("roofline_ratio"),
                              rungs={k: dict(status=e["status"], tok_s=e.get("tok_s")) for k, e in r["rungs"].items()},
                              hf=r["hf"] and dict(status=r["hf"]["status"], tok_s=r["hf"].get("tok_s")))
+mixed = out / "gpu_bench_mixed.json"
+if mixed.is_file():
+    m = json.loads(mixed.read_text())
+    summary["mixed"] = dict(budget=m["budget"], ratios=m["ratios"], meets_targets=m["meets_targets"],
+                            **{k: {f: c[f] for f in ("p99_itl_s", "median_itl_s", "mean_ttft_s", "output_tok_s")}
+                               for k, c in m["contenders"].items()})
 graphs = out / "gpu_cuda_graphs.json"
 if graphs.is_file():
     g = json.loads(graphs.read_text())
@@ -145,7 +166,7 @@ if graphs.is_file():
                              max_abs_logit_diff=g["max_abs_logit_diff"])
 write_json(summary, out / "gpu_check.json")
 print(json.dumps(dict(stages=[(s["name"], s["exit_status"], s["seconds"]) for s in stages], pytest=summary["pytest"],
-                      ladder=summary["ladder"], graphs=summary.get("graphs")), indent=1))
+                      ladder=summary["ladder"], mixed=summary.get("mixed"), graphs=summary.get("graphs")), indent=1))
 ' "$OUT_DIR" "$DRY_RUN" 2>&1 | tee -a "$LOG"
 
 for s in "${DONE_STAGES[@]}"; do

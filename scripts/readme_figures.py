@@ -81,6 +81,35 @@ def cpu_rows(results: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of chapter 11's records, where present: the mixed workload (prefill-first
+    against a token budget) and the headline workload through the default engine against chapter 09's."""
+    rows = []
+    mixed_path = results / "cpu_chunked_prefill_mixed.json"
+    if mixed_path.is_file():
+        m = load(results, mixed_path.name)
+        w, pf, ch, ratio, t = m["workload"], *(m["contenders"][k] for k in ("prefill_first", "chunked")), \
+            m["ratios"], m["targets"]
+        rows.append((f"CPU, chunked prefill: {w['num_decoding']} streams decoding ({w['decode_output_len']} tokens "
+                     f"each) while {w['num_long']} prompts of {w['long_input_len']:,} tokens arrive, {m['dtype']}",
+                     f"p99 inter-token latency with a budget of {m['budget']} tokens per step {ch['p99_itl_s']:.2f} s "
+                     f"against prefill-first {pf['p99_itl_s']:.2f} s: **{ratio['p99_itl']:.2f}×** (target ≤ "
+                     f"{t['p99_itl_ratio_max']:g}×); output {ch['output_tok_s']:,.1f} against "
+                     f"{pf['output_tok_s']:,.1f} tok/s: **{ratio['output_tok_s']:.2f}×** (target ≥ "
+                     f"{t['output_tok_s_ratio_min']:g}×); mean time to first token {ch['mean_ttft_s']:.2f} s against "
+                     f"{pf['mean_ttft_s']:.2f} s",
+                     source(mixed_path.name, m)))
+    ch09_path = results / "cpu_bench_ch09_vs_ch11.json"
+    if ch09_path.is_file():
+        c = load(results, ch09_path.name)
+        rows.append((f"CPU, the headline workload ({workload(c)}), {c['dtype']}: the default engine (chapter 11's "
+                     "scheduler) against chapter 09's (chapter 04's prefill-first)",
+                     f"**{c['engine_tok_s']:,.1f}** against {c['ch09_tok_s']:,.1f} output tok/s in the same run: "
+                     f"**{c['ch09_ratio']:.2f}×** (target ≥ {c['ch09_target_min']:g}×)",
+                     source(ch09_path.name, c)))
+    return rows
+
+
 def run_note(e: dict, r: dict) -> str:
     """What a ladder entry ran: its requests (a subset?), its tokens and seconds, and whether the time limit
     stopped it (`status` "partial", `complete` False in the record)."""
@@ -144,8 +173,8 @@ def ladder_table(results: Path) -> str:
 
 
 def figures(results: Path) -> str:
-    """The generated block: the figures table, then the GPU ladder's table."""
-    rows = cpu_rows(results) + gpu_rows(results)
+    """The generated block: the figures table (CPU, chapter 11's comparisons, GPU), then the GPU ladder's table."""
+    rows = cpu_rows(results) + chunked_rows(results) + gpu_rows(results)
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]
     ladder = ladder_table(results)

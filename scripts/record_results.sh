@@ -2,7 +2,7 @@
 # Rerun every recorded run in results/ that chapter 09 and the README read, on this machine.
 # Run it on a quiet machine (nothing else busy: other programs are the largest source of noise on a
 # CPU). Each command warms up before its clock starts, so a first compile of the C++ kernel is not
-# timed. About 35 minutes on the 2 cores of the recorded runs; each command prints the CPU it runs on.
+# timed. About 40 minutes on the 2 cores of the recorded runs; each command prints the CPU it runs on.
 #
 #   scripts/record_results.sh            # or PY=python scripts/record_results.sh
 set -euo pipefail
@@ -17,4 +17,5 @@ record results/cpu_bench_headline_hf16.json "$PY" -m minivllm bench "${HEADLINE[
 record results/cpu_bench_headline_hf64.json "$PY" -m minivllm bench "${HEADLINE[@]}" --compare hf --hf-batch-size 64 --json
 record results/cpu_bench_shared_prefix.json "$PY" -m minivllm bench "${HEADLINE[@]}" --shared-prefix 0.9 --json
 "$PY" scripts/profile_engine.py --out results/cpu_profile_headline.json
+PY=$PY scripts/record_chunked_prefill.sh  # chapter 11: the mixed workload, and the headline against chapter 09's engine
 "$PY" scripts/readme_figures.py  # README's figures table, from the records just written

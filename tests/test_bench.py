@@ -463,6 +463,27 @@ def test_rung_engine_args_maps_the_gpu_rungs_to_the_default_assembly(monkeypatch
         (GPUKernel, GraphRunner, False)
 
 
+def test_ladder_rungs_run_chapter_04s_scheduler_with_the_real_default_assembly(monkeypatch):
+    """Since chapter 11 `LLM` picks the token-budget scheduler only for a runner that `runs_mixed_batches`:
+    every engine rung (built for chapters 04-08) pins a runner that does not, so it keeps chapter 04's
+    prefill-first `Scheduler`, and the CUDA-graph rung gets chapter 08's runner, not chapter 11's."""
+    from minivllm import defaults
+    from minivllm.attention.paged_attention import PagedAttention
+    from minivllm.config import EngineArgs
+    from minivllm.worker.cuda_graph import CUDAGraphModelRunner
+
+    class GPUKernel(PagedAttention):
+        pass
+
+    monkeypatch.setattr(defaults, "ATTENTION_BACKENDS", [("gpu", lambda d, t: d.type == "cuda", GPUKernel),
+                                                         *defaults.ATTENTION_BACKENDS])
+    for name, device in (("continuous", "cpu"), ("paged", "cpu"), ("triton", "cuda"), ("cuda_graphs", "cuda")):
+        args = benchmarks.ladder.rung_engine_args(name, {}, torch.device(device), torch.bfloat16)
+        assert defaults.scheduler_for(EngineArgs(**args)) is None, name  # None: chapter 04's Scheduler
+    assert args["model_runner_cls"] is CUDAGraphModelRunner
+    assert defaults.scheduler_for(EngineArgs()).__name__ == "ChunkedPrefillScheduler"  # the default engine's
+
+
 def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monkeypatch):
     folder, _ = tiny_llama
     w = make_workload(4, (2, 12), (1, 5), vocab_size=128, seed=0)
@@ -566,8 +587,9 @@ def test_package_imports_without_the_optional_extras():
 
 
 def test_gpu_check_script_dry_run(tmp_path):
-    """The GPU check's own logic on a CPU: the ladder stage with a tiny model, the JSON record and the summary."""
-    env = dict(os.environ, PY=sys.executable, STAGES="ladder", MINIVLLM_CACHE=str(tmp_path / "cache"),
+    """The GPU check's own logic on a CPU: the ladder and mixed stages with a tiny model, the JSON records and
+    the summary."""
+    env = dict(os.environ, PY=sys.executable, STAGES="ladder mixed", MINIVLLM_CACHE=str(tmp_path / "cache"),
                OMP_NUM_THREADS="1")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path / "out")],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -579,9 +601,14 @@ def test_gpu_check_script_dry_run(tmp_path):
                                                                      paged="ok", triton="skipped",
                                                                      cuda_graphs="skipped")
     summary = json.loads((out / "gpu_check.json").read_text())
-    assert summary["dry_run"] and [s["name"] for s in summary["stages"]] == ["ladder"]
+    assert summary["dry_run"] and [s["name"] for s in summary["stages"]] == ["ladder", "mixed"]
     assert summary["stages"][0]["exit_status"] == 0 and summary["ladder"]["best_rung"] == r["best_rung"]
     assert "cpu" in summary["hardware"] and (out / "gpu_check.log").read_text().count("== ladder") >= 2
+    m = json.loads((out / "gpu_bench_mixed.json").read_text())
+    assert m["command"].startswith("python -m minivllm bench --workload mixed --model-config ")
+    assert m["kind"] == "mixed" and m["budget"] == 16 and m["contenders"]["chunked"]["max_step_tokens"] <= 16
+    assert summary["stages"][1]["exit_status"] == 0 and summary["mixed"]["ratios"] == m["ratios"]
+    assert summary["mixed"]["chunked"]["p99_itl_s"] == m["contenders"]["chunked"]["p99_itl_s"]
 
 
 @pytest.mark.gpu
@@ -632,3 +659,97 @@ def test_bench_samples_when_asked_and_refuses_bad_sampling_flags(tiny_llama, cap
     assert "top_p" in capsys.readouterr().err
     assert main(["bench", "--model", str(folder), "--temperature", "0.8", "--ladder"]) == 2
     assert "--ladder" in capsys.readouterr().err
+
+
+# chapter 11's part of the bench command, `--workload mixed` and `--compare ch09`: benchmarks/chunked_prefill_cli.py
+MIXED_ARGS = ["--workload", "mixed", "--dtype", "float64", "--threads", "1", "--block-size", "4",
+              "--mixed-num-decoding", "3", "--mixed-decode-input-len", "5", "--mixed-decode-output-len", "12",
+              "--mixed-num-long", "2", "--mixed-long-input-len", "40", "--mixed-long-output-len", "3",
+              "--mixed-first-arrival-step", "2", "--mixed-arrival-every", "3", "--mixed-budget", "16"]
+
+
+@pytest.fixture
+def schedulers_built(monkeypatch):
+    """The scheduler class name of every `LLM` built, in order."""
+    from minivllm.llm import LLM
+
+    built, init = [], LLM.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append((type(self.llm_engine.scheduler).__name__, self.llm_engine.scheduler.max_num_batched_tokens))
+    monkeypatch.setattr(LLM, "__init__", spy)
+    return built
+
+
+def test_bench_mixed_workload_record(tiny_llama, tmp_path, capsys, schedulers_built):
+    """Both contenders run the same mixed workload to the end (prefill-first first, then the budget), and
+    the record carries each one's latencies, the ratios computed from them, the targets and the environment."""
+    folder, _ = tiny_llama
+    path = tmp_path / "mixed.json"
+    assert main(["bench", "--model", str(folder), *MIXED_ARGS, "--json", "--output-json", str(path)]) == 0
+    r = json.loads(capsys.readouterr().out.strip())
+    assert r == json.loads(path.read_text())
+    assert r["kind"] == "mixed" and r["budget"] == 16 and r["order"] == ["prefill_first", "chunked"]
+    assert r["workload"] == dict(num_decoding=3, decode_input_len=5, decode_output_len=12, num_long=2,
+                                 long_input_len=40, long_output_len=3, first_arrival_step=2, arrival_every=3, seed=0)
+    assert r["engine_args"] == {"block_size": 4, "max_model_len": 43, "max_num_seqs": 16}  # when not given:
+    # the longest request, and no more sequences than the budget can give a token each step
+    # each contender: a warm-up engine run, then the timed one; chapter 04's scheduler, then the budget
+    assert [name for name, _ in schedulers_built] == ["Scheduler", "ChunkedPrefillScheduler"]
+    assert schedulers_built[1][1] == 16
+    pf, ch = r["contenders"]["prefill_first"], r["contenders"]["chunked"]
+    for c in (pf, ch):
+        assert c["output_tokens"] == 3 * 12 + 2 * 3 and c["num_itl"] == 3 * 11 and len(c["ttft_s"]) == 2
+        assert 0 < c["median_itl_s"] <= c["p99_itl_s"] <= c["max_itl_s"]
+        assert c["output_tok_s"] == pytest.approx(c["output_tokens"] / c["seconds"])
+        assert c["mean_ttft_s"] == pytest.approx(sum(c["ttft_s"]) / 2) and c["warmup_s"] > 0
+    assert pf["max_step_tokens"] >= 40 and ch["max_step_tokens"] <= 16  # whole prompts against one budget
+    for key in ("p99_itl", "median_itl", "mean_ttft"):
+        assert r["ratios"][key] == pytest.approx(ch[f"{key}_s"] / pf[f"{key}_s"]), key
+    assert r["ratios"]["output_tok_s"] == pytest.approx(ch["output_tok_s"] / pf["output_tok_s"])
+    assert r["targets"] == dict(p99_itl_ratio_max=0.5, output_tok_s_ratio_min=0.95)
+    assert r["meets_targets"] == dict(p99_itl=r["ratios"]["p99_itl"] <= 0.5,
+                                      output_tok_s=r["ratios"]["output_tok_s"] >= 0.95)
+    assert r["threads"] == 1 and "cpu" in r["hardware"] and set(r["versions"]) >= {"minivllm", "torch"}
+    assert r["date"] and "note" in r and len(r["load_average"]["start"]) == len(r["load_average"]["end"]) == 3
+
+
+def test_bench_mixed_summary_and_refusals(tiny_llama, capsys):
+    folder, _ = tiny_llama
+    assert main(["bench", "--model", str(folder), *MIXED_ARGS, "--mixed-num-long", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "p99 ITL" in out and "prefill-first" in out and "budget 16" in out and "(budget / prefill-first)" in out
+    for flags, message in [(["--workload", "mixed", "--compare", "hf"], "--compare"),
+                           (["--workload", "mixed", "--max-num-batched-tokens", "64"], "--mixed-budget"),
+                           (["--workload", "mixed", "--num-requests", "3"], "--num-requests"),
+                           (["--workload", "mixed", "--temperature", "0.5"], "--sampling"),
+                           (["--workload", "mixed", "--mixed-num-decoding", "0"], "--mixed-num-decoding"),
+                           (["--workload", "mixed", "--mixed-decode-output-len", "1"], "--mixed-decode-output-len"),
+                           (["--workload", "mixed", "--mixed-budget", "0"], "--mixed-budget"),
+                           (["--workload", "mixed", "--mixed-budget", "8", "--max-num-seqs", "9"], "--max-num-seqs"),
+                           (["--mixed-budget", "64"], "need --workload mixed"),
+                           (["--mixed-long-input-len", "64"], "need --workload mixed"),
+                           (["--compare", "ch09", "--ladder"], "--ladder"),
+                           (["--workload", "mixed", "--mixed-long-input-len", "2000"], "max_position_embeddings")]:
+        assert main(["bench", "--model", str(folder), *flags]) == 2, flags
+        assert message in capsys.readouterr().err.splitlines()[-1], flags
+
+
+def test_bench_compare_ch09_runs_both_engines_on_one_workload(tiny_llama, capsys, schedulers_built):
+    """`--compare ch09`: chapter 09's record for the default engine, then the same workload through
+    chapter 04's prefill-first scheduler, and the ratio of their throughputs."""
+    folder, _ = tiny_llama
+    argv = ["bench", "--model", str(folder), "--dtype", "float64", "--num-requests", "5", "--input-len", "2", "30",
+            "--output-len", "2", "9", "--threads", "1", "--block-size", "4", "--no-roofline", "--compare", "ch09"]
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip())
+    assert [name for name, _ in schedulers_built] == ["ChunkedPrefillScheduler", "Scheduler"]
+    w = make_workload(5, (2, 30), (2, 9), vocab_size=128, seed=0)
+    assert r["compare"] == "ch09" and r["output_tokens"] == w.num_output_tokens and r["hf_tok_s"] is None
+    assert r["ch09_tok_s"] == pytest.approx(w.num_output_tokens / r["ch09_s"])
+    assert r["ch09_ratio"] == pytest.approx(r["engine_tok_s"] / r["ch09_tok_s"]) and r["ch09_target_min"] == 0.97
+    assert r["engine_args"] == {"block_size": 4} and r["threads"] == 1 and "cpu" in r["hardware"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "engine:" in out and "ch09  :" in out and "chapter 09's engine" in out

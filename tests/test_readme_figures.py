@@ -49,6 +49,28 @@ def test_every_figure_comes_from_its_record(tmp_path):
     assert outside(text) == outside((ROOT / "README.md").read_text())  # nothing else changed
 
 
+def test_chapter_11_rows_come_from_their_records(tmp_path):
+    """The mixed workload's and the chapter-09 comparison's rows carry their records' ratios and dates."""
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "results", results)
+    readme = tmp_path / "README.md"
+    shutil.copyfile(ROOT / "README.md", readme)
+    edits = {"cpu_chunked_prefill_mixed.json": lambda r: r["ratios"].update(p99_itl=0.123, output_tok_s=4.567),
+             "cpu_bench_ch09_vs_ch11.json": lambda r: r.update(ch09_ratio=8.91)}
+    for name, edit in edits.items():
+        r = json.loads((results / name).read_text())
+        edit(r)
+        r["date"] = "2031-02-03T04:05:06+00:00"
+        (results / name).write_text(json.dumps(r) + "\n")
+    m = _script()
+    assert m.main(["--readme", str(readme), "--results", str(results)]) == 0
+    text = readme.read_text()
+    assert "**0.12×** (target ≤ 0.5×)" in text and "**4.57×** (target ≥ 0.95×)" in text
+    assert "**8.91×** (target ≥ 0.97×)" in text
+    for name in edits:
+        assert f"`{name}`, 2031-02-03" in text
+
+
 def test_the_gpu_ladder_marks_the_rungs_the_time_limit_stopped():
     m = _script()
     table = m.ladder_table(ROOT / "results")

@@ -137,8 +137,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 # %% ../../notebooks/09_benchmark.ipynb #b88b147f
-def add_cli(subparsers) -> None:
-    """Add the `bench` subcommand (its `func` is `run`) to `python -m minivllm`'s subparsers."""
+def add_cli(subparsers, compare: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand (its `func` is `run`) to `python -m minivllm`'s subparsers; return its parser,
+    to which a later chapter may add flags (and set another `func` that hands the rest to `run`).
+
+    `compare`: more contenders `--compare` may name, each with a line of help (`run` itself knows "hf")."""
+    contenders = {"hf": "transformers' batched generate", **(compare or {})}
     b = subparsers.add_parser("bench", help="benchmark the engine (and transformers) on a seeded workload",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--model", default=None, help="local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct)")
@@ -154,7 +158,8 @@ def add_cli(subparsers) -> None:
     b.add_argument("--shared-prefix", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of each prompt that is a prefix common to all prompts")
     b.add_argument("--seed", type=int, default=0, help="workload seed")
-    b.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
+    b.add_argument("--compare", choices=list(contenders), default=None,
+                   help="also run " + "; ".join(f"{k}: {v}" for k, v in contenders.items()))
     b.add_argument("--hf-batch-size", type=int, default=DEFAULT_HF_BATCH_SIZE, help="requests per HF generate call")
     b.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's choice)")
     b.add_argument("--device", default=None, help="cpu, cuda, ... for both contenders (None: CUDA if available)")
@@ -183,3 +188,4 @@ def add_cli(subparsers) -> None:
     e.add_argument("--num-kvcache-blocks", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     b.set_defaults(func=run)
+    return b
