@@ -150,12 +150,29 @@ def book_lines(root: Path) -> set[str]:
     return found
 
 
+def kept_answer_lines(root: Path, stubbed: set[str]) -> set[str]:
+    """Every line (normalized) of the answers of the regions NOT in `stubbed` (exercise ids), in the
+    chapters at `root`: the edition shows them (e.g. chapter 04's admission loop beside chapter 11's
+    stubbed scheduler), so an answer's line that is also one of theirs gives nothing away."""
+    import nbformat
+
+    found: set[str] = set()
+    for nb_path in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(nb_path, as_version=4).cells:
+            lines = cell.source.split("\n")
+            for r in find_regions(cell.source, nb_path.name):
+                if r.id not in stubbed:
+                    found.update(map(normalized, lines[r.begin + 1:r.end]))
+    return found
+
+
 def answer_lines(answers: list[tuple[str, str]], root: Path = ROOT) -> dict[str, set[str]]:
     """exercise id -> the lines that would give its answer away: the lines of the stubbed regions'
-    answers (`answers`: exercise id, answer text) less the trivial ones and those the book at `root`
-    has outside every region (`book_lines`). (The extend exercises' answers in solutions/ are kept
-    out of exercises/ by scripts/make_exercises.py and tests/test_pipeline.py.)"""
-    book = book_lines(root)
+    answers (`answers`: exercise id, answer text) less the trivial ones, those the book at `root`
+    has outside every region (`book_lines`) and those of the answers the edition keeps
+    (`kept_answer_lines`). (The extend exercises' answers in solutions/ are kept out of exercises/
+    by scripts/make_exercises.py and tests/test_pipeline.py.)"""
+    book = book_lines(root) | kept_answer_lines(root, {ex for ex, _ in answers})
     out: dict[str, set[str]] = {}
     for ex, answer in answers:
         out.setdefault(ex, set()).update(n for n in map(normalized, answer.split("\n"))

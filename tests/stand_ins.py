@@ -84,6 +84,8 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
     if ch == "ch10":
         t = importlib.import_module("test_grading_ch10_regions")
         return list(getattr(t, "STAND_INS", {}).get(ex, []))
+    if ch == "ch11":
+        return list(importlib.import_module("test_grading_ch11_regions").STAND_INS.get(ex, []))
     return []
 
 

@@ -153,6 +153,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
     Exercise("ch10_ex5", 3, "extend", "typical-p sampling", "exercises/ch10_sampling.py", _T10),
     Exercise("ch10_ex6", 3, "extend", "the offset detokenizer", "exercises/ch10_sampling.py", _T10),
     Exercise("ch10_ex7", 3, "extend", "no-repeat n-grams", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch11_ex1", 10, "rebuild", "the token-budget scheduler (ChunkedPrefillScheduler.schedule)",
+             "notebooks/11_chunked_prefill.ipynb", ("tests/test_grading_ch11_regions.py",)),
+    Exercise("ch11_ex2", 5, "rebuild", "the mixed batch's layout (prepare_mixed_batch)", "notebooks/11_chunked_prefill.ipynb",
+             ("tests/test_grading_ch11_regions.py",)),
+    Exercise("ch11_ex3", 4, "extend", "short prompts overtake long ones (max_num_partial_prefills)",
+             "exercises/ch11_chunked_prefill.py", ("tests/test_grading_ch11.py",)),
 ]}
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root

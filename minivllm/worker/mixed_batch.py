@@ -62,6 +62,8 @@ def prepare_mixed_batch(seqs: list[Sequence], block_size: int, device: torch.dev
         tensors on `device`; `sampled`, the sequences whose step reaches their last token, in row
         order, and `sample_rows` the row of that token. A partial prefill is not sampled.
     """
+    # EXERCISE ch11_ex2 (5 points): one-query rows first; ids, positions, which rows are sampled; the two metadata
+    ### BEGIN SOLUTION
     rows = [(s, s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
     decode_rows = [r for r in rows if r[2] - r[1] == 1]
     chunk_rows = [r for r in rows if r[2] - r[1] > 1]
@@ -75,6 +77,7 @@ def prepare_mixed_batch(seqs: list[Sequence], block_size: int, device: torch.dev
     md = MixedBatchMetadata(len(decode_rows),
                             attention_metadata(decode_rows, False, block_size, device) if decode_rows else None,
                             attention_metadata(chunk_rows, True, block_size, device) if chunk_rows else None)
+    ### END SOLUTION
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     return as_tensor(input_ids), as_tensor(positions), md, as_tensor(sample_rows), sampled
 

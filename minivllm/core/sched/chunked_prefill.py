@@ -112,6 +112,8 @@ class ChunkedPrefillScheduler(_ComputedTokens, _BudgetShares, SchedulerBase):
         """This step's `(seqs, is_prefill)`: running sequences first, in admission order, then waiting
         ones, while the budget lasts, each with its `num_scheduled_tokens` (>= 1). `is_prefill` is False
         only when every sequence computes just its newest generated token."""
+        # EXERCISE ch11_ex1 (10 points): running first (room_for, num_new_tokens), then admit waiting ones whole
+        ### BEGIN SOLUTION
         bm, budget, scheduled, num_preemptions = self.block_manager, self.max_num_batched_tokens, [], self.num_preemptions
         for seq in list(self.running):  # preemption takes from the end: once one has gone, so have the rest
             if budget == 0 or seq.status != SequenceStatus.RUNNING or not self.room_for(seq):
@@ -138,3 +140,4 @@ class ChunkedPrefillScheduler(_ComputedTokens, _BudgetShares, SchedulerBase):
         decode = all(s.num_scheduled_tokens == 1 and s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1
                      for s in scheduled)
         return scheduled, not decode
+        ### END SOLUTION
