@@ -97,7 +97,7 @@ def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
                      f"{t['p99_itl_ratio_max']:g}×); output {ch['output_tok_s']:,.1f} against "
                      f"{pf['output_tok_s']:,.1f} tok/s: **{ratio['output_tok_s']:.2f}×** (target ≥ "
                      f"{t['output_tok_s_ratio_min']:g}×); mean time to first token {ch['mean_ttft_s']:.2f} s against "
-                     f"{pf['mean_ttft_s']:.2f} s",
+                     f"{pf['mean_ttft_s']:.2f} s" + (f" ({m['note']})" if m.get("note") else ""),
                      source(mixed_path.name, m)))
     ch09_path = results / "cpu_bench_ch09_vs_ch11.json"
     if ch09_path.is_file():
