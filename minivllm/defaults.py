@@ -112,3 +112,22 @@ def sampler_for(args: EngineArgs) -> type | None:
 def output_processor_for(args: EngineArgs) -> type | None:
     """The output processor class of the first row of `OUTPUT_PROCESSORS` that fits (None: chapter 04's)."""
     return next((cls for _, fits, cls in OUTPUT_PROCESSORS if fits(args)), None)
+
+
+def complete_engine_args(args: EngineArgs) -> EngineArgs:
+    """Fill every piece `args` leaves None from the tables above (in place; returns `args`), as `LLM()`
+    does: the scheduler first (the model runner's row depends on it), then the block manager, the
+    attention backend for the device and dtype, the model runner, the sampler and the output processor.
+    Chapter 12's engine core, built in its own process, gets its pieces this way. Raises ValueError for
+    a bad setting (`EngineArgs.check`)."""
+    from .config import resolve_device, resolve_dtype
+
+    args.check()
+    args.scheduler_cls = args.scheduler_cls or scheduler_for(args)
+    args.block_manager_cls = args.block_manager_cls or block_manager_for(args)
+    device = resolve_device(args.device)
+    args.attention_backend = args.attention_backend or attention_backend_for(device, resolve_dtype(args.dtype, device))
+    args.model_runner_cls = args.model_runner_cls or model_runner_for(args, device)
+    args.sampler_cls = args.sampler_cls or sampler_for(args)
+    args.output_processor_cls = args.output_processor_cls or output_processor_for(args)
+    return args
