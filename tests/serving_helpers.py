@@ -17,7 +17,7 @@ def make_tiny_chat_model(folder: str | Path, seed: int = 0) -> Path:
 
     folder, source = Path(folder), resolve_model(None)
     config = json.loads((source / "config.json").read_text())
-    make_tiny_model(folder, "llama", tie=True, seed=seed, vocab_size=config["vocab_size"],
+    make_tiny_model(folder, "llama", tie=False, seed=seed, vocab_size=config["vocab_size"],
                     bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"))
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

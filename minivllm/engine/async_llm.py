@@ -153,8 +153,11 @@ class AsyncLLM:
         return out
 
     def _start_output_handler(self) -> None:
-        if self.output_handler is None or self.output_handler.done():
-            self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+        """Start the output handler on this event loop, unless it runs there (a new loop, as each
+        `asyncio.run` makes, gets a new handler: the old one died with its loop)."""
+        loop, task = asyncio.get_running_loop(), self.output_handler
+        if task is None or task.done() or task.get_loop() is not loop:
+            self.output_handler = loop.create_task(self._run_output_handler())
 
     async def _run_output_handler(self) -> None:
         """Move each step's outputs into the collectors, abort what stopped in the front end, log stats.

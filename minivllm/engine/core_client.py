@@ -175,19 +175,21 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.pending.put(("abort", list(request_ids)))
 
-    def get_output(self) -> EngineCoreOutputs:
-        """Apply what is queued, then step; while there is nothing to run, wait for a message.
-        Raises EngineDeadError after `shutdown`."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Apply what is queued, then step. While there is nothing to run, wait for a message, at most
+        `timeout` s (None: for ever): then no outputs. Raises EngineDeadError after `shutdown`."""
         while not self.stopped:
             try:
-                message = self.pending.get(block=not self.proc.has_work())
+                message = self.pending.get(block=not self.proc.has_work(), timeout=timeout)
             except queue.Empty:
-                return self.proc.step()
+                return self.proc.step() if self.proc.has_work() else EngineCoreOutputs([])
             self.stopped = not handle_message(self.proc, message)
         raise EngineDeadError("the engine core was shut down")
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        return await asyncio.to_thread(self.get_output)
+        """`get_output` in a worker thread (the engine thread); an idle wait ends after 0.1 s, so the
+        thread never outlives the event loop by more."""
+        return await asyncio.to_thread(self.get_output, 0.1)
 
     def is_alive(self) -> bool:
         return not self.stopped
@@ -313,12 +315,14 @@ class MPClient:
         when the process has died, checked every 0.2 s while waiting."""
         import zmq.asyncio
 
-        if self._async_output is None:
-            self._async_output = zmq.asyncio.Socket.from_socket(self.output)
-        while not await self._async_output.poll(200):
+        loop = asyncio.get_running_loop()
+        if self._async_output is None or self._async_output[0] is not loop:  # one shadow socket per event loop
+            self._async_output = (loop, zmq.asyncio.Socket.from_socket(self.output))
+        sock = self._async_output[1]
+        while not await sock.poll(200):
             if not self.is_alive():
                 raise EngineDeadError(f"the engine core process exited (code {self.process.returncode})")
-        return self._payload(await self._async_output.recv(), "outputs")
+        return self._payload(await sock.recv(), "outputs")
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
