@@ -178,12 +178,15 @@ class InprocClient:
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Apply what is queued, then step. While there is nothing to run, wait for a message, at most
         `timeout` s (None: for ever): then no outputs. Raises EngineDeadError after `shutdown`."""
+        aborted = False
         while not self.stopped:
             try:
-                message = self.pending.get(block=not self.proc.has_work(), timeout=timeout)
+                message = self.pending.get(block=not (self.proc.has_work() or aborted), timeout=timeout)
             except queue.Empty:
-                return self.proc.step() if self.proc.has_work() else EngineCoreOutputs([])
-            self.stopped = not handle_message(self.proc, message)
+                if self.proc.has_work():
+                    return self.proc.step()
+                return EngineCoreOutputs([], self.proc.scheduler_stats() if aborted else None)
+            self.stopped, aborted = not handle_message(self.proc, message), aborted or message[0] == "abort"
         raise EngineDeadError("the engine core was shut down")
 
     async def get_output_async(self) -> EngineCoreOutputs:
@@ -235,11 +238,13 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
         outputs.send(pickle.dumps(("ready", proc.info())))
         running = True
         while running and os.getppid() == parent_pid:
-            wait_ms = 0 if proc.has_work() else 500
+            wait_ms, aborted = 0 if proc.has_work() else 500, False
             while running and inputs.poll(wait_ms):
-                running, wait_ms = handle_message(proc, pickle.loads(inputs.recv())), 0
-            if running and proc.has_work():
-                outputs.send(pickle.dumps(("outputs", proc.step()), protocol=pickle.HIGHEST_PROTOCOL))
+                message = pickle.loads(inputs.recv())
+                running, wait_ms, aborted = handle_message(proc, message), 0, aborted or message[0] == "abort"
+            if running and (proc.has_work() or aborted):  # after aborts, idle: the stats still go out
+                step = proc.step() if proc.has_work() else EngineCoreOutputs([], proc.scheduler_stats())
+                outputs.send(pickle.dumps(("outputs", step), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:
         outputs.send(pickle.dumps(("error", traceback.format_exc())))
     finally:

@@ -1,0 +1,502 @@
+"""Chapter 12's OpenAI-compatible server, tested as its users meet it: `python -m minivllm serve` started as
+a process on a free port, and OpenAI's own client (sync and async) talking to it. The tiny float64 Llama
+with SmolLM2's tokenizer and chat template keeps each step at milliseconds on a CPU."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from serving_helpers import make_tiny_chat_model  # noqa: E402
+
+MODEL_NAME = "tiny-chat"
+MAX_MODEL_LEN = 1024
+SERVER_FLAGS = ["--dtype", "float64", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", MODEL_NAME,
+                "--uvicorn-log-level", "warning"]
+STARTUP_TIMEOUT_S = 180
+ABORT_TIMEOUT_S = 15  # an aborted request must leave the scheduler within this
+PROMPTS = ["Hello there, my name is", "The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = 400  # tokens: long enough that a request is still running when the client goes
+
+
+class Server:
+    """A `python -m minivllm serve` child process: its URL, the processes it started, and a clean stop."""
+
+    def __init__(self, model: Path, log: Path, extra: list[str] = ()):
+        cmd = [sys.executable, "-m", "minivllm", "serve", "--model", str(model), "--port", "0", *SERVER_FLAGS, *extra]
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        cwd=Path(__file__).resolve().parents[1])
+        self.url = self._read_url()
+        self.children = psutil.Process(self.process.pid).children(recursive=True)
+
+    def _read_url(self) -> str:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if line.startswith("minivllm serve: listening on "):
+                return line.split()[-1]
+            if not line and self.process.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"the server did not start: {Path(self.log.name).read_text()[-3000:]}")
+
+    def engine_core(self) -> psutil.Process:
+        return next(p for p in self.children if "run_engine_core" in " ".join(p.cmdline()))
+
+    def stop(self) -> int | None:
+        """SIGTERM, then wait; returns the exit code (SIGKILL after 30 s, then fails the caller's check)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
+        return self.process.returncode
+
+    def orphans(self) -> list[psutil.Process]:
+        _, alive = psutil.wait_procs(getattr(self, "children", []), timeout=10)
+        return alive
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    s = Server(tiny_model, tmp_path_factory.mktemp("server") / "server.log")
+    yield s
+    assert s.stop() == 0, Path(s.log.name).read_text()[-3000:]
+    assert not s.orphans(), "an engine-core process outlived the server"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    from minivllm.llm import LLM
+
+    return LLM(str(tiny_model), dtype="float64", device="cpu", max_model_len=MAX_MODEL_LEN,
+               kv_cache_memory_bytes=16 << 20)
+
+
+def metrics(server) -> dict[str, float]:
+    """`/metrics` parsed with prometheus-client's own parser: sample name (labels in braces) -> value."""
+    text = httpx.get(f"{server.url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = ABORT_TIMEOUT_S) -> dict[str, float]:
+    """Poll `/metrics` until no request runs or waits; returns the metrics then. Fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0:
+            return m
+        time.sleep(0.1)
+    pytest.fail(f"requests still running {timeout} s after their clients left: {metrics(server)}")
+
+
+def wait_aborted(server, before: dict[str, float]) -> dict[str, float]:
+    """Wait until one more request has finished as aborted and nothing runs or waits; returns the metrics
+    then, or fails after `ABORT_TIMEOUT_S`. Nothing else is sent meanwhile: after an abort the engine core
+    reports its scheduler's state even though no step runs."""
+    key = "vllm:request_success_total{finished_reason=abort}"
+    deadline = time.monotonic() + ABORT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m[key] == before[key] + 1 and m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0:
+            return m
+        time.sleep(0.2)
+    pytest.fail(f"the request was not aborted {ABORT_TIMEOUT_S} s after its client left: {metrics(server)}")
+
+
+def ok(client) -> int:
+    """A request that must succeed (the server keeps serving after bad input); returns its tokens."""
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    return 2
+
+
+# ------------------------------------------------------------------------- without a model: the pieces
+class StubTokenizer:
+    """Words as tokens, and a chat template that joins the messages: enough for the server's prompts."""
+
+    chat_template = "messages joined with spaces"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool, tokenize: bool) -> str:
+        return " ".join(m["content"] for m in conversation)
+
+
+class StubEngine:
+    """`AsyncLLM`'s interface, generating the words of `WORDS` (and dying after `die_after` outputs)."""
+
+    WORDS = ["Hel", "lo", " wor", "ld"]
+
+    def __init__(self, die_after: int | None = None):
+        from types import SimpleNamespace
+
+        self.tokenizer, self.max_model_len, self.errored = StubTokenizer(), 64, False
+        self.processor, self.die_after = SimpleNamespace(process=lambda prompt, params: None), die_after
+
+    async def check_health(self) -> None:
+        pass
+
+    async def generate(self, prompt, params, request_id):
+        from minivllm.engine.core_client import EngineDeadError
+        from minivllm.outputs import CompletionOutput, RequestOutput
+        from minivllm.sampling_params import RequestOutputKind
+
+        ids, words = prompt["prompt_token_ids"], self.WORDS[:params.max_tokens]
+        steps = [(w, [i], i == len(words) - 1) for i, w in enumerate(words)]
+        if params.output_kind is RequestOutputKind.FINAL_ONLY:
+            steps = [("".join(words), list(range(len(words))), True)]
+        for k, (text, tokens, last) in enumerate(steps):
+            if k == self.die_after:
+                raise EngineDeadError("the engine core died")
+            await asyncio.sleep(0)
+            outputs = [CompletionOutput(i, text, tokens, finish_reason="length" if last else None)
+                       for i in range(params.n)]
+            yield RequestOutput(request_id, None, ids, None, outputs, last)
+
+
+def stub_client(engine) -> "openai.AsyncOpenAI":
+    """OpenAI's async client talking to `build_app(engine)` in this process (no socket)."""
+    from prometheus_client import CollectorRegistry
+
+    from minivllm.entrypoints.openai.api_server import build_app
+
+    app = build_app(engine, "stub", CollectorRegistry())
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://stub")
+    return openai.AsyncOpenAI(base_url="http://stub/v1", api_key="x", http_client=http, max_retries=0)
+
+
+def test_sse_stream_parsed_by_openai_client():
+    async def main():
+        client = stub_client(StubEngine())
+        full = await client.completions.create(model="stub", prompt="a b c", max_tokens=4)
+        stream = await client.completions.create(model="stub", prompt="a b c", max_tokens=4, n=2, stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        chat = await client.chat.completions.create(model="stub", messages=CHAT, max_tokens=3, stream=True)
+        return full, chunks, [c async for c in chat]
+
+    full, chunks, chat = asyncio.run(main())
+    assert full.choices[0].text == "Hello world" and full.usage.completion_tokens == 4
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in chunks[:-1] if c.choices[0].index == i) == "Hello world"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == 3 and all(c.usage is None for c in chunks[:-1])
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chat) == "Hello wor"
+    assert chat[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_ends_with_an_error_when_the_engine_dies():
+    async def main():
+        stream = await stub_client(StubEngine(die_after=2)).completions.create(model="stub", prompt="a", stream=True)
+        return [c.choices[0].text async for c in stream]
+
+    with pytest.raises(openai.APIError, match="engine core died"):
+        asyncio.run(main())
+
+
+def test_prometheus_stat_logger():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from minivllm.metrics.prometheus import PrometheusStatLogger
+    from minivllm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(registry, "m")
+    for preemptions in (2, 2, 5):  # the engine core's running total
+        logger.record(SchedulerStats(num_running=3, num_waiting=1, kv_cache_usage=0.25, num_preemptions=preemptions,
+                                     prefix_cache_queries=10, prefix_cache_hits=4), None)
+    logger.record(None, IterationStats(num_prompt_tokens=7, num_generation_tokens=3, time_to_first_token=[0.1],
+                                       inter_token_latency=[0.02, 0.03],
+                                       finished_requests=[FinishedRequestStats("stop", 0.5, 7, 3, 0.1)]))
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples
+               if s.labels.get("model_name") == "m"}
+    assert samples[("vllm:num_preemptions_total", None)] == 5
+    assert samples[("vllm:prefix_cache_queries_total", None)] == 30 and samples[("vllm:prefix_cache_hits_total", None)] == 12
+    assert samples[("vllm:num_requests_running", None)] == 3 and samples[("vllm:kv_cache_usage_perc", None)] == 0.25
+    assert samples[("vllm:prompt_tokens_total", None)] == 7 and samples[("vllm:generation_tokens_total", None)] == 3
+    assert samples[("vllm:request_success_total", "stop")] == 1 and samples[("vllm:request_success_total", "abort")] == 0
+    assert samples[("vllm:inter_token_latency_seconds_count", None)] == 2
+    assert samples[("vllm:e2e_request_latency_seconds_count", None)] == 1
+
+
+# ----------------------------------------------------------------------------------------------- basics
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_greedy_completions_match_offline(client, offline):
+    from minivllm.sampling_params import SamplingParams
+
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for prompt, want in zip(PROMPTS, expected):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want.outputs[0].text
+        assert r.choices[0].finish_reason == want.outputs[0].finish_reason
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_token_id_prompt(client, offline):
+    ids = offline.get_tokenizer().encode(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_chat_matches_offline(client, offline):
+    from minivllm.sampling_params import SamplingParams
+
+    want = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+# -------------------------------------------------------------------------------------------- streaming
+def test_completion_stream_concatenates_to_text(client):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == full.choices[0].finish_reason
+    plain = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                           stream=True))
+    assert all(c.usage is None and len(c.choices) == 1 for c in plain)  # no usage chunk unless asked for
+
+
+def test_chat_stream(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].delta.content
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == full.choices[0].message.content
+    assert body[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_and_seed(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=1234)
+    a, b = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # a seed makes sampling repeat
+    assert a.usage.completion_tokens == 3 * 8
+    texts = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+
+
+def test_async_clients_concurrently(server, client):
+    want = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+
+    async def one(aclient, stream: bool) -> str:
+        if not stream:
+            r = await aclient.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+            return r.choices[0].text
+        s = await aclient.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                             stream=True)
+        return "".join([c.choices[0].text async for c in s])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i % 2 == 0) for i in range(8)))
+
+    assert asyncio.run(main()) == [want.choices[0].text] * 8
+
+
+# ------------------------------------------------------------------------------------ stop and logprobs
+def test_stop_string(client):
+    base = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(base[i:i + 3] for i in range(2, len(base) - 3) if base[i:i + 3].strip())
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == base[:base.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_completion_logprobs(client, offline):
+    from minivllm.sampling_params import SamplingParams
+
+    want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+                            use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for got, step, token in zip(lp.token_logprobs, want.logprobs, want.token_ids):
+        assert got == pytest.approx(step[token].logprob, abs=1e-9)
+    assert all(2 <= len(top) <= 3 and max(top.values()) >= chosen for top, chosen in zip(lp.top_logprobs,
+                                                                                         lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the likeliest
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def test_metrics_count_what_was_sent(server, client):
+    before = wait_idle(server)
+    results = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=7, temperature=0) for p in PROMPTS]
+    results += [client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0, n=2)]
+    after = wait_idle(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["vllm:generation_tokens_total"] == sum(r.usage.completion_tokens for r in results)
+    assert delta["vllm:prompt_tokens_total"] == sum(r.usage.prompt_tokens for r in results[:3]) + 2 * \
+        results[3].usage.prompt_tokens  # each of the n completions counts its prompt, as in vLLM
+    assert delta["vllm:request_success_total{finished_reason=length}"] == 3 + 2
+    assert delta["vllm:e2e_request_latency_seconds_count"] == 5
+    assert delta["vllm:time_to_first_token_seconds_count"] == 5
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("body, status", [
+    ({"prompt": "Hi", "temperature": -1}, 400),
+    ({"prompt": "Hi", "temperature": "hot"}, 400),
+    ({"prompt": "Hi", "max_tokens": "many"}, 400),
+    ({"prompt": "Hi", "stop": 5}, 400),
+    ({"prompt": "Hi", "n": 0}, 400),
+    ({"prompt": "Hi", "logprobs": 1000}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": [10**9]}, 400),
+    ({"temperature": 0}, 400),
+    ({"prompt": "Hi", "model": "gpt-4"}, 404),
+])
+def test_bad_completion_requests(server, client, body, status):
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    ok(client)
+
+
+def test_bad_requests_through_the_client(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="word " * MAX_MODEL_LEN, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                       temperature=3.5, top_p=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError):  # the stream is refused before it starts
+        client.completions.create(model=MODEL_NAME, prompt="Hi", temperature=-2, stream=True)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"messages": [', headers={
+        "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    ok(client)
+
+
+# ------------------------------------------------------------------------------------------ disconnects
+def test_stream_disconnect_aborts(server, client):
+    before = wait_idle(server)
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # leaving the block closes the connection
+    after = wait_aborted(server, before)
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < LONG, "the request ran to its end after its client had gone"
+
+
+def test_non_stream_disconnect_aborts(server, client):
+    before = wait_idle(server)
+    impatient = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=LONG, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    after = wait_aborted(server, before)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < LONG
+
+
+# ------------------------------------------------------------------------------------------ dead engine
+def test_engine_core_killed(tiny_model, tmp_path):
+    """kill -9 of the engine core: /health says 503, the open stream ends with an error, new requests get
+    503, and the server still stops cleanly with no process left behind."""
+    s = Server(tiny_model, tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=30)
+        ok(c)
+        stream = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=LONG, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        os.kill(s.engine_core().pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            for _ in chunks:
+                pass
+        assert httpx.get(f"{s.url}/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        code = s.stop()
+    assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
+    assert not s.orphans()
