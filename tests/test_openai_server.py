@@ -21,60 +21,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from serving_helpers import make_tiny_chat_model  # noqa: E402
+from serving_helpers import (ABORT_TIMEOUT_S, MAX_MODEL_LEN, MODEL_NAME, Server, make_tiny_chat_model,  # noqa: E402
+                             metrics, wait_idle)
 
-MODEL_NAME = "tiny-chat"
-MAX_MODEL_LEN = 1024
-SERVER_FLAGS = ["--dtype", "float64", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", MODEL_NAME,
-                "--uvicorn-log-level", "warning"]
-STARTUP_TIMEOUT_S = 180
-ABORT_TIMEOUT_S = 15  # an aborted request must leave the scheduler within this
 PROMPTS = ["Hello there, my name is", "The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = 400  # tokens: long enough that a request is still running when the client goes
-
-
-class Server:
-    """A `python -m minivllm serve` child process: its URL, the processes it started, and a clean stop."""
-
-    def __init__(self, model: Path, log: Path, extra: list[str] = ()):
-        cmd = [sys.executable, "-m", "minivllm", "serve", "--model", str(model), "--port", "0", *SERVER_FLAGS, *extra]
-        self.log = open(log, "w")
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        cwd=Path(__file__).resolve().parents[1])
-        self.url = self._read_url()
-        self.children = psutil.Process(self.process.pid).children(recursive=True)
-
-    def _read_url(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if line.startswith("minivllm serve: listening on "):
-                return line.split()[-1]
-            if not line and self.process.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"the server did not start: {Path(self.log.name).read_text()[-3000:]}")
-
-    def engine_core(self) -> psutil.Process:
-        return next(p for p in self.children if "run_engine_core" in " ".join(p.cmdline()))
-
-    def stop(self) -> int | None:
-        """SIGTERM, then wait; returns the exit code (SIGKILL after 30 s, then fails the caller's check)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.log.close()
-        return self.process.returncode
-
-    def orphans(self) -> list[psutil.Process]:
-        _, alive = psutil.wait_procs(getattr(self, "children", []), timeout=10)
-        return alive
 
 
 @pytest.fixture(scope="module")
@@ -101,28 +53,6 @@ def offline(tiny_model):
 
     return LLM(str(tiny_model), dtype="float64", device="cpu", max_model_len=MAX_MODEL_LEN,
                kv_cache_memory_bytes=16 << 20)
-
-
-def metrics(server) -> dict[str, float]:
-    """`/metrics` parsed with prometheus-client's own parser: sample name (labels in braces) -> value."""
-    text = httpx.get(f"{server.url}/metrics").text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
-
-
-def wait_idle(server, timeout: float = ABORT_TIMEOUT_S) -> dict[str, float]:
-    """Poll `/metrics` until no request runs or waits; returns the metrics then. Fails after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = metrics(server)
-        if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0:
-            return m
-        time.sleep(0.1)
-    pytest.fail(f"requests still running {timeout} s after their clients left: {metrics(server)}")
 
 
 def wait_aborted(server, before: dict[str, float]) -> dict[str, float]:
