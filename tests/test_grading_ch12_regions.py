@@ -1,7 +1,8 @@
 """Grading tests for chapter 12's rebuild exercises (`python -m minivllm.course.grade ch12_ex1`, or `pytest -m ch12_ex1`).
 
-ch12_ex1 (`merge_delta` and `RequestOutputCollector`, written whole) and ch12_ex2 (`sse_event`, the SSE
-chunk writer) are graded in the package itself: in a student edition they are the student's code, exported
+ch12_ex1 (`merge_delta`, `RequestOutputCollector` and `AsyncLLM.generate`: a request's path through the
+asynchronous engine, written whole) and ch12_ex2 (the SSE chunk writer: `sse_event`, `sse_stream`,
+`completion_chunks`) are graded in the package itself: in a student edition they are the student's code, exported
 from the chapter (stubs until filled), and there is no reference to compare with. Each is graded alone: the
 grader's own stand-in for the other takes its place (`graded`; `STAND_INS` serves `tests/stand_ins.py`).
 
@@ -14,11 +15,21 @@ What is checked is the contract, never this chapter's code. ch12_ex1, in named g
   do not hide it;
 * wakes a waiting consumer: `get` waits (without spinning) until another task puts an output;
 * streams through AsyncLLM: an in-process `AsyncLLM` whose consumers are slower than the engine gives the
-  texts of offline `LLM.generate` (tiny float64 model with the default model's tokenizer).
+  texts of offline `LLM.generate` (tiny float64 model with the default model's tokenizer);
+* aborts leave the engine idle: cancelling the consuming task, closing the generator early, bad input and
+  an id in use leave no collector, no followed request and no sequence in the engine core.
+ch12_ex2, by the real `openai` client and raw HTTP against a stub server (`build_app` over a scripted
+engine, uvicorn on 127.0.0.1): one `data:` event per chunk and `data: [DONE]` last; streamed texts, finish
+reasons and `n` choices as scripted; `usage` null on every chunk but a last one with no choices, only with
+`include_usage`; an engine that dies mid-stream ends the stream with an error the client raises.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
+import socket
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 
@@ -27,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minivllm.engine.async_llm as async_llm
+from minivllm.engine.core_client import EngineDeadError
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -95,9 +107,81 @@ class _GraderCollector:
         return out
 
 
+async def _grader_generate(self, prompt, sampling_params=None, request_id=None):
+    """The request's path: checked, followed, sent; outputs until one is finished; aborted otherwise."""
+    if self.errored:
+        raise self.dead_error or EngineDeadError("the engine core is not running")
+    seq = self.processor.process(prompt, sampling_params)
+    rid = str(request_id) if request_id is not None else f"g{id(seq)}"
+    if rid in self.collectors:
+        raise ValueError(f"request id {rid!r} is already in use")
+    to_send = self.output_processor.add_request(rid, seq, time.monotonic())
+    self.collectors[rid] = slot = async_llm.RequestOutputCollector(seq.sampling_params.output_kind)
+    self._start_output_handler()
+    done = False
+    try:
+        for r in to_send:
+            self.engine_core.add_request(r)
+        while not done:
+            out = await slot.get()
+            done = out.finished
+            yield out
+    finally:
+        del self.collectors[rid]
+        if not done:
+            self._abort(rid)
+
+
+def _grader_sse_event(data) -> str:
+    return "data: " + (data if isinstance(data, str) else json.dumps(data)) + "\n\n"
+
+
+async def _grader_sse_stream(chunks):
+    from minivllm.entrypoints.openai import api_server
+
+    try:
+        async for chunk in chunks:
+            yield _grader_sse_event(chunk)
+    except Exception as e:  # noqa: BLE001
+        yield _grader_sse_event(api_server.error_body(api_server.status_of(e), str(e) or type(e).__name__))
+    yield _grader_sse_event("[DONE]")
+
+
+async def _grader_completion_chunks(state, prompt, params, request_id, include_usage):
+    from minivllm.entrypoints.openai import api_server
+
+    created, offsets, tokens, prompt_len = int(time.time()), {}, 0, 0
+    gen = state.engine.generate(prompt, params, request_id)
+    try:
+        async for out in gen:
+            prompt_len = len(out.prompt_token_ids)
+            for c in out.outputs:
+                if c.text or c.token_ids or c.finish_reason is not None:
+                    choice = api_server.completion_choice(state, c, params, offsets.get(c.index, 0))
+                    offsets[c.index], tokens = offsets.get(c.index, 0) + len(c.text), tokens + len(c.token_ids)
+                    yield api_server.stream_chunk(request_id, "text_completion", created, state.served_model_name, [choice])
+    finally:
+        await gen.aclose()
+    if include_usage:
+        yield api_server.stream_chunk(request_id, "text_completion", created, state.served_model_name, [],
+                                      api_server.usage_info(prompt_len, tokens))
+
+
+def _server_stand_ins():
+    from minivllm.entrypoints.openai import api_server
+
+    return [(api_server, "sse_event", _grader_sse_event), (api_server, "sse_stream", _grader_sse_stream),
+            (api_server, "completion_chunks", _grader_completion_chunks)]
+
+
 # exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
 STAND_INS = {"ch12_ex1": [(async_llm, "merge_delta", _grader_merge_delta),
-                          (async_llm, "RequestOutputCollector", _GraderCollector)]}
+                          (async_llm, "RequestOutputCollector", _GraderCollector),
+                          (async_llm.AsyncLLM, "generate", _grader_generate)]}
+try:  # the server's packages (the `serve` extra) may be missing: then ch12_ex2 is skipped, and has no stand-ins
+    STAND_INS["ch12_ex2"] = _server_stand_ins()
+except ImportError:
+    pass
 
 
 @contextmanager
@@ -239,37 +323,239 @@ def test_ex1_wakes_a_waiting_consumer():
         asyncio.run(main())
 
 
-@pytest.mark.ch12
-@pytest.mark.ch12_ex1
-def test_ex1_streams_through_async_llm(tmp_path):
+ENGINE_ARGS = dict(dtype="float64", num_kvcache_blocks=64, block_size=4, max_model_len=128)
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny float64 model with the default tokenizer, and offline `LLM.generate`'s greedy texts."""
     from serving_helpers import make_tiny_chat_model
 
-    from minivllm import defaults
-    from minivllm.config import EngineArgs
     from minivllm.llm import LLM
 
-    folder = make_tiny_chat_model(tmp_path / "tiny")
-    engine_args = dict(dtype="float64", num_kvcache_blocks=64, block_size=4, max_model_len=128)
-    prompts = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]
-    want = [o.outputs[0].text for o in LLM(str(folder), **engine_args).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)]
-    with graded("ch12_ex1"):
-        llm = async_llm.AsyncLLM(defaults.complete_engine_args(EngineArgs(model=str(folder), **engine_args)),
-                                 multiprocess=False)
+    folder = make_tiny_chat_model(tmp_path_factory.mktemp("tiny"))
+    want = [o.outputs[0].text for o in LLM(str(folder), **ENGINE_ARGS).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)]
+    return folder, want
 
+
+@contextmanager
+def _async_llm(folder):
+    from minivllm import defaults
+    from minivllm.config import EngineArgs
+
+    llm = async_llm.AsyncLLM(defaults.complete_engine_args(EngineArgs(model=str(folder), **ENGINE_ARGS)),
+                             multiprocess=False)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def _generate(llm, prompt, params, request_id):
+    """`llm.generate(...)`, which must be an async generator (a stub's body has no `yield`)."""
+    gen = llm.generate(prompt, params, request_id)
+    if not inspect.isasyncgen(gen):
+        if inspect.iscoroutine(gen):
+            gen.close()
+        raise NotImplementedError("ch12_ex1: AsyncLLM.generate must be an async generator (it yields outputs)")
+    return gen
+
+
+async def _idle(llm, what: str, timeout: float = 10.0):
+    proc = llm.engine_core.proc
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not (llm.collectors or llm.output_processor.requests or proc.core.requests or proc.has_work()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"ch12_ex1: after {what} the engine is not idle: collectors {list(llm.collectors)}, "
+                         f"followed requests {list(llm.output_processor.requests)}, engine core {list(proc.core.requests)}")
+
+
+@pytest.mark.ch12
+@pytest.mark.ch12_ex1
+def test_ex1_streams_through_async_llm(tiny):
+    folder, want = tiny
+    with graded("ch12_ex1"), _async_llm(folder) as llm:
         async def slow_consumer(i):
             text = ""
-            async for out in llm.generate(prompts[i], SamplingParams(temperature=0.0, max_tokens=12,
-                                                                     output_kind=DELTA), str(i)):
+            async for out in _generate(llm, PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                      output_kind=DELTA), str(i)):
                 text += out.outputs[0].text
                 await asyncio.sleep(0.03)  # the engine gets ahead: outputs pile up in the collector
             return text
 
         async def main():
-            return await asyncio.wait_for(asyncio.gather(*[slow_consumer(i) for i in range(3)]), 60)
-        try:
-            with your_code("ch12_ex1", "AsyncLLM.generate with your collector"):
-                got = asyncio.run(main())
-        finally:
-            llm.shutdown()
+            got = await asyncio.wait_for(asyncio.gather(*[slow_consumer(i) for i in range(3)]), 60)
+            await _idle(llm, "three requests finished")
+            return got
+        with your_code("ch12_ex1", "AsyncLLM.generate"):
+            got = asyncio.run(main())
     _expect(got == want, f"ch12_ex1: streamed texts {got} differ from offline LLM.generate's {want}")
+
+
+@pytest.mark.ch12
+@pytest.mark.ch12_ex1
+def test_ex1_aborts_leave_the_engine_idle(tiny):
+    folder, want = tiny
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=DELTA)
+    with graded("ch12_ex1"), _async_llm(folder) as llm:
+        async def main():
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in _generate(llm, PROMPTS[0], long, "cancelled"):
+                    started.set()
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(started.wait(), 20)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            _expect("cancelled" not in llm.output_processor.requests, "ch12_ex1: a cancelled request must be aborted "
+                    "at once (`_abort`), not left to run to its end")
+            await _idle(llm, "cancelling the consuming task")
+            gen = _generate(llm, PROMPTS[1], long, "closed")
+            await gen.__anext__()
+            await gen.aclose()
+            _expect("closed" not in llm.output_processor.requests, "ch12_ex1: a request whose generator was closed "
+                    "early must be aborted at once (`_abort`)")
+            await _idle(llm, "closing the generator after one output")
+            for prompt, params, what in [("x " * 200, SamplingParams(), "max_model_len"), ([10**9], SamplingParams(), "token ids")]:
+                with pytest.raises(ValueError, match=what):
+                    await _generate(llm, prompt, params, "bad").__anext__()
+            await _idle(llm, "a refused request")
+            held = _generate(llm, PROMPTS[0], long, "dup")
+            await held.__anext__()
+            with pytest.raises(ValueError, match="in use"):
+                await _generate(llm, PROMPTS[1], SamplingParams(), "dup").__anext__()
+            await held.aclose()
+            await _idle(llm, "a request refused for an id in use, and the first one closed")
+            text = ""
+            async for out in _generate(llm, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, output_kind=DELTA), "after"):
+                text += out.outputs[0].text
+            return text
+        with your_code("ch12_ex1", "AsyncLLM.generate"):
+            text = asyncio.run(main())
+    _expect(text == want[2], f"ch12_ex1: after the aborts the engine must still serve: got {text!r}, want {want[2]!r}")
+
+
+# --- ch12_ex2: the SSE chunk writer, against a stub server ----------------------------------------
+class _ScriptedEngine:
+    """`AsyncLLM`'s interface for the server: each request streams the pieces of `SCRIPT` (one token per
+    piece) for each of its `n` completions, and dies after `die_after` outputs when that is set."""
+
+    SCRIPT = ["Str", "eam", "ing", " wor", "ks", "!"]
+
+    def __init__(self, die_after=None):
+        from types import SimpleNamespace
+
+        self.tokenizer = SimpleNamespace(encode=lambda text, **kw: list(range(len(text.split()))),
+                                         chat_template=None)
+        self.max_model_len, self.errored, self.die_after = 64, False, die_after
+        self.processor = SimpleNamespace(process=lambda prompt, params: None)
+
+    async def check_health(self):
+        pass
+
+    async def generate(self, prompt, params, request_id):
+        pieces = self.SCRIPT[:params.max_tokens]
+        ids = prompt["prompt_token_ids"]
+        for k, piece in enumerate(pieces):
+            if k == self.die_after:
+                raise EngineDeadError("the engine core died")
+            await asyncio.sleep(0.001)
+            last = k == len(pieces) - 1
+            yield RequestOutput(request_id, None, ids, None, [
+                CompletionOutput(i, piece, [k], finish_reason="length" if last else None) for i in range(params.n)], last)
+
+
+@contextmanager
+def _stub_server(engine):
+    """`build_app(engine)` served by uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    pytest.importorskip("fastapi")
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from minivllm.entrypoints.openai.api_server import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "stub", CollectorRegistry()), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def _raw_events(url: str, body: dict) -> list[str]:
+    import httpx
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=20) as r:
+        text = "".join(r.iter_text())
+    _expect(text.endswith("\n\n"), f"ch12_ex2: the stream must end with a blank line after its last event: {text[-40:]!r}")
+    events = text.split("\n\n")[:-1]
+    for e in events:
+        _expect(e.startswith("data: ") and "\n" not in e, f"ch12_ex2: every event is one `data: ...` line, got {e!r}")
+    return [e[len("data: "):] for e in events]
+
+
+@pytest.mark.ch12
+@pytest.mark.ch12_ex2
+def test_ex2_one_data_event_per_chunk_then_done():
+    with graded("ch12_ex2"), _stub_server(_ScriptedEngine()) as url:
+        with your_code("ch12_ex2", "the completions stream"):
+            events = _raw_events(url, {"model": "stub", "prompt": "a b", "max_tokens": 4, "stream": True})
+    _expect(events[-1] == "[DONE]", f"ch12_ex2: the last event must be `data: [DONE]`, got {events[-1:]}")
+    chunks = [json.loads(e) for e in events[:-1]]
+    _expect("".join(c["choices"][0]["text"] for c in chunks) == "".join(_ScriptedEngine.SCRIPT[:4]),
+            f"ch12_ex2: the chunks' texts must join to the scripted text: {[c['choices'] for c in chunks]}")
+    _expect(len(chunks) == 4, f"ch12_ex2: one chunk per output that advanced (4), got {len(chunks)}")
+
+
+@pytest.mark.ch12
+@pytest.mark.ch12_ex2
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_ex2_openai_client_parses_the_stream(include_usage):
+    openai = pytest.importorskip("openai")
+    with graded("ch12_ex2"), _stub_server(_ScriptedEngine()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
+        with your_code("ch12_ex2", "the completions stream"):
+            chunks = list(client.completions.create(model="stub", prompt="a b c", max_tokens=5, n=2, stream=True,
+                                                    stream_options={"include_usage": include_usage}))
+    body = chunks[:-1] if include_usage else chunks
+    for i in range(2):
+        mine = [c.choices[0] for c in body if c.choices and c.choices[0].index == i]
+        _expect("".join(ch.text for ch in mine) == "".join(_ScriptedEngine.SCRIPT[:5]),
+                f"ch12_ex2: choice {i}'s texts must join to the scripted text")
+        _expect(mine[-1].finish_reason == "length" and all(ch.finish_reason is None for ch in mine[:-1]),
+                f"ch12_ex2: choice {i}: the finish reason comes on its last chunk only")
+    _expect(all(c.usage is None for c in body), "ch12_ex2: usage must be null on every chunk but the usage chunk")
+    if include_usage:
+        last = chunks[-1]
+        _expect(last.choices == [] and last.usage is not None, "ch12_ex2: with include_usage the last chunk has no "
+                "choices and carries the usage")
+        _expect((last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (3, 10, 13),
+                f"ch12_ex2: usage must count the prompt's tokens and every choice's tokens: {last.usage}")
+
+
+@pytest.mark.ch12
+@pytest.mark.ch12_ex2
+def test_ex2_an_engine_that_dies_ends_the_stream_with_an_error():
+    openai = pytest.importorskip("openai")
+    with graded("ch12_ex2"), _stub_server(_ScriptedEngine(die_after=2)) as url:
+        with your_code("ch12_ex2", "the completions stream"):
+            events = _raw_events(url, {"model": "stub", "prompt": "a", "max_tokens": 6, "stream": True})
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
+        with pytest.raises(openai.APIError, match="died"):
+            for _ in client.completions.create(model="stub", prompt="a", max_tokens=6, stream=True):
+                pass
+    _expect(events[-1] == "[DONE]" and "error" in json.loads(events[-2]),
+            f"ch12_ex2: a failure mid-stream sends an error event, then [DONE]: got {events[-2:]}")

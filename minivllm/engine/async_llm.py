@@ -22,6 +22,8 @@ from ..transformers_utils.model_files import has_tokenizer, load_tokenizer, reso
 def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Two DELTA outputs of one request as one: each completion's new text, tokens and log-probabilities
     appended to what `old` held for the same index; the rest (finish reasons, `finished`) from `new`."""
+    # EXERCISE ch12_ex1 (10 points): merge each completion's new text, tokens and logprobs into `old`'s, by index
+    ### BEGIN SOLUTION
     by_index = {c.index: c for c in old.outputs}
     for c in new.outputs:
         if c.index not in by_index:
@@ -33,6 +35,7 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
                                              c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, new.prompt_logprobs,
                          sorted(by_index.values(), key=lambda c: c.index), new.finished, new.num_cached_tokens)
+    ### END SOLUTION
 
 
 class RequestOutputCollector:
@@ -42,31 +45,46 @@ class RequestOutputCollector:
     Source: vLLM V1's `RequestOutputCollector`."""
 
     def __init__(self, output_kind: RequestOutputKind):
+        # EXERCISE ch12_ex1 (10 points): the slot and the event that wakes a waiting `get`
+        ### BEGIN SOLUTION
         self.kind = output_kind
         self.output: RequestOutput | Exception | None = None
         self.ready = asyncio.Event()
+        ### END SOLUTION
 
     def put(self, output: RequestOutput | Exception) -> None:
+        # EXERCISE ch12_ex1 (10 points): fill the slot; merge DELTA outputs, replace others; an exception waiting stays
+        ### BEGIN SOLUTION
         if self.output is None or isinstance(output, Exception):
             self.output = output
             self.ready.set()
         elif isinstance(self.output, RequestOutput):  # an exception already waiting stays
             self.output = merge_delta(self.output, output) if self.kind is RequestOutputKind.DELTA else output
+        ### END SOLUTION
 
     async def get(self) -> RequestOutput:
+        # EXERCISE ch12_ex1 (10 points): wait (without spinning) until the slot holds something, then take it
+        ### BEGIN SOLUTION
         while self.output is None:
             await self.ready.wait()
         return self._take()
+        ### END SOLUTION
 
     def get_nowait(self) -> RequestOutput | None:
+        # EXERCISE ch12_ex1 (10 points): what the slot holds now, or None
+        ### BEGIN SOLUTION
         return None if self.output is None else self._take()
+        ### END SOLUTION
 
     def _take(self) -> RequestOutput:
+        # EXERCISE ch12_ex1 (10 points): empty the slot; raise an exception taken from it
+        ### BEGIN SOLUTION
         output, self.output = self.output, None
         self.ready.clear()
         if isinstance(output, Exception):
             raise output
         return output
+        ### END SOLUTION
 
 
 class AsyncLLM:
@@ -114,10 +132,16 @@ class AsyncLLM:
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs as its `output_kind` asks, until it has finished.
 
-        Closing the generator or cancelling the task that iterates it aborts the request.
+        The request is checked (`check_health`, `processor.process`, its id not in use), followed by the
+        output processor (`output_processor.add_request`, which gives the `EngineCoreRequest`s to send),
+        given a `RequestOutputCollector` in `collectors` under its id, and sent to `engine_core`; the
+        output handler is started (`_start_output_handler`). Closing the generator or cancelling the task
+        that iterates it aborts the request (`_abort`), and its collector always leaves `collectors`.
         Raises: ValueError for a bad prompt or parameter or an id in use (before anything is queued);
             EngineDeadError when the engine core has died (also while waiting for outputs).
         """
+        # EXERCISE ch12_ex1 (10 points): check, follow and send the request, then yield from its collector; abort unless finished
+        ### BEGIN SOLUTION
         await self.check_health()
         seq = self.processor.process(prompt, sampling_params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -138,6 +162,7 @@ class AsyncLLM:
             self.collectors.pop(request_id, None)
             if not finished:  # cancelled, closed early, or the engine died
                 self._abort(request_id)
+        ### END SOLUTION
 
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its `generate()` yields a last output (finish reason "abort")."""

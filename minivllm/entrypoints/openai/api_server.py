@@ -80,19 +80,25 @@ async def handle_validation_error(request: Request, error: RequestValidationErro
 def sse_event(data: dict | str) -> str:
     """One server-sent event: `data: <json>` and a blank line; a string (`"[DONE]"`) is sent as it is.
     JSON escapes newlines, so one event is always one `data:` line."""
+    # EXERCISE ch12_ex2 (5 points): one `data:` line and a blank line
+    ### BEGIN SOLUTION
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    ### END SOLUTION
 
 
 async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     """OpenAI's stream: an event per chunk, then `data: [DONE]`. An error while streaming (the engine core
     died) becomes an error event before `[DONE]`, so the client raises instead of hanging (as vLLM).
     Cancellation (the client went away) is not caught: it reaches the engine, which aborts the request."""
+    # EXERCISE ch12_ex2 (5 points): an event per chunk; an error event on failure; then [DONE]
+    ### BEGIN SOLUTION
     try:
         async for chunk in chunks:
             yield sse_event(chunk)
     except Exception as e:  # noqa: BLE001 - any failure ends the stream with an error event
         yield sse_event(error_body(status_of(e), str(e) or type(e).__name__))
     yield sse_event("[DONE]")
+    ### END SOLUTION
 
 
 def stream_chunk(request_id: str, kind: str, created: int, model: str, choices: list[dict],
@@ -250,6 +256,8 @@ async def completion_chunks(state: ServingState, prompt: dict, params: SamplingP
                             include_usage: bool) -> AsyncIterator[dict]:
     """A completions stream's chunks: one per completion that advanced in an output (DELTA), then with
     `include_usage` a last chunk with no choices and the usage. Raises what `generate` raises."""
+    # EXERCISE ch12_ex2 (5 points): a chunk per completion that advanced; with include_usage a last chunk with the usage
+    ### BEGIN SOLUTION
     created, sent_text, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
     async with contextlib.aclosing(state.engine.generate(prompt, params, request_id)) as outputs:
         async for out in outputs:
@@ -264,6 +272,7 @@ async def completion_chunks(state: ServingState, prompt: dict, params: SamplingP
     if include_usage:
         yield stream_chunk(request_id, "text_completion", created, state.served_model_name, [],
                            usage_info(num_prompt, sum(sent_tokens)))
+    ### END SOLUTION
 
 
 def completion_response(state: ServingState, final: RequestOutput, params: SamplingParams,
