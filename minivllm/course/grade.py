@@ -159,6 +159,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              ("tests/test_grading_ch11_regions.py",)),
     Exercise("ch11_ex3", 4, "extend", "short prompts overtake long ones (max_num_partial_prefills)",
              "exercises/ch11_chunked_prefill.py", ("tests/test_grading_ch11.py",)),
+    Exercise("ch12_ex1", 10, "rebuild", "a request's path through AsyncLLM (merge_delta, RequestOutputCollector, "
+             "generate)", "notebooks/12_serving.ipynb", ("tests/test_grading_ch12_regions.py",)),
+    Exercise("ch12_ex2", 5, "rebuild", "the SSE chunk writer (sse_event, sse_stream, completion_chunks)",
+             "notebooks/12_serving.ipynb", ("tests/test_grading_ch12_regions.py",)),
+    Exercise("ch12_ex3", 5, "extend", "goodput as DistServe measures it: SLO attainment and the highest rate "
+             "that keeps it", "exercises/ch12_serving.py", ("tests/test_grading_ch12.py",)),
 ]}
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root
