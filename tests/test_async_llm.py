@@ -12,7 +12,6 @@ import asyncio
 import random
 import time
 
-import psutil
 import pytest
 
 from engine_helpers import check_invariants
@@ -45,6 +44,8 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module", params=["inproc", "mp"])
 def engine(request, model_dir):
+    if request.param == "mp":
+        pytest.importorskip("zmq", reason="the engine core in its own process talks over ZMQ (pyzmq)")
     llm = AsyncLLM(defaults.complete_engine_args(EngineArgs(model=str(model_dir), **ENGINE)),
                    multiprocess=request.param == "mp")
     yield llm
@@ -222,6 +223,7 @@ def test_load_with_random_aborts(engine, offline):
 def test_a_killed_engine_core_fails_requests_in_flight(model_dir):
     """kill -9 of the engine core's process: streams in flight end with EngineDeadError (no hang),
     new requests are refused, and no process is left behind."""
+    psutil = pytest.importorskip("psutil")
     before = set(psutil.Process().children(recursive=True))
     llm = AsyncLLM(defaults.complete_engine_args(EngineArgs(model=str(model_dir), **ENGINE)))
     child = psutil.Process(llm.engine_core.process.pid)
@@ -244,3 +246,31 @@ def test_a_killed_engine_core_fails_requests_in_flight(model_dir):
         llm.shutdown()
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     assert set(psutil.Process().children(recursive=True)) <= before
+
+
+@pytest.mark.gpu
+def test_inproc_async_llm_on_cuda_equals_offline(tmp_path):
+    """On a GPU (the GPU image has no pyzmq: the engine core is stepped by a thread of this process; and no
+    default model: a tiny model without a tokenizer, token-id prompts): greedy streams equal offline
+    `LLM.generate` on the same device."""
+    import torch
+
+    from engine_helpers import make_model, random_prompts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make_model(tmp_path, "llama")
+    engine_args = dict(ENGINE, device="cuda")
+    prompts = random_prompts(6, 3, 20, seed=5)
+    want = offline_outputs(LLM(str(tmp_path), **engine_args), prompts, SamplingParams(temperature=0.0, max_tokens=10))
+    llm = AsyncLLM(defaults.complete_engine_args(EngineArgs(model=str(tmp_path), **engine_args)), multiprocess=False)
+    params = SamplingParams(temperature=0.0, max_tokens=10, output_kind=DELTA)
+
+    async def main():
+        return await asyncio.gather(*[collect(llm, p, params, f"cuda{i}") for i, p in enumerate(prompts)])
+    try:
+        results = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    for (_, _, tokens), ref in zip(results, want):
+        assert tokens[0] == ref.outputs[0].token_ids
