@@ -284,19 +284,24 @@ def completion_response(state: ServingState, final: RequestOutput, params: Sampl
             "model": state.served_model_name, "choices": choices, "usage": usage}
 
 
+async def respond(state: ServingState, prompt: dict, request, request_id: str, chunks, response):
+    """Check the request's parameters (`prepare`), then stream its chunks (`chunks(...)` through
+    `sse_stream`) or wait for its final output and answer `response(...)` as JSON."""
+    params = prepare(state, prompt, request)
+    if request.stream:
+        stream = chunks(state, prompt, params, request_id, request.include_usage)
+        return StreamingResponse(sse_stream(stream), media_type="text/event-stream")
+    final = await final_output(state.engine.generate(prompt, params, request_id))
+    return JSONResponse(response(state, final, params, request_id))
+
+
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request):
     """`POST /v1/completions`. Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
     prompt = completion_prompt(state.engine.tokenizer, request.prompt)
-    params = prepare(state, prompt, request)
-    request_id = f"cmpl-{random_uuid()}"
-    if request.stream:
-        chunks = completion_chunks(state, prompt, params, request_id, request.include_usage)
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
-    final = await final_output(state.engine.generate(prompt, params, request_id))
-    return JSONResponse(completion_response(state, final, params, request_id))
+    return await respond(state, prompt, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
 
 
 # ------------------------------------------------------------------------------------ chat completions
@@ -355,13 +360,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
     prompt = chat_prompts(state.engine.tokenizer, request.conversation(), request.add_generation_prompt)[0]
-    params = prepare(state, prompt, request)
-    request_id = f"chatcmpl-{random_uuid()}"
-    if request.stream:
-        chunks = chat_chunks(state, prompt, params, request_id, request.include_usage)
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
-    final = await final_output(state.engine.generate(prompt, params, request_id))
-    return JSONResponse(chat_response(state, final, params, request_id))
+    return await respond(state, prompt, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
 
 
 # ------------------------------------------------------------------------------- models, health, metrics
