@@ -110,6 +110,44 @@ def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def serve_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of chapter 12's records (`scripts/record_serve.py`), where present."""
+    rows = []
+
+    def record(name: str) -> dict | None:
+        if not (results / name).is_file():
+            return None
+        r = load(results, name)
+        return {**r.pop("machine", {}), **r}
+
+    if r := record("cpu_serve_vs_offline.json"):
+        w, sv = r["workload"], r["served"]
+        rows.append((f"CPU, served against offline: {w['num_prompts']} requests at once (rate inf), prompts "
+                     f"~{w['random_input_len']} tokens, outputs ~{w['random_output_len']} (±{w['random_range_ratio']:.0%}), "
+                     "`python -m minivllm serve` (engine core in its own process) measured by `bench serve`",
+                     f"output **{sv['output_throughput']:,.1f}** tok/s against offline `LLM.generate`'s "
+                     f"{r['offline']['output_throughput']:,.1f} on the same requests: "
+                     f"**{r['served_over_offline_output_throughput']:.2f}×** (target ≥ 0.9×); TTFT p99 "
+                     f"{sv['p99_ttft_ms'] / 1000:.1f} s, ITL p99 {sv['p99_itl_ms']:.0f} ms", source("cpu_serve_vs_offline.json", r)))
+    if r := record("cpu_serve_split.json"):
+        w, ip, mp = r["workload"], r["in_process"], r["multiprocess"]
+        rows.append((f"CPU, the engine core in the front end's process (stepped by a thread) against its own process: "
+                     f"{w['num_prompts']} streams through `AsyncLLM`, a {w['heartbeat_s'] * 1000:g} ms heartbeat",
+                     f"event-loop lag p99 {mp['p99_event_loop_lag_ms']:.1f} ms against {ip['p99_event_loop_lag_ms']:.1f} ms: "
+                     f"**{r['p99_event_loop_lag_multiprocess_over_in_process']:.2f}×** (target ≤ 0.5×, not met: see "
+                     f"chapter 12); ITL p99 {mp['p99_itl_ms']:.0f} against {ip['p99_itl_ms']:.0f} ms; output "
+                     f"{mp['output_throughput']:,.1f} against {ip['output_throughput']:,.1f} tok/s", source("cpu_serve_split.json", r)))
+    if r := record("cpu_serve_itl_chunked_vs_prefill_first.json"):
+        w, ch, pf = r["workload"], r["chunked_prefill"], r["prefill_first"]
+        rows.append((f"CPU, serving at {w['request_rate']:g} request/s (Poisson): {w['num_prompts']} requests, prompts "
+                     f"~{w['random_input_len']} tokens (±{w['random_range_ratio']:.0%}), outputs ~{w['random_output_len']}, "
+                     "chapter 11's token budget against chapter 04's prefill-first scheduler",
+                     f"p99 ITL {ch['p99_itl_ms']:.0f} ms against {pf['p99_itl_ms']:.0f} ms: "
+                     f"**{r['p99_itl_chunked_over_prefill_first']:.2f}×**; p99 TTFT {ch['p99_ttft_ms']:.0f} against "
+                     f"{pf['p99_ttft_ms']:.0f} ms", source("cpu_serve_itl_chunked_vs_prefill_first.json", r)))
+    return rows
+
+
 def run_note(e: dict, r: dict) -> str:
     """What a ladder entry ran: its requests (a subset?), its tokens and seconds, and whether the time limit
     stopped it (`status` "partial", `complete` False in the record)."""
@@ -173,8 +211,8 @@ def ladder_table(results: Path) -> str:
 
 
 def figures(results: Path) -> str:
-    """The generated block: the figures table (CPU, chapter 11's comparisons, GPU), then the GPU ladder's table."""
-    rows = cpu_rows(results) + chunked_rows(results) + gpu_rows(results)
+    """The generated block: the figures table (CPU, chapter 11's and 12's comparisons, GPU), then the GPU ladder's table."""
+    rows = cpu_rows(results) + chunked_rows(results) + serve_rows(results) + gpu_rows(results)
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]
     ladder = ladder_table(results)

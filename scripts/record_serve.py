@@ -49,8 +49,7 @@ def summary(result: dict) -> dict:
 
 def write(name: str, record: dict) -> None:
     path = ROOT / "results" / name
-    record = {"command": "python " + " ".join(sys.argv), "machine": environment(),
-              "load_average_after": os.getloadavg()} | record
+    record = {"command": "python " + " ".join(sys.argv), **environment(), "load_average_after": os.getloadavg()} | record
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
 
@@ -87,6 +86,7 @@ def part_served(tokenizer, n: int) -> None:
         "workload": {"num_prompts": n, "random_input_len": 128, "random_output_len": 48, "random_range_ratio": 0.5,
                      "request_rate": "inf", "ignore_eos": True, "seed": 0},
         "load_average_before": load_before, "served": summary(served),
+        "engine_core_reserved_cores": int(os.environ.get("MINIVLLM_CPU_RESERVED_CORES", "0")),
         "offline": {"duration": offline_s, "output_throughput": offline_tps},
         "served_over_offline_output_throughput": served["output_throughput"] / offline_tps})
 

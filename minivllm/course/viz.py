@@ -7,7 +7,7 @@ from __future__ import annotations
 # folder (or top-level modules) -> (what it holds, the chapters that write it, (column, row) on the map)
 PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "llm.py": ("LLM: the offline API", (4,), (0, 2)),
-    "engine/": ("processor, LLMEngine,\nEngineCore, detokenizer,\noutput processor", (4, 10), (1, 2)),
+    "engine/": ("processor, LLMEngine,\nEngineCore, detokenizer,\noutput processors,\nasync engine, core client", (4, 10, 12), (1, 2)),
     "core/": ("schedulers,\nKV-cache manager:\nblocks, prefix caching", (4, 5, 6, 11), (2, 2)),
     "worker/": ("model runner, CUDA\ngraphs, mixed batches", (4, 8, 11), (3, 2)),
     "model_executor/": ("the decoder:\nlayers, weights", (2,), (4, 2)),
@@ -17,8 +17,9 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "config.py\noutputs.py": ("EngineArgs,\nRequestOutput", (4,), (2, 1)),
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
-    "entrypoints/": ("the command line", (4,), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency", (8, 9, 11), (1, 0)),
+    "entrypoints/": ("the command line,\nthe OpenAI server", (4, 12), (0, 0)),
+    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving", (8, 9, 11, 12), (1, 0)),
+    "metrics/": ("Prometheus metrics,\nstats", (12,), (3, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
 }
 # the request's path: text in, through the engine's folders, and tokens back out
