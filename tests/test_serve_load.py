@@ -84,3 +84,20 @@ def test_64_streams_with_random_leavers(tiny_model, tmp_path, mode):
         code = server.stop()
     assert code == 0
     assert not server.orphans(), "an engine-core process outlived the server"
+
+
+def test_killing_the_server_kills_its_engine_core(tiny_model, tmp_path):
+    """kill -9 of the server (no chance to clean up): its engine-core process dies with it (Linux's
+    parent-death signal, and the core's own check of its parent), so nothing is left running."""
+    import signal
+    import time
+
+    server = Server(tiny_model, tmp_path / "server.log")
+    core = server.engine_core()
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait(10)
+    deadline = time.monotonic() + 10
+    while core.is_running() and core.status() != "zombie" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not core.is_running() or core.status() == "zombie", "the engine core outlived its killed server"
+    server.log.close()

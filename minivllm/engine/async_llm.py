@@ -210,6 +210,7 @@ class AsyncLLM(_OutputHandler):
             self.collectors.pop(request_id, None)
             if not finished:  # cancelled, closed early, or the engine died
                 self._abort(request_id)
+        ### END SOLUTION
 
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its `generate()` yields a last output (finish reason "abort")."""
