@@ -4,8 +4,8 @@
 """Benchmark an `AsyncLLM` inside this process, without HTTP: what the serving layer's own choices cost
 (chapter 12). The same workload and metrics as `bench serve` (`benchmarks.serve`), plus the event loop's
 lag: how late a heartbeat task wakes while the engine works. With the engine core stepped by a thread of
-this process (`multiprocess=False`) every step holds the GIL for a while and the loop waits; with the
-engine core in its own process the loop only moves outputs. After vLLM's `vllm/benchmarks/serve.py`."""
+this process (`multiprocess=False`) the engine's Python and the event loop take turns on one GIL; with
+the engine core in its own process the loop only moves outputs. After vLLM's `vllm/benchmarks/serve.py`."""
 from __future__ import annotations
 
 import asyncio
