@@ -353,6 +353,7 @@ def test_metrics_count_what_was_sent(server, client):
     ({"prompt": [10**9]}, 400),
     ({"temperature": 0}, 400),
     ({"prompt": "Hi", "model": "gpt-4"}, 404),
+    ({"prompt": "Hi", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400),  # without stream (vLLM)
 ])
 def test_bad_completion_requests(server, client, body, status):
     r = httpx.post(f"{server.url}/v1/completions", json=body)
@@ -377,6 +378,30 @@ def test_bad_requests_through_the_client(server, client):
     r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"messages": [', headers={
         "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    for method, path, content, status in [("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),  # not UTF-8
+                                          ("POST", "/v1/completions", rb'{"prompt": "hi \ud800", "max_tokens": 2}', 400),
+                                          ("POST", "/v1/nowhere", b"{}", 404), ("GET", "/v1/completions", None, 405)]:
+        r = httpx.request(method, f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status and r.json()["error"]["code"] == status, (path, r.text)
+    ok(client)
+
+
+def test_n_with_stop_strings(server, client, offline):
+    """Each of n completions stops at its own stop string in the front end while its siblings run on: the
+    engine core may send one more token of a stopped completion before the abort reaches it."""
+    from minivllm.sampling_params import SamplingParams
+
+    kw = dict(n=3, temperature=0.8, seed=7, max_tokens=40, stop=["e"])
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], stream=stream, **kw)
+        texts = {}
+        for chunk in (r if stream else [r]):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        want = offline.generate([PROMPTS[0]], SamplingParams(**kw), use_tqdm=False)[0].outputs
+        assert [texts[i] for i in range(3)] == [c.text for c in want]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    wait_idle(server)
     ok(client)
 
 

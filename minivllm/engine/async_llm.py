@@ -172,9 +172,8 @@ class AsyncLLM(_OutputHandler):
         multiprocess: run the engine core in its own process (`MPClient`, the default, as vLLM's
             server does) or in this one, stepped by a worker thread (`InprocClient`).
         stat_loggers: `StatLoggerBase`s whose `record` gets every batch's stats.
-    Attributes: tokenizer, processor (the front end's `Processor`), output_processor (`CoreOutputProcessor`),
-        engine_core (the client), max_model_len, scheduler_stats (the latest). Raises: EngineDeadError if
-        the engine core does not start; ValueError for a bad setting."""
+    Attributes: tokenizer, processor, output_processor, engine_core (the client), max_model_len, scheduler_stats.
+    Raises: EngineDeadError if the engine core does not start; ValueError for a bad setting."""
 
     async def generate(self, prompt, sampling_params=None, request_id: str | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:

@@ -125,11 +125,12 @@ class CoreOutputProcessor(_FollowedRequests):
                         ) -> tuple[list[RequestOutput], list[str], IterationStats]:
         """One step's outputs: the `RequestOutput`s to deliver (as each request's `output_kind` asks), the
         completion ids the engine core must abort (a stop string or stop token found here), and what the
-        step did for the metrics. Outputs of requests no longer followed (aborted) are dropped."""
+        step did for the metrics. Outputs of requests no longer followed (aborted), or of a completion that
+        stopped here (its sibling completions still run), are dropped."""
         stats, touched, stepped, to_abort = IterationStats(), {}, set(), []
         for out in outputs:
-            if out.request_id not in self.states:
-                continue
+            if out.request_id not in self.states or self.states[out.request_id][1].seq.is_finished:
+                continue  # aborted, or stopped here while the abort was on its way to the core
             parent, state = self.states[out.request_id]
             if self._apply(state, out) and out.finish_reason is None:
                 to_abort.append(out.request_id)  # finished here, still running in the engine core

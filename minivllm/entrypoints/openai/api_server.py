@@ -22,6 +22,7 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ...config import EngineArgs
@@ -58,13 +59,14 @@ def status_of(error: Exception) -> int:
 
 # %% auto #0
 __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 'ModelNotFoundError', 'status_of', 'error_body',
-           'error_response', 'handle_error', 'handle_validation_error', 'sse_event', 'sse_stream', 'stream_chunk',
-           'usage_info', 'listen_for_disconnect', 'with_cancellation', 'token_text', 'finite', 'completion_logprobs',
-           'chat_logprob', 'chat_logprobs', 'ServingState', 'check_request', 'default_max_tokens', 'prepare',
-           'final_output', 'completion_prompt', 'completion_choice', 'completion_chunks', 'completion_response',
-           'respond', 'create_completion', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks', 'chat_response',
-           'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app', 'engine_args_from_cli',
-           'bind_socket', 'serve_until_stopped', 'serve_http', 'run_server']
+           'error_response', 'handle_error', 'handle_validation_error', 'handle_http_error', 'sse_event', 'sse_stream',
+           'stream_chunk', 'usage_info', 'listen_for_disconnect', 'with_cancellation', 'token_text', 'finite',
+           'completion_logprobs', 'chat_logprob', 'chat_logprobs', 'ServingState', 'check_request',
+           'default_max_tokens', 'prepare', 'final_output', 'completion_prompt', 'encoded', 'completion_choice',
+           'completion_chunks', 'completion_response', 'respond', 'create_completion', 'chat_choice_logprobs',
+           'chat_role_chunks', 'chat_chunks', 'chat_response', 'create_chat_completion', 'show_available_models',
+           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
+           'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -87,6 +89,12 @@ async def handle_validation_error(request: Request, error: RequestValidationErro
     """A body that is not JSON or does not fit the request model: 400 (OpenAI's status), not FastAPI's 422."""
     problems = [f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()]
     return error_response(400, "; ".join(problems) or "invalid request")
+
+
+async def handle_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """The framework's own errors (a body it cannot parse, an unknown route, a wrong method) with their
+    status, in OpenAI's error object too."""
+    return error_response(error.status_code, str(error.detail))
 
 # %% ../../../notebooks/12_serving.ipynb #baa01e4e
 # ------------------------------------------------------------------------------------ server-sent events
@@ -232,6 +240,8 @@ def prepare(state: ServingState, prompt: dict, request) -> SamplingParams:
     """The request's checked `SamplingParams` for `prompt` (`{"prompt_token_ids", "prompt"?}`), checked
     with the engine's `Processor` before anything is queued. Raises ValueError for bad input."""
     engine = state.engine
+    if request.stream_options is not None and not request.stream:  # vLLM's rule
+        raise ValueError("stream_options can only be given when stream is true")
     params = request.to_sampling_params(default_max_tokens(len(prompt["prompt_token_ids"]), engine.max_model_len))
     engine.processor.process(prompt, params)
     return params
@@ -253,6 +263,15 @@ def completion_prompt(tokenizer, prompt: str | list[int]) -> dict:
     if isinstance(prompt, str):
         return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
     return {"prompt_token_ids": list(prompt)}
+
+
+def encoded(make_prompt, *args):
+    """`make_prompt(*args)`; text the tokenizer cannot take (JSON may carry a lone UTF-16 surrogate) is a
+    ValueError (400), not a 500."""
+    try:
+        return make_prompt(*args)
+    except (TypeError, UnicodeError) as e:
+        raise ValueError(f"the prompt is not valid text: {e}") from None
 
 
 def completion_choice(state: ServingState, c: CompletionOutput, params: SamplingParams, offset: int = 0) -> dict:
@@ -313,7 +332,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     """`POST /v1/completions`. Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = completion_prompt(state.engine.tokenizer, request.prompt)
+    prompt = encoded(completion_prompt, state.engine.tokenizer, request.prompt)
     return await respond(state, prompt, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
 
 # %% ../../../notebooks/12_serving.ipynb #97d90663
@@ -372,7 +391,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = chat_prompts(state.engine.tokenizer, request.conversation(), request.add_generation_prompt)[0]
+    prompt = encoded(chat_prompts, state.engine.tokenizer, request.conversation(), request.add_generation_prompt)[0]
     return await respond(state, prompt, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
 
 # %% ../../../notebooks/12_serving.ipynb #3509404e
@@ -409,6 +428,7 @@ def build_app(engine, served_model_name: str, registry: CollectorRegistry) -> Fa
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     app.state.serving = ServingState(engine, served_model_name, registry)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(StarletteHTTPException, handle_http_error)
     for error in (ValueError, ModelNotFoundError, EngineDeadError, Exception):  # Exception: a bug, 500
         app.add_exception_handler(error, handle_error)
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
