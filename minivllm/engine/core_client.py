@@ -42,7 +42,8 @@ class EngineCoreRequest:
 # %% auto #0
 __all__ = ['RESERVED_CPU_CORES_ENV', 'ENGINE_CORE_MAIN', 'EngineDeadError', 'EngineCoreRequest', 'EngineCoreOutput',
            'EngineCoreOutputs', 'CacheShape', 'EngineCoreInfo', 'EngineCoreProc', 'build_engine_core', 'InprocClient',
-           'handle_message', 'die_with_parent', 'leave_cores_to_front_end', 'run_engine_core', 'MPClient']
+           'handle_message', 'next_outputs', 'die_with_parent', 'leave_cores_to_front_end', 'run_engine_core',
+           'MPClient']
 
 # %% ../../notebooks/12_serving.ipynb #35365c4f
 @dataclass
@@ -188,9 +189,7 @@ class InprocClient:
             try:
                 message = self.pending.get(block=not (self.proc.has_work() or aborted), timeout=timeout)
             except queue.Empty:
-                if self.proc.has_work():
-                    return self.proc.step()
-                return EngineCoreOutputs([], self.proc.scheduler_stats() if aborted else None)
+                return next_outputs(self.proc, aborted) or EngineCoreOutputs([])
             self.stopped, aborted = not handle_message(self.proc, message), aborted or message[0] == "abort"
         raise EngineDeadError("the engine core was shut down")
 
@@ -215,6 +214,14 @@ def handle_message(proc: EngineCoreProc, message: tuple) -> bool:
     elif kind == "abort":
         proc.abort_requests(payload)
     return kind != "shutdown"
+
+
+def next_outputs(proc: EngineCoreProc, aborted: bool) -> EngineCoreOutputs | None:
+    """What the core sends after applying its messages: a step's outputs when it has work; after aborts
+    that left it idle, the scheduler's state alone (so the metrics see it go idle); else None."""
+    if proc.has_work():
+        return proc.step()
+    return EngineCoreOutputs([], proc.scheduler_stats()) if aborted else None
 
 # %% ../../notebooks/12_serving.ipynb #2d78944b
 def die_with_parent() -> None:
@@ -266,8 +273,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
             while running and inputs.poll(wait_ms):
                 message = pickle.loads(inputs.recv())
                 running, wait_ms, aborted = handle_message(proc, message), 0, aborted or message[0] == "abort"
-            if running and (proc.has_work() or aborted):  # after aborts, idle: the stats still go out
-                step = proc.step() if proc.has_work() else EngineCoreOutputs([], proc.scheduler_stats())
+            if running and (step := next_outputs(proc, aborted)) is not None:
                 outputs.send(pickle.dumps(("outputs", step), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:
         outputs.send(pickle.dumps(("error", traceback.format_exc())))
