@@ -27,11 +27,19 @@ from .engine.output_processor import OutputProcessor
 from .attention.paged_attention import PagedAttention
 from .core.prefix_caching import PrefixCachingBlockManager
 from .sample.sampler import Sampler
+from .distributed.executor import (ParallelLLMEngine, TensorParallelMixedBatchModelRunner,
+                                   TensorParallelModelRunner)
+from .distributed.parallel_state import ParallelEngineArgs
 
 
 def chunked(args: EngineArgs) -> bool:
     """Whether the engine's scheduler is chapter 11's token-budget scheduler (or a subclass of it)."""
     return isinstance(args.scheduler_cls, type) and issubclass(args.scheduler_cls, ChunkedPrefillScheduler)
+
+
+def tensor_parallel(args: EngineArgs) -> bool:
+    """Whether the engine splits its model over several ranks (chapter 13's `tensor_parallel_size`)."""
+    return getattr(args, "tensor_parallel_size", 1) > 1
 
 
 # (chapter and name, condition on the engine's settings, scheduler class); when no row fits, the
@@ -62,6 +70,10 @@ ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool],
 # (chapter and name, condition on (engine settings, device), model runner class); when no row fits,
 # the engine uses chapter 04's eager `ModelRunner`.
 MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = [
+    ("13 tensor parallel (rank 0 drives the others), 11 mixed batches",
+     lambda args, device: tensor_parallel(args) and chunked(args), TensorParallelMixedBatchModelRunner),
+    ("13 tensor parallel (rank 0 drives the others)", lambda args, device: tensor_parallel(args),
+     TensorParallelModelRunner),
     ("11 mixed batches, 08 CUDA graphs for decode",
      lambda args, device: chunked(args) and device.type == "cuda" and not args.enforce_eager,
      MixedBatchCUDAGraphModelRunner),
@@ -82,6 +94,24 @@ SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
 OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, OutputProcessor),
 ]
+
+
+# The settings `LLM` accepts: chapter 04's `EngineArgs` and chapter 13's parallel ones.
+ENGINE_ARGS: type = ParallelEngineArgs
+
+# (chapter and name, condition on the settings, engine class); when no row fits, `LLM` builds chapter
+# 04's `LLMEngine`.
+ENGINES: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("13 tensor parallel ranks (one rank: chapter 04's engine)", lambda args: isinstance(args, ParallelEngineArgs),
+     ParallelLLMEngine),
+]
+
+
+def engine_for(args: EngineArgs) -> type:
+    """The engine class of the first row of `ENGINES` that fits `args` (None fits: `LLMEngine`)."""
+    from .engine.llm_engine import LLMEngine
+
+    return next((cls for _, fits, cls in ENGINES if fits(args)), LLMEngine)
 
 
 def scheduler_for(args: EngineArgs) -> type | None:

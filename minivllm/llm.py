@@ -28,16 +28,18 @@ VLLM_ONLY_LLM_ARGS = {
     "distributed_executor_backend": None, "disable_custom_all_reduce": False, "disable_log_stats": True}
 
 
-def engine_args_from_vllm(model, kwargs: dict) -> EngineArgs:
-    """`EngineArgs` from `LLM`'s arguments. vLLM's arguments minivllm lacks pass at their one value here
-    (`VLLM_ONLY_LLM_ARGS`; `tokenizer`: None or the model's own folder). Raises ValueError otherwise."""
+def engine_args_from_vllm(model, kwargs: dict, args_cls: type = EngineArgs) -> EngineArgs:
+    """`args_cls` (an `EngineArgs`) from `LLM`'s arguments. vLLM's arguments minivllm lacks pass at their
+    one value here (`VLLM_ONLY_LLM_ARGS`, unless `args_cls` has them; `tokenizer`: None or the model's
+    own folder). Raises ValueError otherwise."""
     kwargs = dict(kwargs)
     tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is not None and Path(tokenizer).expanduser().resolve() != resolve_model(model).resolve():
         raise ValueError(f"minivllm reads the tokenizer from the model's folder; tokenizer={str(tokenizer)!r} "
                          "is another folder")
-    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
-    return EngineArgs(model=model, **known_arguments("LLM", kwargs, fields, VLLM_ONLY_LLM_ARGS))
+    fields = {f.name for f in dataclasses.fields(args_cls)} - {"model"}
+    vllm_only = {name: value for name, value in VLLM_ONLY_LLM_ARGS.items() if name not in fields}
+    return args_cls(model=model, **known_arguments("LLM", kwargs, fields, vllm_only))
 
 # %% auto #0
 __all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'validate_and_add_requests', 'LLM']
@@ -125,7 +127,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, **kwargs):
-        args = engine_args_from_vllm(model, kwargs)
+        args = engine_args_from_vllm(model, kwargs, defaults.ENGINE_ARGS)
         args.check()
         args.scheduler_cls = args.scheduler_cls or defaults.scheduler_for(args)
         if args.block_manager_cls is None:
@@ -137,7 +139,7 @@ class LLM:
             args.model_runner_cls = defaults.model_runner_for(args, device)
         args.sampler_cls = args.sampler_cls or defaults.sampler_for(args)
         args.output_processor_cls = args.output_processor_cls or defaults.output_processor_for(args)
-        self.llm_engine = LLMEngine(**asdict(args))
+        self.llm_engine = defaults.engine_for(args)(**asdict(args))
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()

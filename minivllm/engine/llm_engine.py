@@ -38,12 +38,14 @@ class LLMEngine:
         memory, or one that holds fewer than a given `max_model_len` tokens (see `fit_max_model_len`).
     """
 
+    args_cls = EngineArgs  # the settings class (a subclass may add settings)
+
     def __init__(self, **kwargs):
-        fields = {f.name for f in dataclasses.fields(EngineArgs)}
-        self.args = args = EngineArgs(**known_arguments("LLMEngine", kwargs, fields, {}))
+        fields = {f.name for f in dataclasses.fields(self.args_cls)}
+        self.args = args = self.args_cls(**known_arguments(type(self).__name__, kwargs, fields, {}))
         args.check()
         path, device = resolve_model(args.model), resolve_device(args.device)
-        self.model = load_model(path, dtype=resolve_dtype(args.dtype, device), device=device)
+        self.model = self.load_model(path, resolve_dtype(args.dtype, device), device)
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None  # vLLM's skip_tokenizer_init
         given = args.max_model_len is not None
         chunks_prefills = args.enable_chunked_prefill and getattr(args.scheduler_cls, "chunks_prefills", False)
@@ -63,6 +65,10 @@ class LLMEngine:
         parts = (self.scheduler, self.model_runner, self.output_processor)
         supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
         self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
+
+    def load_model(self, path, dtype, device):
+        """The model the engine runs: chapter 02's `load_model` (a subclass may load it otherwise)."""
+        return load_model(path, dtype=dtype, device=device)
 
     def add_request(self, request_id: str | int | None, prompt, sampling_params=None) -> str:
         """Check a request (see `Processor.process`) and queue it; returns its id. Raises ValueError."""
