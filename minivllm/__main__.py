@@ -18,6 +18,7 @@ from minivllm.benchmarks import cli as bench_cli
 from minivllm.benchmarks import serve_cli as bench_serve_cli
 from minivllm.entrypoints import cli
 from minivllm.entrypoints.openai import cli_args as serve_cli
+from minivllm.entrypoints import worker_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     cli.add_cli(subparsers)
     serve_cli.add_cli(subparsers)  # chapter 12: `serve`, the OpenAI-compatible server
+    worker_cli.add_cli(subparsers)  # chapter 13: `worker`, another machine's tensor-parallel ranks
     bench = bench_cli.add_cli(subparsers, compare=chunked_prefill_cli.COMPARE)
     chunked_prefill_cli.add_bench_flags(bench)
     return parser

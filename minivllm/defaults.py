@@ -30,6 +30,7 @@ from .sample.sampler import Sampler
 from .distributed.executor import (ParallelLLMEngine, TensorParallelMixedBatchModelRunner,
                                    TensorParallelModelRunner)
 from .distributed.parallel_state import ParallelEngineArgs
+from .distributed.data_parallel import DataParallelLLMEngine
 
 
 def chunked(args: EngineArgs) -> bool:
@@ -102,6 +103,8 @@ ENGINE_ARGS: type = ParallelEngineArgs
 # (chapter and name, condition on the settings, engine class); when no row fits, `LLM` builds chapter
 # 04's `LLMEngine`.
 ENGINES: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("13 data parallel: engine cores in processes of their own", lambda args: getattr(args, "data_parallel_size", 1) > 1,
+     DataParallelLLMEngine),
     ("13 tensor parallel ranks (one rank: chapter 04's engine)", lambda args: isinstance(args, ParallelEngineArgs),
      ParallelLLMEngine),
 ]

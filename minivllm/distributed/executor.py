@@ -212,3 +212,22 @@ def stop_workers(workers: list[subprocess.Popen], tp_box: list[TPGroup], timeout
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_node(tensor_parallel_size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int,
+             device: str = "cpu", timeout_s: float = 300.0) -> int:
+    """Machine `node_rank` > 0 of a tensor-parallel engine: start this machine's ranks, which join rank 0
+    (on node 0, where the engine runs) at `master_addr:master_port`, and wait until they end. Returns
+    the first non-zero exit code of a rank (0 when the engine shut them down)."""
+    ranks = local_ranks(tensor_parallel_size, nnodes, node_rank)
+    threads = max(1, torch.get_num_threads() // len(ranks))
+    device_of = lambda r: device if device == "cpu" else f"cuda:{r - ranks.start}"  # noqa: E731
+    procs = [start_worker(r, tensor_parallel_size, master_addr, master_port, device_of(r), timeout_s, threads)
+             for r in ranks]
+    try:
+        codes = [proc.wait() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return next((c for c in codes if c), 0)

@@ -13,7 +13,7 @@ import time
 from typing import AsyncGenerator
 
 from ..config import EngineArgs
-from .core_client import EngineDeadError, InprocClient, MPClient
+from .core_client import EngineCoreInfo, EngineDeadError, InprocClient, MPClient
 from .core_output_processor import CoreOutputProcessor
 from ..metrics.stats import SchedulerStats, StatLoggerBase
 from .processor import Processor
@@ -41,7 +41,7 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     ### END SOLUTION
 
 # %% auto #0
-__all__ = ['merge_delta', 'RequestOutputCollector', 'AsyncLLM']
+__all__ = ['merge_delta', 'RequestOutputCollector', 'front_end_processor', 'AsyncLLM']
 
 # %% ../../notebooks/12_serving.ipynb #c18e822c
 class RequestOutputCollector:
@@ -93,20 +93,27 @@ class RequestOutputCollector:
         ### END SOLUTION
 
 # %% ../../notebooks/12_serving.ipynb #91548a5d
+def front_end_processor(tokenizer, info: EngineCoreInfo, output_processor: CoreOutputProcessor) -> Processor:
+    """The front end's `Processor`: requests are checked against the engine core's `info` (its lengths, KV
+    cache and vocabulary) and may set the sampling fields that the core or `output_processor` act on
+    (`logprobs` only if the core's sampler reports them, `stop` strings only with a tokenizer)."""
+    fields = output_processor.sampling_fields - (set() if info.has_logprobs else {"logprobs"})
+    fields -= set() if tokenizer is not None else {"stop"}
+    return Processor(tokenizer, info.vocab_size, info.max_model_len, info.cache, info.sampling_fields | fields)
+
+
 class _FrontEnd:
     """`AsyncLLM`'s parts in the front end: the tokenizer and `Processor`, the output processor, the engine-core
     client, a collector per request (its `__init__`), and its health."""
 
-    def __init__(self, args: EngineArgs, multiprocess: bool = True, stat_loggers: list[StatLoggerBase] = ()):
+    def __init__(self, args: EngineArgs, multiprocess: bool = True, stat_loggers: list[StatLoggerBase] = (),
+                 engine_core=None):
         path = resolve_model(args.model)
         self.tokenizer = load_tokenizer(path) if has_tokenizer(path) else None
-        self.engine_core = MPClient(args) if multiprocess else InprocClient(args)
+        self.engine_core = engine_core or (MPClient(args) if multiprocess else InprocClient(args))
         info = self.engine_core.info
         self.output_processor = CoreOutputProcessor(self.tokenizer)
-        fields = self.output_processor.sampling_fields - (set() if info.has_logprobs else {"logprobs"})
-        fields -= set() if self.tokenizer is not None else {"stop"}
-        self.processor = Processor(self.tokenizer, info.vocab_size, info.max_model_len, info.cache,
-                                   info.sampling_fields | fields)
+        self.processor = front_end_processor(self.tokenizer, info, self.output_processor)
         self.max_model_len = info.max_model_len
         self.stat_loggers = list(stat_loggers)
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -142,6 +149,8 @@ class _OutputHandler(_FrontEnd):
         try:
             while True:
                 core_outputs = await self.engine_core.get_output_async()
+                if core_outputs.failed_request_ids:
+                    self._fail_requests(core_outputs.failed_request_ids, EngineDeadError(core_outputs.failure))
                 outputs, to_abort, iteration_stats = self.output_processor.process_outputs(
                     core_outputs.outputs, time.monotonic())
                 if to_abort:
@@ -156,6 +165,18 @@ class _OutputHandler(_FrontEnd):
             self.dead_error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"output handler failed: {e!r}")
             for collector in self.collectors.values():
                 collector.put(self.dead_error)
+
+    def _fail_requests(self, core_ids: list[str], error: EngineDeadError) -> None:
+        """Requests the engine-core client lost (with one of several engine cores: chapter 13's data
+        parallelism): each one's `generate()` raises `error`, its completions still running elsewhere are
+        aborted, and the other requests go on."""
+        followed = self.output_processor
+        for request_id in {followed.states[c][0].request_id for c in core_ids if c in followed.states}:
+            others, _ = followed.abort_request(request_id, time.monotonic())
+            if others:
+                self.engine_core.abort_requests(others)
+            if (collector := self.collectors.get(request_id)) is not None:
+                collector.put(error)
 
     def shutdown(self) -> None:
         """Stop the output handler and the engine core (its process too). Idempotent."""
@@ -172,6 +193,8 @@ class AsyncLLM(_OutputHandler):
         multiprocess: run the engine core in its own process (`MPClient`, the default, as vLLM's
             server does) or in this one, stepped by a worker thread (`InprocClient`).
         stat_loggers: `StatLoggerBase`s whose `record` gets every batch's stats.
+        engine_core: a client already started (one with the interface of `MPClient`), used instead of
+            the one `multiprocess` names.
     Attributes: tokenizer, processor, output_processor, engine_core (the client), max_model_len, scheduler_stats.
     Raises: EngineDeadError if the engine core does not start; ValueError for a bad setting."""
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import EngineArgs
 from .llm_engine import LLMEngine
@@ -65,11 +65,20 @@ class EngineCoreOutput:
 
 @dataclass
 class EngineCoreOutputs:
-    """One step's outputs and the scheduler's state after it (what crosses the output socket)."""
+    """One step's outputs and the scheduler's state after it (what crosses the output socket).
+
+    Attributes: outputs; scheduler_stats; timestamp (`time.monotonic()` in the engine core when the step
+        ended; 0: no step); engine_index (which engine core sent them, vLLM's name; 0 with one core);
+        failed_request_ids (requests the client lost, e.g. with one of several engine cores: their
+        `generate()` raises `EngineDeadError(failure)`, the other requests go on); failure (why).
+    """
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0  # time.monotonic() in the engine core when the step ended
+    timestamp: float = 0.0
+    engine_index: int = 0
+    failed_request_ids: list[str] = field(default_factory=list)
+    failure: str = ""
 
 
 @dataclass
@@ -156,9 +165,10 @@ class EngineCoreProc:
         return stats
 
 # %% ../../notebooks/12_serving.ipynb #ae649176
-def build_engine_core(args: EngineArgs) -> EngineCoreProc:
-    """The engine core for `args` (every piece given, e.g. by `defaults.complete_engine_args`)."""
-    return EngineCoreProc(LLMEngine(**dataclasses.asdict(args)))
+def build_engine_core(args: EngineArgs, engine_cls: type = LLMEngine) -> EngineCoreProc:
+    """The engine core for `args` (every piece given, e.g. by `defaults.complete_engine_args`), around an
+    `engine_cls` (an `LLMEngine` or a subclass that takes `args`' fields)."""
+    return EngineCoreProc(engine_cls(**dataclasses.asdict(args)))
 
 
 class InprocClient:
@@ -166,11 +176,12 @@ class InprocClient:
     are applied by `get_output` just before it steps, so the thread that calls `get_output` is the only
     one that touches the engine (an asyncio front end calls it in a worker thread: the "engine thread").
 
-    Args: args, an `EngineArgs` with every piece given. Attributes: info (`EngineCoreInfo`), proc.
+    Args: args, an `EngineArgs` with every piece given; engine_cls (see `build_engine_core`).
+    Attributes: info (`EngineCoreInfo`), proc.
     """
 
-    def __init__(self, args: EngineArgs):
-        self.proc = build_engine_core(args)
+    def __init__(self, args: EngineArgs, engine_cls: type = LLMEngine):
+        self.proc = build_engine_core(args, engine_cls)
         self.info = self.proc.info()
         self.pending: queue.SimpleQueue = queue.SimpleQueue()
         self.stopped = False
@@ -251,7 +262,8 @@ def leave_cores_to_front_end(args: EngineArgs) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() - reserved))
 
 # %% ../../notebooks/12_serving.ipynb #2a27cb0b
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int) -> None:
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
+                    engine_cls: type = LLMEngine) -> None:
     """The engine core process's busy loop (vLLM V1's `EngineCoreProc.run_busy_loop`): take every message
     waiting on the input socket (wait for one while idle), step when there is work, send the step's
     `EngineCoreOutputs`. Sends ("ready", `EngineCoreInfo`) first; on any error sends ("error", text) and exits."""
@@ -265,7 +277,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     inputs.connect(input_address)
     outputs.connect(output_address)
     try:
-        proc = build_engine_core(args)
+        proc = build_engine_core(args, engine_cls)
         outputs.send(pickle.dumps(("ready", proc.info())))
         running = True
         while running and os.getppid() == parent_pid:
@@ -291,7 +303,8 @@ ENGINE_CORE_MAIN = ("import pickle, sys; from minivllm.engine.core_client import
 class _EngineCoreProcess:
     """`MPClient`'s child process and sockets: started by `__init__`, read by `_receive`, stopped by `shutdown`."""
 
-    def __init__(self, args: EngineArgs, startup_timeout: float = 300.0):
+    def __init__(self, args: EngineArgs, startup_timeout: float = 300.0, engine_cls: type = LLMEngine,
+                 env: dict | None = None):
         import zmq
 
         self.folder = tempfile.TemporaryDirectory(prefix="minivllm-zmq-")
@@ -300,8 +313,8 @@ class _EngineCoreProcess:
         self.input, self.output = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         self.input.bind(addresses[0])
         self.output.bind(addresses[1])
-        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_CORE_MAIN], stdin=subprocess.PIPE)
-        self.process.stdin.write(pickle.dumps((args, *addresses, os.getpid())))
+        self.process = subprocess.Popen([sys.executable, "-c", ENGINE_CORE_MAIN], stdin=subprocess.PIPE, env=env)
+        self.process.stdin.write(pickle.dumps((args, *addresses, os.getpid(), engine_cls)))
         self.process.stdin.close()
         atexit.register(self.shutdown)
         self.info = self._receive(startup_timeout, expect="ready")
@@ -357,7 +370,8 @@ class MPClient(_EngineCoreProcess):
 
     The child is a fresh interpreter (`subprocess`, `ENGINE_CORE_MAIN`), so it works the same from a
     script, a notebook or a server, and never re-runs the caller's `__main__`.
-    Args: args, an `EngineArgs` with every piece given; startup_timeout (s) for the model to load.
+    Args: args, an `EngineArgs` with every piece given; startup_timeout (s) for the model to load;
+        engine_cls (see `build_engine_core`); env, the child's environment variables (None: this process's).
     Attributes: info (`EngineCoreInfo`), process (the child's `subprocess.Popen`).
     Raises: EngineDeadError if the engine core fails to start (its traceback in the message).
     """

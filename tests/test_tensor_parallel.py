@@ -1,0 +1,213 @@
+"""Chapter 13, tensor parallelism: each parallel layer against its whole counterpart, shards' logits
+against the single process (float64), greedy tokens against the single process and transformers with
+preemption, prefix caching and chunked prefill, bad settings refused before any process starts, a dead
+rank that makes the call raise, two "machines" on 127.0.0.1, and no process left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import tp_helpers
+from engine_helpers import hf_greedy
+from minivllm import LLM, SamplingParams
+from minivllm.course import testing
+from minivllm.distributed.parallel_state import free_port, run_on_ranks
+from minivllm.model_executor.model_loader import load_model
+from minivllm.model_executor.models.llama import attention_reference
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    yield
+    deadline = time.monotonic() + 10
+    while (children := psutil.Process().children(recursive=True)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not children, f"processes left behind: {[c.cmdline()[:3] for c in children]}"
+
+
+def single_process_logits(folder, ids):
+    model = load_model(folder, torch.float64)
+    scale = model.model.layers[0].self_attn.scale
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)),
+                                          lambda i, q, k, v: attention_reference(q, k, v, scale)))
+
+
+@pytest.mark.parametrize("in_features,out_features", [(8, 12), (6, 4)])
+def test_column_then_row_parallel_equal_nn_linear(in_features, out_features):
+    for rank, result in enumerate(run_on_ranks(tp_helpers.linear_layers, 2, 0, in_features, out_features)):
+        assert result["column_shape"] == (5, out_features // 2)
+        assert result["column"] < 1e-12 and result["row"] < 1e-12, (rank, result)  # the row bias counted once
+
+
+@pytest.mark.parametrize("vocab_size,tied", [(100, True), (77, False)])
+def test_vocab_parallel_embedding_and_head(vocab_size, tied):
+    results = run_on_ranks(tp_helpers.vocab_layers, 2, 1, vocab_size, 8, tied)
+    for result in results:
+        assert result["embedding"] < 1e-12 and result["shares"] == tied
+        assert result["shard_rows"] == 64  # padded to 128 rows, split in two
+    assert results[0]["logits"] < 1e-12 and results[0]["logits_shape"] == (vocab_size, vocab_size)
+    assert results[1]["logits_shape"] == (vocab_size, 0)  # only rank 0 holds logits
+
+
+def test_shards_logits_equal_single_process(tiny_model):
+    folder, _ = tiny_model
+    ids = [1, 5, 9, 33, 7, 100, 2]
+    logits = run_on_ranks(tp_helpers.sharded_logits, 2, folder, ids)[0]
+    assert (logits - single_process_logits(folder, ids)).abs().max().item() <= 1e-12
+
+
+def test_four_ranks_two_kv_heads_replicated(tiny_llama):
+    folder, _ = tiny_llama  # 4 heads, 2 KV heads: at tp 4 each KV head lives on two ranks
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = run_on_ranks(tp_helpers.sharded_logits, 4, folder, ids)[0]
+    assert (logits - single_process_logits(folder, ids)).abs().max().item() <= 1e-12
+
+
+def test_one_kv_head_at_two_ranks(tmp_path):
+    testing.make_tiny_model(tmp_path, "qwen2", num_key_value_heads=1)
+    ids = [7, 7, 8, 1]
+    logits = run_on_ranks(tp_helpers.sharded_logits, 2, tmp_path, ids)[0]
+    assert (logits - single_process_logits(tmp_path, ids)).abs().max().item() <= 1e-12
+
+
+def shared_prefix_prompts():
+    prefix = list(range(3, 40))  # shared: the prefix cache serves the later prompts
+    return [prefix + [50 + i] * (i + 1) for i in range(5)] + [[9, 8, 7], list(range(60, 110))]
+
+
+@pytest.mark.parametrize("tp_size,chunked", [(2, True), (4, False)])
+def test_engine_greedy_equals_single_process_and_transformers(tiny_llama, tp_size, chunked):
+    """Preemption (a small cache), prefix caching and chunked prefill (a small token budget) at tp 2;
+    chapter 04's prefill-first scheduler at tp 4 (KV heads replicated)."""
+    from minivllm.core.sched.scheduler import Scheduler
+    from engine_helpers import run_engine
+
+    folder, hf_model = tiny_llama
+    prompts, sp = shared_prefix_prompts(), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    settings = dict(dtype="float64", block_size=4, num_kvcache_blocks=40, max_model_len=80,
+                    max_num_batched_tokens=32 if chunked else 80, max_num_seqs=8)
+    if not chunked:
+        settings["scheduler_cls"] = Scheduler
+    single = [o.outputs[0].token_ids for o in LLM(folder, **settings).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(folder, tensor_parallel_size=tp_size, **settings)
+    try:
+        engine = llm.llm_engine
+        assert type(engine.model_runner).__name__ == ("TensorParallelMixedBatchModelRunner" if chunked
+                                                     else "TensorParallelModelRunner")
+        outs = [o.outputs[0].token_ids for o in run_engine(engine, prompts, sp)]
+        assert engine.scheduler.num_preemptions > 0
+        assert outs == single
+        assert outs == [hf_greedy(hf_model, p, 12) for p in prompts]
+        assert sum(o.num_cached_tokens or 0 for o in llm.generate(prompts[:2], sp, use_tqdm=False)) > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_sampling_n_and_prompt_logprobs_equal_single_process(tiny_llama):
+    """Rank 0 samples from the gathered logits with the same generators: seeded draws, `n` completions
+    sharing the prompt's blocks (the ranks copy blocks together) and prompt logprobs equal one process's."""
+    folder, _ = tiny_llama
+    sp = [SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3, prompt_logprobs=2, logprobs=1),
+          SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=3)]
+    prompts = [list(range(10, 31)), [4, 4, 4]]
+
+    def run(**kw):
+        llm = LLM(folder, dtype="float64", block_size=4, **kw)
+        try:
+            return [([c.token_ids for c in o.outputs], o.prompt_logprobs, [c.logprobs for c in o.outputs])
+                    for o in llm.generate(prompts, sp, use_tqdm=False)]
+        finally:
+            getattr(llm.llm_engine, "shutdown", lambda: None)()
+
+    assert run(tensor_parallel_size=2) == run()
+
+
+def test_bad_sizes_refused_before_any_process_starts(tmp_path, default_model_dir):
+    with pytest.raises(ValueError, match=r"num_attention_heads=9 is not divisible by tensor_parallel_size=2"):
+        LLM(default_model_dir, tensor_parallel_size=2)  # SmolLM2: 9 heads, 3 KV heads
+    testing.make_tiny_model(tmp_path / "kv", "llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3 neither is divisible by nor divides tensor_parallel_size=2"):
+        LLM(tmp_path / "kv", tensor_parallel_size=2)
+    testing.make_tiny_model(tmp_path / "mlp", "llama", intermediate_size=130)
+    with pytest.raises(ValueError, match=r"intermediate_size=130 is not divisible by tensor_parallel_size=4"):
+        LLM(tmp_path / "mlp", tensor_parallel_size=4)
+    for bad, message in (({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+                         ({"tensor_parallel_size": 3, "nnodes": 2}, "does not split evenly over nnodes=2"),
+                         ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2}, r"node_rank must be in \[0, 1\]"),
+                         ({"tensor_parallel_size": 2, "nnodes": 2}, "give master_port")):
+        with pytest.raises(ValueError, match=message):
+            LLM(tmp_path / "mlp", **bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            LLM(tmp_path / "mlp", tensor_parallel_size=2, device="cuda")
+    assert not psutil.Process().children(recursive=True)  # refused before any process started
+
+
+def test_dead_rank_makes_the_call_raise(tiny_llama):
+    folder, _ = tiny_llama
+    llm = LLM(folder, dtype="float64", tensor_parallel_size=2, distributed_timeout_seconds=20)
+    try:
+        sp = SamplingParams(max_tokens=4, temperature=0)
+        llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        worker = llm.llm_engine.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_two_nodes_on_one_machine(tiny_llama):
+    """Node 1's ranks start with `python -m minivllm worker` (torchrun's flags) and join node 0's engine."""
+    folder, _ = tiny_llama
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "minivllm", "worker", "--tensor-parallel-size", "4", "--nnodes",
+                              "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)])
+    prompts, sp = [[1, 5, 9, 33, 7], [100, 2]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        single = [o.outputs[0].token_ids for o in LLM(folder, dtype="float64").generate(prompts, sp, use_tqdm=False)]
+        llm = LLM(folder, dtype="float64", tensor_parallel_size=4, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                  master_port=port)
+        try:
+            assert len(llm.llm_engine.workers) == 1  # ranks 0 and 1 here, 2 and 3 on "node 1"
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == single
+        finally:
+            llm.llm_engine.shutdown()
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+@pytest.mark.slow
+def test_default_model_at_three_ranks_equals_one(default_model_dir):
+    """SmolLM2-135M: 9 heads, 3 KV heads, 576, 1536 and 49152 all divisible by 3 (float32)."""
+    chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name three colors.",
+                                                      "Write a haiku about the sea.")]
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    one = [o.outputs[0].text for o in LLM(default_model_dir).chat(chats, sp, use_tqdm=False)]
+    llm = LLM(default_model_dir, tensor_parallel_size=3)
+    try:
+        assert [o.outputs[0].text for o in llm.chat(chats, sp, use_tqdm=False)] == one
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_default_model_parameters_per_rank(default_model_dir):
+    """At tp 3 each rank holds about a third of the weights (norms are whole on every rank)."""
+    one = run_on_ranks(tp_helpers.parameter_bytes, 1, default_model_dir)[0]
+    per_rank = run_on_ranks(tp_helpers.parameter_bytes, 3, default_model_dir)
+    assert max(per_rank) <= 0.35 * one, (per_rank, one)
