@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-import tp_helpers
+from minivllm.distributed import rank_checks
 from engine_helpers import hf_greedy
 from minivllm import LLM, SamplingParams
 from minivllm.course import testing
@@ -42,14 +42,14 @@ def single_process_logits(folder, ids):
 
 @pytest.mark.parametrize("in_features,out_features", [(8, 12), (6, 4)])
 def test_column_then_row_parallel_equal_nn_linear(in_features, out_features):
-    for rank, result in enumerate(run_on_ranks(tp_helpers.linear_layers, 2, 0, in_features, out_features)):
+    for rank, result in enumerate(run_on_ranks(rank_checks.parallel_linear_errors, 2, 0, in_features, out_features)):
         assert result["column_shape"] == (5, out_features // 2)
         assert result["column"] < 1e-12 and result["row"] < 1e-12, (rank, result)  # the row bias counted once
 
 
 @pytest.mark.parametrize("vocab_size,tied", [(100, True), (77, False)])
 def test_vocab_parallel_embedding_and_head(vocab_size, tied):
-    results = run_on_ranks(tp_helpers.vocab_layers, 2, 1, vocab_size, 8, tied)
+    results = run_on_ranks(rank_checks.vocab_parallel_errors, 2, 1, vocab_size, 8, tied)
     for result in results:
         assert result["embedding"] < 1e-12 and result["shares"] == tied
         assert result["shard_rows"] == 64  # padded to 128 rows, split in two
@@ -60,21 +60,21 @@ def test_vocab_parallel_embedding_and_head(vocab_size, tied):
 def test_shards_logits_equal_single_process(tiny_model):
     folder, _ = tiny_model
     ids = [1, 5, 9, 33, 7, 100, 2]
-    logits = run_on_ranks(tp_helpers.sharded_logits, 2, folder, ids)[0]
+    logits = run_on_ranks(rank_checks.shard_logits, 2, folder, ids)[0]
     assert (logits - single_process_logits(folder, ids)).abs().max().item() <= 1e-12
 
 
 def test_four_ranks_two_kv_heads_replicated(tiny_llama):
     folder, _ = tiny_llama  # 4 heads, 2 KV heads: at tp 4 each KV head lives on two ranks
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    logits = run_on_ranks(tp_helpers.sharded_logits, 4, folder, ids)[0]
+    logits = run_on_ranks(rank_checks.shard_logits, 4, folder, ids)[0]
     assert (logits - single_process_logits(folder, ids)).abs().max().item() <= 1e-12
 
 
 def test_one_kv_head_at_two_ranks(tmp_path):
     testing.make_tiny_model(tmp_path, "qwen2", num_key_value_heads=1)
     ids = [7, 7, 8, 1]
-    logits = run_on_ranks(tp_helpers.sharded_logits, 2, tmp_path, ids)[0]
+    logits = run_on_ranks(rank_checks.shard_logits, 2, tmp_path, ids)[0]
     assert (logits - single_process_logits(tmp_path, ids)).abs().max().item() <= 1e-12
 
 
@@ -208,6 +208,6 @@ def test_default_model_at_three_ranks_equals_one(default_model_dir):
 @pytest.mark.slow
 def test_default_model_parameters_per_rank(default_model_dir):
     """At tp 3 each rank holds about a third of the weights (norms are whole on every rank)."""
-    one = run_on_ranks(tp_helpers.parameter_bytes, 1, default_model_dir)[0]
-    per_rank = run_on_ranks(tp_helpers.parameter_bytes, 3, default_model_dir)
+    one = run_on_ranks(rank_checks.parameter_bytes, 1, default_model_dir)[0]
+    per_rank = run_on_ranks(rank_checks.parameter_bytes, 3, default_model_dir)
     assert max(per_rank) <= 0.35 * one, (per_rank, one)

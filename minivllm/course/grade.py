@@ -165,6 +165,13 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "notebooks/12_serving.ipynb", ("tests/test_grading_ch12_regions.py",)),
     Exercise("ch12_ex3", 5, "extend", "goodput as DistServe measures it: SLO attainment and the highest rate "
              "that keeps it", "exercises/ch12_serving.py", ("tests/test_grading_ch12.py",)),
+    Exercise("ch13_ex1", 10, "rebuild", "column- and row-parallel linear layers with their shard loaders "
+             "(ColumnParallelLinear, RowParallelLinear)", "notebooks/13_scaling_out.ipynb",
+             ("tests/test_grading_ch13_regions.py",)),
+    Exercise("ch13_ex2", 5, "rebuild", "the vocabulary split: VocabParallelEmbedding and ParallelLMHead with padding",
+             "notebooks/13_scaling_out.ipynb", ("tests/test_grading_ch13_regions.py",)),
+    Exercise("ch13_ex3", 5, "rebuild", "heads per rank and KV-head replication (kv_head_replicas, parallelize)",
+             "notebooks/13_scaling_out.ipynb", ("tests/test_grading_ch13_regions.py",)),
 ]}
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root

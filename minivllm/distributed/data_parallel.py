@@ -8,9 +8,9 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import pickle
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from .executor import ParallelLLMEngine
 from .parallel_state import ParallelEngineArgs
 
 WAITING_WEIGHT = 4  # vLLM's DPLBAsyncMPClient: score = waiting * 4 + running
+SEND_TIMEOUT_MS = 2000  # a core that cannot take a message this long is dead or stuck
 
 
 def core_args(args: ParallelEngineArgs, index: int) -> ParallelEngineArgs:
@@ -64,52 +65,66 @@ def core_env(args: ParallelEngineArgs, index: int) -> dict[str, str]:
 
 
 class _StartingCore(MPClient):
-    """An `MPClient` that stops its own process if it fails to start (the caller gets no handle on it
-    then), and that lists itself in `starting` first, so that another thread can kill it while it loads."""
+    """An `MPClient` whose `__init__` starts the engine core's process without waiting for its "ready"
+    message: `start_engine_cores` starts every core first, from this thread (a child started from another
+    thread would die with that thread: `die_with_parent`'s signal follows the thread that started it),
+    then waits for all of them at once (`wait_until_ready`)."""
 
-    def __init__(self, starting: list, *args, **kwargs):
-        starting.append(self)
-        try:
-            super().__init__(*args, **kwargs)
-        except BaseException:
-            if hasattr(self, "process"):
-                self.shutdown()
-            raise
+    info = None  # until `wait_ready`
+
+    def _receive(self, timeout: float | None, expect: str = "outputs"):
+        return None if expect == "ready" and self.info is None else super()._receive(timeout, expect)
+
+    def wait_ready(self) -> None:
+        """Read the core's "ready" message (it is there, or the core has died). Raises EngineDeadError."""
+        self.info = super()._receive(None, expect="ready")
+
+
+def wait_until_ready(cores: list[_StartingCore], timeout: float) -> None:
+    """Wait until every core has loaded the model, `timeout` s at most, watching all of them at once.
+    Raises EngineDeadError naming the first core that failed (with its traceback), or those not ready."""
+    import zmq
+
+    deadline, pending = time.monotonic() + timeout, dict(enumerate(cores))
+    while pending:
+        poller = zmq.Poller()
+        for core in pending.values():
+            poller.register(core.output, zmq.POLLIN)
+        ready = dict(poller.poll(200))
+        for i, core in list(pending.items()):
+            if core.output in ready or not core.is_alive():
+                try:
+                    core.wait_ready()
+                except EngineDeadError as e:
+                    raise EngineDeadError(f"data-parallel engine core {i} failed to start: {e}") from None
+                del pending[i]
+        if pending and time.monotonic() > deadline:
+            raise EngineDeadError(f"data-parallel engine cores {sorted(pending)} did not start within {timeout} s")
 
 
 def start_engine_cores(args: ParallelEngineArgs, engine_cls: type = ParallelLLMEngine,
                        startup_timeout: float = 300.0) -> list[MPClient]:
     """Start `args.data_parallel_size` engine cores (`MPClient(core_args(args, i), engine_cls=engine_cls,
-    env=core_env(args, i))`) at once, each loading the model in its own process, and wait for all of them.
-    If one fails, the others are killed at once (they need not finish loading) and all are shut down.
+    env=core_env(args, i))`), which load the model at the same time, each in its own process, and wait
+    for all of them. If one fails, the others are killed at once (they need not finish loading).
 
     Raises: ValueError for a bad setting (before any process starts); EngineDeadError naming the first
         core that failed, with its error (the core's traceback)."""
-    n = args.data_parallel_size
-    envs = [core_env(args, i) for i in range(n)]
-    starting: list[MPClient] = []  # appended to by the threads (list.append is atomic)
-    cores: list[MPClient | None] = [None] * n
-    failed: tuple[int, BaseException] | None = None
-    with ThreadPoolExecutor(n, thread_name_prefix="minivllm-dp-start") as pool:
-        futures = {pool.submit(_StartingCore, starting, core_args(args, i), startup_timeout, engine_cls, envs[i]): i
-                   for i in range(n)}
-        for future in as_completed(futures):
-            try:
-                cores[futures[future]] = future.result()
-            except Exception as e:  # noqa: BLE001 - raised below, once every thread has ended
-                if failed is None:
-                    failed = (futures[future], e)
-                    for core in starting:  # the others stop loading now
-                        if getattr(core, "process", None) is not None and core.process.poll() is None:
-                            core.process.kill()
-    if failed is not None:
+    envs = [core_env(args, i) for i in range(args.data_parallel_size)]
+    cores: list[_StartingCore] = []
+    try:
+        for i, env in enumerate(envs):
+            cores.append(_StartingCore(core_args(args, i), startup_timeout, engine_cls, env))
+        wait_until_ready(cores, startup_timeout)
+    except BaseException:
         for core in cores:
-            if core is not None:
-                core.shutdown()
-        raise EngineDeadError(f"data-parallel engine core {failed[0]} failed to start: {failed[1]}") from failed[1]
+            if core.is_alive():
+                core.process.kill()
+            core.shutdown()
+        raise
     return cores
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class _LoadBalancer:
     """`DPClient`'s routing (vLLM V1's `DPLBAsyncMPClient.get_core_engine_for_request`): each request goes
     to the live core with the lowest score `waiting * 4 + running` (ties: the lowest index). A core's counts
@@ -139,7 +154,7 @@ class _LoadBalancer:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send `request` to the least-loaded live core and remember that core as its owner."""
         i = self.choose_core()
-        self.cores[i].add_request(request)
+        self._send(i, self.cores[i].add_request, request)
         self.owner[request.request_id] = i
         self.sent_since_report[i] += 1
         self.num_routed[i] += 1
@@ -151,7 +166,18 @@ class _LoadBalancer:
             if (i := self.owner.pop(rid, None)) is not None and i not in self.dead:
                 by_core.setdefault(i, []).append(rid)
         for i, ids in by_core.items():
-            self.cores[i].abort_requests(ids)
+            self._send(i, self.cores[i].abort_requests, ids)
+
+    def _send(self, i: int, send, payload) -> None:
+        """`send(payload)` to core i. A core that cannot take a message within `SEND_TIMEOUT_MS` (a PUSH
+        socket waits for ever once its peer is gone) is dead or stuck: it is killed, and its requests
+        fail with it (`get_output` finds it dead)."""
+        import zmq
+
+        try:
+            send(payload)
+        except zmq.Again:
+            self.cores[i].process.kill()
 
     def _received(self, i: int, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         """Core i's outputs, tagged with `engine_index=i`, with the merged stats: its finished requests
@@ -165,7 +191,7 @@ class _LoadBalancer:
             outputs.scheduler_stats = self.merged_stats(i)
         return outputs
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class _MergedStats:
     """`DPClient`'s view of all its cores as one engine (what `/metrics` shows). Uses `latest` and `dead`."""
 
@@ -203,7 +229,7 @@ class _MergedStats:
     def all_dead_message(self) -> str:
         return f"all {len(self.cores)} data-parallel engine cores have died: " + "; ".join(self.dead.values())
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class _DPOutputs(_LoadBalancer, _MergedStats):
     """`DPClient`'s outputs: the next `EngineCoreOutputs` of any core, the cores taken in turn."""
 
@@ -256,7 +282,7 @@ class _DPOutputs(_LoadBalancer, _MergedStats):
                 return self._take(done[0], self.tasks.pop(done[0]).result)
             await asyncio.wait([self.tasks[i] for i in live], return_when=asyncio.FIRST_COMPLETED)
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class DPClient(_DPOutputs):
     """`data_parallel_size` engine cores behind the interface of chapter 12's `MPClient` (vLLM V1's
     `DPLBAsyncMPClient`): each core is an `MPClient` running `engine_cls` (tensor parallel inside when
@@ -282,7 +308,11 @@ class DPClient(_DPOutputs):
             raise ValueError(f"DPClient needs a ParallelEngineArgs (it has data_parallel_size), got "
                              f"{type(args).__name__}")
         args.check()
+        import zmq
+
         self.cores = start_engine_cores(args, engine_cls, startup_timeout)
+        for core in self.cores:
+            core.input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.info = self.cores[0].info
         self.dead: dict[int, str] = {}
         self._init_balancer(len(self.cores))
@@ -294,6 +324,8 @@ class DPClient(_DPOutputs):
 
     def shutdown(self) -> None:
         """Stop every core and its process (and its tensor-parallel ranks). Idempotent."""
+        import zmq
+
         for task in self.tasks.values():
             if not task.done():
                 try:
@@ -303,10 +335,16 @@ class DPClient(_DPOutputs):
             elif not task.cancelled():
                 task.exception()  # read, so asyncio does not log it as never retrieved
         self.tasks = {}
+        for core in self.cores:  # ask them all first: each takes about a second to exit
+            try:
+                if core.is_alive() and not core.ctx.closed:
+                    core.input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # it cannot take the message: `shutdown` kills it
+                pass
         for core in self.cores:
             core.shutdown()
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 @dataclass
 class DPStepStats:
     """One engine core's step as the front end sees it in the core's outputs (for `run_to_completion`'s
@@ -369,7 +407,7 @@ class DPOutputProcessor:
             self.client.abort_requests(to_abort)
         return outputs
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class _StepRecords:
     """`DataParallelLLMEngine.stats`: a `DPStepStats` per step of any core. Uses `output_processor.front`."""
 
@@ -392,7 +430,7 @@ class _StepRecords:
         seconds = core_outputs.timestamp - start if start else 0.0
         return DPStepStats(is_prefill, len(core_outputs.outputs), num_tokens, max(seconds, 0.0), i)
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------
 class DataParallelLLMEngine(_StepRecords):
     """The engine `LLM` builds when `data_parallel_size` > 1: a `DPClient` (the engine cores, each in a
     process of its own) with chapter 12's front end in this process (`Processor` from the cores' `info`,

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ...config import EngineArgs
+from ...distributed.parallel_state import ParallelEngineArgs
 from ...engine.core_client import EngineDeadError
 from ...engine.processor import chat_prompts
 from ...metrics.prometheus import PrometheusStatLogger
@@ -65,7 +65,7 @@ __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 
            'default_max_tokens', 'prepare', 'final_output', 'completion_prompt', 'encoded', 'completion_choice',
            'completion_chunks', 'completion_response', 'respond', 'create_completion', 'chat_choice_logprobs',
            'chat_role_chunks', 'chat_chunks', 'chat_response', 'create_chat_completion', 'show_available_models',
-           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
+           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
            'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
@@ -440,15 +440,36 @@ def build_app(engine, served_model_name: str, registry: CollectorRegistry) -> Fa
 
 # %% ../../../notebooks/12_serving.ipynb #914107b3
 # ------------------------------------------------------------------------------ python -m minivllm serve
-def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
-    """The `EngineArgs` the `serve` flags ask for, with every piece filled (`defaults.complete_engine_args`)."""
+def engine_args_from_cli(args: argparse.Namespace) -> ParallelEngineArgs:
+    """The `ParallelEngineArgs` the `serve` flags ask for, with every piece filled
+    (`defaults.complete_engine_args`). Raises ValueError for a bad setting."""
     from minivllm.defaults import complete_engine_args
 
-    return complete_engine_args(EngineArgs(
+    return complete_engine_args(ParallelEngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed))
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size))
+
+
+def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineArgs):
+    """The engine-core client the parallel flags ask for (None: `AsyncLLM`'s own, one core): a `DPClient`
+    for `--data-parallel-size` > 1, an `MPClient` (or with `--in-process` an `InprocClient`) around
+    `ParallelLLMEngine` for `--tensor-parallel-size` > 1. Raises ValueError for `--in-process` with
+    `--data-parallel-size` > 1 (each engine core needs a process of its own)."""
+    from minivllm.distributed.data_parallel import DPClient
+    from minivllm.distributed.executor import ParallelLLMEngine
+    from minivllm.engine.core_client import InprocClient, MPClient
+
+    if engine_args.data_parallel_size > 1:
+        if not args.multiprocess:
+            raise ValueError(f"--in-process runs one engine core in the server's process; --data-parallel-size="
+                             f"{engine_args.data_parallel_size} needs a process per engine core")
+        return DPClient(engine_args)
+    if engine_args.tensor_parallel_size > 1:
+        return (MPClient if args.multiprocess else InprocClient)(engine_args, engine_cls=ParallelLLMEngine)
+    return None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -482,8 +503,8 @@ async def serve_http(args: argparse.Namespace) -> None:
     engine_args = engine_args_from_cli(args)
     name = args.served_model_name or str(args.model or "default")
     registry = CollectorRegistry()
-    engine = AsyncLLM(engine_args, multiprocess=args.multiprocess,
-                      stat_loggers=[PrometheusStatLogger(registry, name)])
+    engine = AsyncLLM(engine_args, multiprocess=args.multiprocess, stat_loggers=[PrometheusStatLogger(registry, name)],
+                      engine_core=engine_core_from_cli(args, engine_args))
     try:
         app = build_app(engine, name, registry)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level,

@@ -28,6 +28,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--seed", type=int, default=0, help="seeds requests without a seed of their own")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split each layer (chapter 13; default 1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores, each a whole copy of the model in a process of its own (chapter 13; default 1)")
     p.add_argument("--no-multiprocess", "--in-process", dest="multiprocess", action="store_false",
                    help="run the engine core in the server's process (default: a process of its own)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -1,0 +1,233 @@
+"""Chapter 13, data parallelism: `data_parallel_size` engine cores behind one `DPClient`.
+
+The oracle is the single engine: greedy tokens (and seeded samples, n > 1 included) of `LLM(...,
+data_parallel_size=2)` equal `LLM(...)`'s on a tiny float64 model. The load balancer's decisions are
+recorded and checked (least loaded first, never a core idle while another has requests waiting); each
+core runs on its share of the CPU threads (asked inside the core's process); a core killed with SIGKILL
+fails only its own requests (sync `LLM.generate` and `AsyncLLM`), and the other core goes on serving; a
+core that fails to start stops the others at once. No process is left behind by any test.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from minivllm import defaults
+from minivllm.config import EngineArgs
+from minivllm.course.testing import random_prompts
+from minivllm.distributed.data_parallel import DataParallelLLMEngine, DPClient
+from minivllm.distributed.executor import ParallelLLMEngine
+from minivllm.distributed.parallel_state import ParallelEngineArgs
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.core_client import EngineDeadError
+from minivllm.llm import LLM, run_to_completion, validate_and_add_requests
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+ENGINE = dict(dtype="float64", num_kvcache_blocks=256, block_size=4, max_model_len=256, max_num_seqs=8)
+PROMPTS = random_prompts(8, 2, 40, seed=13)  # token ids: the tiny model has no tokenizer
+THREADS_DIR_ENV = "MINIVLLM_TEST_THREADS_DIR"
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """Every test ends with no child process of this pytest process left (engine cores, their ranks)."""
+    before = set(psutil.Process().children(recursive=True))
+    yield
+    deadline = time.monotonic() + 10
+    while (left := set(psutil.Process().children(recursive=True)) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {[p.cmdline()[:4] for p in left]}"
+
+
+@pytest.fixture
+def child_imports_this_module(monkeypatch):
+    """Engine cores are fresh interpreters: let them import this file's engine classes by name."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+
+
+def dp_args(folder, **kwargs) -> ParallelEngineArgs:
+    return defaults.complete_engine_args(ParallelEngineArgs(model=str(folder), **{**ENGINE, **kwargs}))
+
+
+def greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+# ----------------------------------------------------------------------------------- engines run in the cores
+class ThreadCountingEngine(ParallelLLMEngine):
+    """Writes the torch threads the engine core runs with into `$MINIVLLM_TEST_THREADS_DIR/<pid>`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        Path(os.environ[THREADS_DIR_ENV], str(os.getpid())).write_text(str(torch.get_num_threads()))
+
+
+class OddPortFailsEngine(ParallelLLMEngine):
+    """Core 1 (its `master_port` is `master_port + 1`, odd here) fails at once; core 0 loads for 120 s."""
+
+    def __init__(self, **kwargs):
+        if kwargs["master_port"] % 2:
+            raise RuntimeError("this core cannot start")
+        time.sleep(120)
+        super().__init__(**kwargs)
+
+
+class RecordingDPClient(DPClient):
+    """A `DPClient` that records each routing decision (every core's load, the core chosen) and every
+    core's load after each output."""
+
+    def __init__(self, args, **kwargs):
+        super().__init__(args, engine_cls=ThreadCountingEngine)
+        self.decisions, self.snapshots = [], []
+
+    def add_request(self, request):
+        loads = self.loads()
+        super().add_request(request)
+        self.decisions.append((loads, self.owner[request.request_id]))
+
+    def _received(self, i, outputs):
+        outputs = super()._received(i, outputs)
+        self.snapshots.append(self.loads())
+        return outputs
+
+
+class RecordingEngine(DataParallelLLMEngine):
+    client_cls = RecordingDPClient
+
+
+# ------------------------------------------------------------------------------------------------- tests
+def test_greedy_and_seeded_outputs_equal_one_engine_and_a_dead_core_fails_only_its_requests(tiny_llama):
+    folder, _ = tiny_llama
+    params = [greedy(i) for i in range(len(PROMPTS))]
+    seeded = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=8)  # its completions go to both cores
+    one = LLM(str(folder), **ENGINE)
+    expected, expected_n = one.generate(PROMPTS, params, use_tqdm=False), one.generate(PROMPTS[0], seeded, use_tqdm=False)
+    llm = LLM(str(folder), data_parallel_size=2, **ENGINE)
+    engine = llm.llm_engine
+    try:
+        assert isinstance(engine, DataParallelLLMEngine)
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(expected)
+        assert token_ids(llm.generate(PROMPTS[0], seeded, use_tqdm=False)) == token_ids(expected_n)
+        assert all(n > 0 for n in engine.client.num_routed)
+        assert {s.engine_index for s in engine.stats} == {0, 1}
+        assert any(s.is_prefill for s in engine.stats) and all(s.seconds >= 0 for s in engine.stats)
+
+        ids = validate_and_add_requests(engine, PROMPTS[:4], [greedy(20)] * 4)  # routed 0, 1, 0, 1
+        assert sorted(engine.client.owner[i] for i in ids) == [0, 0, 1, 1]
+        os.kill(engine.client.cores[1].process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine core 1"):
+            run_to_completion(engine, ids, use_tqdm=False)
+        assert not engine.has_unfinished_requests() and not engine.client.owner
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(expected)  # on core 0
+        assert engine.client.dead.keys() == {1} and engine.client.is_alive()
+    finally:
+        engine.shutdown()
+        engine.shutdown()  # idempotent
+
+
+@pytest.mark.slow
+def test_tensor_parallel_inside_data_parallel_equals_one_engine(tiny_llama):
+    folder, _ = tiny_llama
+    params = [greedy(i) for i in range(len(PROMPTS))]
+    expected = LLM(str(folder), **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(folder), tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
+    try:
+        cores = [psutil.Process(c.process.pid) for c in llm.llm_engine.client.cores]
+        assert [len(c.children()) for c in cores] == [1, 1]  # each core runs rank 0 and starts rank 1
+        assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(expected)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_requests_go_to_the_least_loaded_core_on_its_share_of_threads(tiny_llama, child_imports_this_module,
+                                                                       tmp_path, monkeypatch):
+    folder, _ = tiny_llama
+    monkeypatch.setenv(THREADS_DIR_ENV, str(tmp_path))
+    args = dp_args(folder, data_parallel_size=2, max_num_seqs=2)  # 3 requests per core: one waits
+    engine = RecordingEngine(**asdict(args))
+    client = engine.client
+    try:
+        ids = validate_and_add_requests(engine, PROMPTS[:6], [greedy(9)] * 6)
+        run_to_completion(engine, ids, use_tqdm=False)
+        threads = {int(p.name): int(p.read_text()) for p in tmp_path.iterdir()}
+        assert threads == {c.process.pid: max(1, torch.get_num_threads() // 2) for c in client.cores}
+    finally:
+        engine.shutdown()
+    assert [core for _, core in client.decisions] == [0, 1, 0, 1, 0, 1]
+    for loads, core in client.decisions:  # the chosen core had the lowest score (waiting * 4 + running)
+        assert 4 * loads[core][0] + loads[core][1] == min(4 * w + r for w, r in loads)
+    assert len(client.snapshots) > 10
+    for loads in client.snapshots:
+        idle = any(w + r == 0 for w, r in loads)
+        assert not (idle and any(w > 0 for w, _ in loads)), loads
+    assert client.loads() == [(0, 0), (0, 0)]  # everything finished: the last reports say so
+
+
+def test_a_killed_core_fails_only_its_requests_in_async_llm(tiny_llama):
+    folder, _ = tiny_llama
+    args = dp_args(folder, data_parallel_size=2)
+    client = DPClient(args)
+    llm = AsyncLLM(args, engine_core=client)
+    long = SamplingParams(max_tokens=150, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def drain(gen) -> int:
+        return sum(len(out.outputs[0].token_ids) async for out in gen)
+
+    async def main():
+        gens = {f"r{k}": llm.generate(PROMPTS[k], long, f"r{k}") for k in range(4)}
+        gens["n2"] = llm.generate(PROMPTS[4], SamplingParams(n=2, max_tokens=150, ignore_eos=True, seed=1,
+                                                             output_kind=RequestOutputKind.DELTA), "n2")
+        # every request is sent before the output handler reads anything: routed 0, 1, 0, 1, 0, 1
+        firsts = dict(zip(gens, [len(out.outputs[0].token_ids) for out in
+                                 await asyncio.gather(*(anext(gen) for gen in gens.values()))]))
+        owners = dict(client.owner)
+        assert owners == {"r0": 0, "r1": 1, "r2": 0, "r3": 1, "n2": 0, "1_n2": 1}
+        os.kill(client.cores[1].process.pid, signal.SIGKILL)
+        results = await asyncio.gather(*(drain(g) for g in gens.values()), return_exceptions=True)
+        for rid, result in zip(gens, results):
+            if owners[rid] == 1 or rid == "n2":  # n2 lost one of its completions: the whole request fails
+                assert isinstance(result, EngineDeadError) and "engine core 1" in str(result), (rid, result)
+            else:
+                assert result + firsts[rid] == 150, (rid, result)
+        assert not llm.errored and not client.owner  # n2's completion on core 0 was aborted
+        final = [out async for out in llm.generate(PROMPTS[5], SamplingParams(max_tokens=5), "after")][-1]
+        assert final.finished and len(final.outputs[0].token_ids) == 5
+        assert client.num_routed == [4, 3]  # core 0: r0, r2 and one of n2's; then "after"
+        stats = llm.scheduler_stats
+        assert stats.num_running + stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_a_core_that_fails_to_start_stops_the_others_at_once(tiny_llama, child_imports_this_module):
+    folder, _ = tiny_llama
+    args = dp_args(folder, data_parallel_size=2, master_port=28000)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="(?s)engine core 1 failed to start.*this core cannot start"):
+        DPClient(args, engine_cls=OddPortFailsEngine)
+    assert time.monotonic() - start < 60  # core 0 was killed while it still "loaded"
+
+
+def test_bad_settings_are_refused_before_any_process_starts(tiny_llama):
+    folder, _ = tiny_llama
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1, got 0"):
+        LLM(str(folder), data_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="data_parallel_size must be an int"):
+        LLM(str(folder), data_parallel_size=1.5, **ENGINE)
+    with pytest.raises(ValueError, match="needs a ParallelEngineArgs"):
+        DPClient(defaults.complete_engine_args(EngineArgs(model=str(folder), **ENGINE)))
