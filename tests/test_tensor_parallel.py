@@ -211,3 +211,19 @@ def test_default_model_parameters_per_rank(default_model_dir):
     one = run_on_ranks(rank_checks.parameter_bytes, 1, default_model_dir)[0]
     per_rank = run_on_ranks(rank_checks.parameter_bytes, 3, default_model_dir)
     assert max(per_rank) <= 0.35 * one, (per_rank, one)
+
+
+@pytest.mark.gpu
+def test_nccl_at_world_size_one():
+    """The one lent GPU: NCCL joins a group of one, an all-reduce of a CUDA tensor runs, the group is left."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from minivllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    tp = init_tensor_parallel(0, 1, "127.0.0.1", free_port(), torch.device("cuda"), 60.0)
+    try:
+        x = torch.arange(4.0, device="cuda")
+        torch.distributed.all_reduce(x, group=tp.group)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        destroy_tensor_parallel()

@@ -93,6 +93,8 @@ def all_reduce_seconds(tp, sizes: list[int], repeats: int = 30) -> list[float]:
     times = []
     for n in sizes:
         x, samples = torch.ones(n), []
+        for _ in range(5):  # untimed: the first collectives set up the connections
+            tp.all_reduce(x)
         for _ in range(repeats):
             t0 = time.perf_counter()
             tp.all_reduce(x)

@@ -65,8 +65,8 @@ __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 
            'default_max_tokens', 'prepare', 'final_output', 'completion_prompt', 'encoded', 'completion_choice',
            'completion_chunks', 'completion_response', 'respond', 'create_completion', 'chat_choice_logprobs',
            'chat_role_chunks', 'chat_chunks', 'chat_response', 'create_chat_completion', 'show_available_models',
-           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
-           'run_server']
+           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket',
+           'serve_until_stopped', 'serve_http', 'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -454,10 +454,10 @@ def engine_args_from_cli(args: argparse.Namespace) -> ParallelEngineArgs:
 
 
 def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineArgs):
-    """The engine-core client the parallel flags ask for (None: `AsyncLLM`'s own, one core): a `DPClient`
-    for `--data-parallel-size` > 1, an `MPClient` (or with `--in-process` an `InprocClient`) around
-    `ParallelLLMEngine` for `--tensor-parallel-size` > 1. Raises ValueError for `--in-process` with
-    `--data-parallel-size` > 1 (each engine core needs a process of its own)."""
+    """The engine-core client the flags ask for: a `DPClient` for `--data-parallel-size` > 1, else an
+    `MPClient` (with `--in-process` an `InprocClient`) around `ParallelLLMEngine` (with one rank, chapter
+    04's engine). Raises ValueError for `--in-process` with `--data-parallel-size` > 1 (each engine core
+    needs a process of its own); EngineDeadError if an engine core does not start."""
     from minivllm.distributed.data_parallel import DPClient
     from minivllm.distributed.executor import ParallelLLMEngine
     from minivllm.engine.core_client import InprocClient, MPClient
@@ -467,9 +467,7 @@ def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineAr
             raise ValueError(f"--in-process runs one engine core in the server's process; --data-parallel-size="
                              f"{engine_args.data_parallel_size} needs a process per engine core")
         return DPClient(engine_args)
-    if engine_args.tensor_parallel_size > 1:
-        return (MPClient if args.multiprocess else InprocClient)(engine_args, engine_cls=ParallelLLMEngine)
-    return None
+    return (MPClient if args.multiprocess else InprocClient)(engine_args, engine_cls=ParallelLLMEngine)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
