@@ -33,7 +33,7 @@ def main() -> int:
                    "load_average_after": os.getloadavg(), "wall_seconds": time.perf_counter() - t0})
     write_json(record, args.out)
     r = record["ratios"]
-    print(f"tp 2 / tp 1 tokens/s: {r['tp2_tok_s_vs_tp1']:.2f}x (collectives {r['tp2_comm_share']:.0%} of the run); "
+    print(f"tp 2 / tp 1 tokens/s: {r['tp2_tok_s_vs_tp1']:.2f}x (collectives {r['tp2_comm_share']:.0%} of the run; through gloo {r['tp2_gloo_tok_s_vs_tp1']:.2f}x); "
           f"dp 2 / tp 1: {r['dp2_tok_s_vs_tp1']:.2f}x; parameters per rank at tp 2: {r['tp2_parameter_bytes_vs_tp1']:.2f}x; "
           f"KV bytes per rank: {r['tp2_kv_bytes_vs_tp1']:.2f}x")
     return 0

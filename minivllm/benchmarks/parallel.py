@@ -46,19 +46,22 @@ __all__ = ['time_parallel', 'parallel_benchmark']
 # %% ../../notebooks/13_scaling_out.ipynb #d211a9bd
 def parallel_benchmark(model: str, num_requests: int = 16, input_len: tuple[int, int] = (32, 128),
                        output_len: tuple[int, int] = (32, 64), dtype: str = "float32", seed: int = 0) -> dict:
-    """One rank with every thread, then tensor parallelism at 2 and data parallelism at 2 (each rank or
-    core with half the threads), on one seeded workload; plus the parameter bytes of one rank at tp 1 and 2.
-    Returns the record (ratios against tp 1)."""
+    """One rank with every thread, then tensor parallelism at 2 (all-reduce through shared memory, then
+    through gloo only) and data parallelism at 2 (each rank or core with half the threads), on one seeded
+    workload; plus the parameter bytes of one rank at tp 1 and 2. Returns the record (ratios against tp 1)."""
     config = load_config(model)
     workload = make_workload(num_requests, input_len, output_len, config.vocab_size, seed=seed)
     runs = {"tp1": time_parallel(model, workload, dtype),
             "tp2": time_parallel(model, workload, dtype, tensor_parallel_size=2),
+            "tp2_gloo": time_parallel(model, workload, dtype, tensor_parallel_size=2, disable_custom_all_reduce=True),
             "dp2": time_parallel(model, workload, dtype, data_parallel_size=2)}
     params = {n: max(run_on_ranks(rank_checks.parameter_bytes, n, model)) for n in (1, 2)}
     return {"workload": {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                          "seed": seed}, "dtype": dtype, "runs": runs,
             "parameter_bytes_per_rank": {"tp1": params[1], "tp2": params[2]},
             "ratios": {"tp2_tok_s_vs_tp1": runs["tp2"]["tok_s"] / runs["tp1"]["tok_s"],
+                       "tp2_gloo_tok_s_vs_tp1": runs["tp2_gloo"]["tok_s"] / runs["tp1"]["tok_s"],
+                       "tp2_gloo_comm_share": runs["tp2_gloo"]["comm_seconds"] / runs["tp2_gloo"]["seconds"],
                        "dp2_tok_s_vs_tp1": runs["dp2"]["tok_s"] / runs["tp1"]["tok_s"],
                        "tp2_parameter_bytes_vs_tp1": params[2] / params[1],
                        "tp2_comm_share": runs["tp2"]["comm_seconds"] / runs["tp2"]["seconds"],

@@ -111,7 +111,7 @@ def loaded_everywhere(load):
 
 # %% ../../notebooks/13_scaling_out.ipynb #99006860
 def run_worker(rank: int, world_size: int, addr: str, port: int, device: str, timeout_s: float,
-               num_threads: int, watch_parent: bool) -> None:
+               num_threads: int, watch_parent: bool, shared_memory: bool = False) -> None:
     """A worker rank's life (rank > 0): join the group, then do what rank 0 sends until "shutdown".
     A rank that fails (or loses rank 0) leaves the group, so the others' collectives raise instead of waiting."""
     if watch_parent:
@@ -121,7 +121,7 @@ def run_worker(rank: int, world_size: int, addr: str, port: int, device: str, ti
         torch.set_num_threads(num_threads)
     else:
         torch.cuda.set_device(device)
-    tp = init_tensor_parallel(rank, world_size, addr, port, device, timeout_s)
+    tp = init_tensor_parallel(rank, world_size, addr, port, device, timeout_s, shared_memory)
     model = runner = None
     try:
         while True:
@@ -146,10 +146,11 @@ WORKER_MAIN = ("import pickle, sys; from minivllm.distributed.executor import ru
 
 
 def start_worker(rank: int, world_size: int, addr: str, port: int, device: str, timeout_s: float,
-                 num_threads: int, watch_parent: bool = True) -> subprocess.Popen:
+                 num_threads: int, watch_parent: bool = True, shared_memory: bool = False) -> subprocess.Popen:
     """Start worker `rank` in a fresh interpreter (as chapter 12 starts its engine core)."""
     proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN], stdin=subprocess.PIPE)
-    proc.stdin.write(pickle.dumps((rank, world_size, addr, port, device, timeout_s, num_threads, watch_parent)))
+    proc.stdin.write(pickle.dumps((rank, world_size, addr, port, device, timeout_s, num_threads, watch_parent,
+                                   shared_memory)))
     proc.stdin.close()
     return proc
 
@@ -159,7 +160,8 @@ class ParallelLLMEngine(LLMEngine):
     other ranks, joins them, and loads rank 0's shard; the model runner (a `_TensorParallelDriver`,
     from `minivllm.defaults`) drives them; `shutdown` stops them (also when the engine is collected
     or the interpreter exits). With one rank it is `LLMEngine`. On a CPU each local rank gets an equal
-    share of this process's threads.
+    share of this process's threads, and ranks on one machine all-reduce through shared memory
+    (`SharedMemoryAllReduce`) unless `disable_custom_all_reduce`.
 
     Args: **kwargs, the fields of `ParallelEngineArgs`.
     Raises: ValueError for a model that cannot be split (before any process starts) or a bad setting;
@@ -180,13 +182,14 @@ class ParallelLLMEngine(LLMEngine):
         addr, port = rendezvous(args)
         threads = max(1, torch.get_num_threads() // len(ranks))
         device_of = lambda r: str(device) if device.type == "cpu" else f"cuda:{r - ranks.start}"  # noqa: E731
+        shm = device.type == "cpu" and args.nnodes == 1 and not args.disable_custom_all_reduce
         self.workers = [start_worker(r, tp_size, addr, port, device_of(r), args.distributed_timeout_seconds,
-                                     threads) for r in ranks[1:]]
+                                     threads, shared_memory=shm) for r in ranks[1:]]
         tp_box: list[TPGroup] = []  # filled once this rank has joined
         self._finalizer = weakref.finalize(self, stop_workers, self.workers, tp_box)  # also runs at exit
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        tp = init_tensor_parallel(0, tp_size, addr, port, device, args.distributed_timeout_seconds)
+        tp = init_tensor_parallel(0, tp_size, addr, port, device, args.distributed_timeout_seconds, shm)
         tp_box.append(tp)
         send_plan(tp, "load_model", path, dtype)
         return loaded_everywhere(lambda: load_sharded_model(path, dtype, device, tp))

@@ -7,7 +7,9 @@ conventions) and the tensor-parallel group (exported from notebooks/13_scaling_o
 from __future__ import annotations
 
 import os
+import platform
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import EngineArgs, resolve_device
 from ..model_executor.layers.parallel_linear import TPGroup
-from ..utils.checks import require_int, require_number
+from ..utils.checks import require_bool, require_int, require_number
 
 IDLE_TIMEOUT = timedelta(days=365)  # a worker may wait this long for rank 0's next step (an idle server)
 
@@ -29,10 +31,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_tensor_parallel(rank: int, world_size: int, addr: str, port: int, device: torch.device,
-                         timeout_s: float) -> TPGroup:
+                         timeout_s: float, shared_memory: bool = False) -> TPGroup:
     """Join the ranks (rank 0 listens at `addr:port`; `torch.distributed`'s TCP rendezvous) and return
     this rank's `TPGroup`: collectives on NCCL for CUDA tensors, gloo for CPU ones, each failing after
-    `timeout_s`; the step plans on a gloo group that waits as long as an idle engine may.
+    `timeout_s`; the step plans on a gloo group that waits as long as an idle engine may. With
+    `shared_memory` (every rank on this machine, every rank asks the same) small CPU all-reduces go
+    through shared memory (`shared_memory_all_reduce`).
 
     Raises: RuntimeError if the other ranks do not all arrive within `timeout_s`, or if this process
     already belongs to a group (one tensor-parallel engine per process)."""
@@ -44,7 +48,10 @@ def init_tensor_parallel(rank: int, world_size: int, addr: str, port: int, devic
                             timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     group = dist.new_group(backend="nccl", timeout=timeout) if device.type == "cuda" else dist.group.WORLD
-    return TPGroup(rank, world_size, group, control)
+    tp = TPGroup(rank, world_size, group, control)
+    if shared_memory:
+        tp.shm = shared_memory_all_reduce(tp, f"{port}", timeout_s)
+    return tp
 
 
 def destroy_tensor_parallel() -> None:
@@ -54,7 +61,7 @@ def destroy_tensor_parallel() -> None:
 
 # %% auto #0
 __all__ = ['IDLE_TIMEOUT', 'RANK_MAIN', 'free_port', 'init_tensor_parallel', 'destroy_tensor_parallel', 'run_on_ranks',
-           'ParallelEngineArgs', 'rendezvous', 'local_ranks']
+           'ParallelEngineArgs', 'rendezvous', 'local_ranks', 'SharedMemoryAllReduce', 'shared_memory_all_reduce']
 
 # %% ../../notebooks/13_scaling_out.ipynb #1856d2b3
 def _rank_main(sys_path: list[str], payload: bytes) -> None:
@@ -137,6 +144,8 @@ class ParallelEngineArgs(EngineArgs):
         master_addr, master_port: where rank 0 waits for the others (torchrun's names; None: the
             `MASTER_ADDR` / `MASTER_PORT` variables, else this machine and a free port).
         distributed_timeout_seconds: how long a collective may wait for a rank before it raises.
+        disable_custom_all_reduce: all-reduce through gloo only, never through shared memory (vLLM's
+            name for switching off its own all-reduce).
     """
 
     tensor_parallel_size: int = 1
@@ -146,6 +155,7 @@ class ParallelEngineArgs(EngineArgs):
     master_addr: str | None = None
     master_port: int | None = None
     distributed_timeout_seconds: float = 300.0
+    disable_custom_all_reduce: bool = False
 
     def check(self) -> None:
         """`EngineArgs.check`, then the parallel settings. Raises ValueError naming the setting."""
@@ -158,6 +168,7 @@ class ParallelEngineArgs(EngineArgs):
             self.master_port = require_int("master_port", self.master_port, minimum=1, maximum=65535)
         self.distributed_timeout_seconds = require_number("distributed_timeout_seconds",
                                                           self.distributed_timeout_seconds, minimum=1e-3)
+        require_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not split evenly over "
                              f"nnodes={self.nnodes}")
@@ -187,3 +198,74 @@ def local_ranks(tp_size: int, nnodes: int, node_rank: int) -> range:
     """The global ranks on machine `node_rank`: a contiguous block of `tp_size / nnodes` (torchrun's layout)."""
     per_node = tp_size // nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+# %% ../../notebooks/13_scaling_out.ipynb #ea91e28c
+class SharedMemoryAllReduce:
+    """An all-reduce for ranks on one x86 machine, through shared memory instead of sockets (the idea of
+    vLLM's CPU shared-memory communicator). Each rank copies its tensor into its row of a shared buffer,
+    stores a sequence number in its flag, waits until every flag has it, and sums the rows in rank
+    order, the same sum on every rank. Two buffers alternate, so a rank that is one all-reduce ahead
+    writes the other one. x86 makes stores visible to other cores in program order, so the flag is seen
+    after the data; other CPUs (ARM) would need memory fences, and use gloo.
+
+    Args: tp (`TPGroup`: rank, size; its group does the set-up), name (unique per group), max_bytes (the
+        largest tensor it takes; larger ones go through gloo), timeout_s (how long to wait for a rank).
+    Raises: RuntimeError from `all_reduce` when a rank has not arrived within `timeout_s`.
+    """
+
+    def __init__(self, tp: TPGroup, name: str, max_bytes: int = 1 << 22, timeout_s: float = 300.0):
+        self.rank, self.size, self.max_bytes, self.timeout_s, self.seq = tp.rank, tp.size, max_bytes, timeout_s, 0
+        paths = [f"/dev/shm/minivllm-{name}-{part}" for part in ("data", "flags")]
+        sizes = [2 * tp.size * max_bytes, 8 * tp.size]
+        ok = torch.tensor([1])
+        try:
+            if tp.rank == 0:  # zero-filled files: no flag is set yet
+                for path, size in zip(paths, sizes):
+                    with open(path, "wb") as f:
+                        f.truncate(size)
+            dist.barrier(group=tp.group)  # the files exist (or rank 0 failed: then mapping fails everywhere)
+            self.data = torch.from_file(paths[0], shared=True, size=sizes[0], dtype=torch.uint8).view(2, tp.size, max_bytes)
+            flags = torch.from_file(paths[1], shared=True, size=sizes[1], dtype=torch.uint8)
+            self.flags = flags.view(torch.int64).numpy()  # a NumPy view: cheaper to poll than a tensor
+        except (OSError, RuntimeError):
+            ok[0] = 0
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.group)  # every rank has mapped them, or none uses them
+        if tp.rank == 0:  # the names can go: the mappings stay
+            for path in paths:
+                if os.path.exists(path):
+                    os.unlink(path)
+        if ok.item() == 0:
+            raise OSError(f"cannot share {sizes[0]} bytes through /dev/shm")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` (CPU, contiguous, at most `max_bytes`) over the ranks, in place; returns `x`."""
+        nbytes = x.numel() * x.element_size()
+        self.seq += 1
+        rows = self.data[self.seq % 2, :, :nbytes]
+        rows[self.rank].copy_(x.reshape(-1).view(torch.uint8))
+        self.flags[self.rank] = self.seq  # after the data: the others read it once they see this
+        self._wait_for_all()
+        x.copy_(rows.view(x.dtype).sum(0).view_as(x))
+        return x
+
+    def _wait_for_all(self) -> None:
+        spins, deadline = 0, None
+        while int(self.flags.min()) < self.seq:
+            spins += 1
+            if spins % 4 == 0:
+                os.sched_yield()  # let a rank that shares this core run
+            if spins % 4096 == 0:
+                deadline = deadline or time.monotonic() + self.timeout_s
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shared-memory all-reduce: a rank did not arrive within {self.timeout_s} s")
+
+# %% ../../notebooks/13_scaling_out.ipynb #f2a1eb49
+def shared_memory_all_reduce(tp: TPGroup, name: str, timeout_s: float = 300.0) -> SharedMemoryAllReduce | None:
+    """A `SharedMemoryAllReduce` for `tp`'s ranks (all on this machine; every rank calls it), or None on
+    every rank where it cannot be: a CPU other than x86, or /dev/shm that cannot hold the buffers."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        return SharedMemoryAllReduce(tp, name, timeout_s=timeout_s)
+    except OSError:  # raised on every rank alike
+        return None

@@ -6,6 +6,7 @@ against whole ones, a shard's logits, its parameter bytes (exported from noteboo
 functions in a module, so that fresh rank processes can import them)."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -88,8 +89,13 @@ def parameter_bytes(tp, folder, dtype: torch.dtype = torch.float32) -> int:
     return sum(p.numel() * p.element_size() for p in load_sharded_model(folder, dtype, "cpu", tp).parameters())
 
 # %% ../../notebooks/13_scaling_out.ipynb #08a330a2
-def all_reduce_seconds(tp, sizes: list[int], repeats: int = 30) -> list[float]:
-    """The median time (s) of one `all_reduce` of a float32 tensor of each size (elements) in `sizes`."""
+def all_reduce_seconds(tp, sizes: list[int], repeats: int = 30, shared_memory: bool = False) -> list[float]:
+    """The median time (s) of one `all_reduce` of a float32 tensor of each size (elements) in `sizes`,
+    through gloo, or with `shared_memory` through a `SharedMemoryAllReduce` where it takes the size."""
+    from minivllm.distributed.parallel_state import shared_memory_all_reduce
+
+    if shared_memory:
+        tp.shm = shared_memory_all_reduce(tp, f"check-{os.getppid()}")
     times = []
     for n in sizes:
         x, samples = torch.ones(n), []

@@ -188,13 +188,10 @@ class _OutputHandler(_FrontEnd):
 class AsyncLLM(_OutputHandler):
     """The asynchronous engine: `generate()` per request, an output handler for all of them.
 
-    Args:
-        args: an `EngineArgs` with every piece given (`defaults.complete_engine_args`).
-        multiprocess: run the engine core in its own process (`MPClient`, the default, as vLLM's
-            server does) or in this one, stepped by a worker thread (`InprocClient`).
-        stat_loggers: `StatLoggerBase`s whose `record` gets every batch's stats.
-        engine_core: a client already started (one with the interface of `MPClient`), used instead of
-            the one `multiprocess` names.
+    Args: args, an `EngineArgs` with every piece given (`defaults.complete_engine_args`); multiprocess:
+        run the engine core in its own process (`MPClient`, the default, as vLLM's server does) or in this
+        one, stepped by a worker thread (`InprocClient`); stat_loggers: `StatLoggerBase`s whose `record` gets
+        every batch's stats; engine_core: a client already started (`MPClient`'s interface), used instead.
     Attributes: tokenizer, processor, output_processor, engine_core (the client), max_model_len, scheduler_stats.
     Raises: EngineDeadError if the engine core does not start; ValueError for a bad setting."""
 

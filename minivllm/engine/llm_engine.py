@@ -22,11 +22,24 @@ from ..utils.checks import known_arguments
 from ..worker.model_runner import ModelRunner
 
 
+class _EngineState:
+    """`LLMEngine`'s answers about its state (vLLM's names); it uses `tokenizer` and `scheduler`."""
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
 # %% auto #0
 __all__ = ['LLMEngine', 'SimpleOutputProcessor']
 
 # %% ../../notebooks/04_scheduler.ipynb #3556cf1d
-class LLMEngine:
+class LLMEngine(_EngineState):
     """The producer–consumer engine: `add_request` produces, `step` consumes (vLLM's `LLMEngine`).
 
     Args: **kwargs, the fields of `EngineArgs`; the engine uses exactly the `block_manager_cls`,
@@ -82,15 +95,6 @@ class LLMEngine:
         """Stop requests wherever they are and free their blocks (unknown ids are ignored, as in vLLM)."""
         for rid in request_id if isinstance(request_id, (list, tuple, set)) else [request_id]:
             self.output_processor.abort_request(rid)
-
-    def get_tokenizer(self):
-        return self.tokenizer
-
-    def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
 
 # %% ../../notebooks/04_scheduler.ipynb #4acd8720
 class SimpleOutputProcessor:

@@ -27,9 +27,8 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows are split over the ranks: each rank looks up the ids in its range,
     writes zeros for the others, and one all-reduce adds the ranks' rows (exactly one is non-zero).
 
-    Args: vocab_size, hidden_size, tp (`TPGroup`).
+    Args: vocab_size, hidden_size, tp (`TPGroup`). Shapes: `forward(ids [N] int64)` -> `[N, hidden_size]`.
     Attributes: weight `[padded_vocab_size / tp.size, hidden_size]`; start, end (this rank's id range).
-    Shapes: `forward(ids [N] int64)` -> `[N, hidden_size]` on every rank.
     """
 
     shard_names = ("weight",)
