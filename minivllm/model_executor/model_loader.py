@@ -52,9 +52,23 @@ def load_config(path: str | Path):
     return config
 
 # %% auto #0
-__all__ = ['load_config', 'load_weights', 'load_model']
+__all__ = ['load_config', 'checkpoint_files', 'load_weights', 'load_model']
 
 # %% ../../notebooks/02_model.ipynb #a31ff680
+def checkpoint_files(path: str | Path):
+    """Each `path/*.safetensors` file in name order, opened: yields `(file, handle)` (safetensors'
+    `safe_open`, closed when the next is opened). Raises ValueError for a file that is not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            yield file, f
+
+
 def load_weights(model: nn.Module, path: str | Path) -> None:
     """Copy every tensor of `path/*.safetensors` into the parameter with the same name.
 
@@ -66,30 +80,23 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             checkpoint holds a tensor the model has no place for, or a file is not readable as
             safetensors (a truncated download, say).
     """
-    from safetensors import SafetensorError, safe_open
-
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded = set()
-    for file in sorted(Path(path).glob("*.safetensors")):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except SafetensorError as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for name in f.keys():
-                if name not in params:
-                    if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
-                        continue  # the embedding itself / a buffer we recompute
-                    raise ValueError(f"{file.name}: tensor {name} has no matching parameter in our "
-                                     f"{type(model).__name__} (an unsupported feature of this checkpoint)")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, the model "
-                                     f"expects {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor)
-                loaded.add(name)
+    for file, f in checkpoint_files(path):
+        for name in f.keys():
+            if name not in params:
+                if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                    continue  # the embedding itself / a buffer we recompute
+                raise ValueError(f"{file.name}: tensor {name} has no matching parameter in our "
+                                 f"{type(model).__name__} (an unsupported feature of this checkpoint)")
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, the model "
+                                 f"expects {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -14,7 +14,7 @@ from torch import nn
 
 from .layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, TPGroup, divide
 from .layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from .model_loader import load_config
+from .model_loader import checkpoint_files, load_config
 from .models.llama import MODEL_REGISTRY, SUPPORTED_DTYPES, LlamaForCausalLM
 
 
@@ -91,37 +91,29 @@ def load_sharded_weights(model: nn.Module, path: str | Path) -> None:
         ValueError: a tensor with no place in the model, a misshapen tensor, an unreadable file, or
             parameters no tensor filled (as chapter 02's `load_weights`).
     """
-    from safetensors import SafetensorError, safe_open
-
     names = {id(p): n for n, p in model.named_parameters()}  # a tied head's weight appears once
     tied, loaded = getattr(model.config, "tie_word_embeddings", False), set()
-    for file in sorted(Path(path).glob("*.safetensors")):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except SafetensorError as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for name in f.keys():
-                if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
-                    continue
-                prefix, _, attr = name.rpartition(".")
-                try:
-                    module = model.get_submodule(prefix)
-                except AttributeError:
-                    module = None
-                shards = hasattr(module, "load_shard") and attr in module.shard_names
-                if not (shards or isinstance(getattr(module, attr, None), nn.Parameter)):
-                    raise ValueError(f"{file.name}: tensor {name} has no matching parameter in our "
-                                     f"{type(model).__name__}")
-                try:
-                    if shards:
-                        filled = module.load_shard(attr, f.get_slice(name))
-                    else:
-                        with torch.no_grad():
-                            filled = [getattr(module, attr).copy_(f.get_tensor(name))]
-                except RuntimeError as e:  # copy_ of mismatched shapes
-                    raise ValueError(f"{file.name}: {name} does not fit the model ({e})") from None
-                loaded.update(id(p) for p in filled)
+    for file, f in checkpoint_files(path):
+        for name in f.keys():
+            if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                continue
+            prefix, _, attr = name.rpartition(".")
+            try:
+                module = model.get_submodule(prefix)
+            except AttributeError:
+                module = None
+            shards = hasattr(module, "load_shard") and attr in module.shard_names
+            if not (shards or isinstance(getattr(module, attr, None), nn.Parameter)):
+                raise ValueError(f"{file.name}: tensor {name} has no matching parameter in our {type(model).__name__}")
+            try:
+                if shards:
+                    filled = module.load_shard(attr, f.get_slice(name))
+                else:
+                    with torch.no_grad():
+                        filled = [getattr(module, attr).copy_(f.get_tensor(name))]
+            except RuntimeError as e:  # copy_ of mismatched shapes
+                raise ValueError(f"{file.name}: {name} does not fit the model ({e})") from None
+            loaded.update(id(p) for p in filled)
     missing = sorted(n for i, n in names.items() if i not in loaded)
     if missing:
         raise ValueError(f"weights missing from {path}: {missing[:5]}")
