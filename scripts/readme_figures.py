@@ -210,9 +210,25 @@ def ladder_table(results: Path) -> str:
     return "\n".join(lines)
 
 
+def parallel_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of chapter 13's record (`scripts/record_parallel.py`), where present."""
+    if not (results / "cpu_parallel.json").is_file():
+        return []
+    r = load(results, "cpu_parallel.json")
+    r = {**r, **r.pop("environment", {})}
+    runs, q = r["runs"], r["ratios"]
+    return [(f"CPU, tensor and data parallelism at 2 ({workload(r)}, greedy, {r['model']} with dummy weights, "
+             f"{r['dtype']}): one thread per rank or engine core against one process with both",
+             f"tp 2: **{q['tp2_tok_s_vs_tp1']:.2f}×** the tokens/s of tp 1 ({runs['tp2']['tok_s']:,.1f} against "
+             f"{runs['tp1']['tok_s']:,.1f}; target ≥ 0.8×), collectives {q['tp2_comm_share']:.0%} of its run; through gloo "
+             f"only {q['tp2_gloo_tok_s_vs_tp1']:.2f}×; parameters per rank **{q['tp2_parameter_bytes_vs_tp1']:.2f}×** "
+             f"(target ≤ 0.55×), KV-cache bytes per rank {q['tp2_kv_bytes_vs_tp1']:.2f}×; dp 2: "
+             f"**{q['dp2_tok_s_vs_tp1']:.2f}×**", source("cpu_parallel.json", r))]
+
+
 def figures(results: Path) -> str:
-    """The generated block: the figures table (CPU, chapter 11's and 12's comparisons, GPU), then the GPU ladder's table."""
-    rows = cpu_rows(results) + chunked_rows(results) + serve_rows(results) + gpu_rows(results)
+    """The generated block: the figures table (CPU, chapter 11's, 12's and 13's comparisons, GPU), then the GPU ladder's table."""
+    rows = cpu_rows(results) + chunked_rows(results) + serve_rows(results) + parallel_rows(results) + gpu_rows(results)
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]
     ladder = ladder_table(results)

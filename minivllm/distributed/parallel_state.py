@@ -209,11 +209,12 @@ class SharedMemoryAllReduce:
     after the data; other CPUs (ARM) would need memory fences, and use gloo.
 
     Args: tp (`TPGroup`: rank, size; its group does the set-up), name (unique per group), max_bytes (the
-        largest tensor it takes; larger ones go through gloo), timeout_s (how long to wait for a rank).
+        largest tensor it takes, 64 KiB: a decode step's; larger ones go through gloo, whose threads copy
+        and add them faster than one Python thread), timeout_s (how long to wait for a rank).
     Raises: RuntimeError from `all_reduce` when a rank has not arrived within `timeout_s`.
     """
 
-    def __init__(self, tp: TPGroup, name: str, max_bytes: int = 1 << 22, timeout_s: float = 300.0):
+    def __init__(self, tp: TPGroup, name: str, max_bytes: int = 1 << 16, timeout_s: float = 300.0):
         self.rank, self.size, self.max_bytes, self.timeout_s, self.seq = tp.rank, tp.size, max_bytes, timeout_s, 0
         paths = [f"/dev/shm/minivllm-{name}-{part}" for part in ("data", "flags")]
         sizes = [2 * tp.size * max_bytes, 8 * tp.size]
