@@ -18,7 +18,7 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
     "entrypoints/": ("the command line,\nthe OpenAI server", (4, 12, 13), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving", (8, 9, 11, 12), (1, 0)),
+    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving, parallel", (8, 9, 11, 12, 13), (1, 0)),
     "metrics/": ("Prometheus metrics,\nstats", (12,), (3, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
     "distributed/": ("process groups, ranks,\ntensor-parallel engine,\ndata parallel", (13,), (5, 1)),

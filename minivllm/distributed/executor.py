@@ -186,7 +186,8 @@ class ParallelLLMEngine(LLMEngine):
         self.workers = [start_worker(r, tp_size, addr, port, device_of(r), args.distributed_timeout_seconds,
                                      threads, shared_memory=shm) for r in ranks[1:]]
         tp_box: list[TPGroup] = []  # filled once this rank has joined
-        self._finalizer = weakref.finalize(self, stop_workers, self.workers, tp_box)  # also runs at exit
+        self._finalizer = weakref.finalize(self, stop_workers, self.workers, tp_box,
+                                           torch.get_num_threads())  # also runs at exit; gives the threads back
         if device.type == "cpu":
             torch.set_num_threads(threads)
         tp = init_tensor_parallel(0, tp_size, addr, port, device, args.distributed_timeout_seconds, shm)
@@ -200,9 +201,11 @@ class ParallelLLMEngine(LLMEngine):
             self._finalizer()
 
 # %% ../../notebooks/13_scaling_out.ipynb #59de44c8
-def stop_workers(workers: list[subprocess.Popen], tp_box: list[TPGroup], timeout: float = 10.0) -> None:
-    """Send "shutdown" to every rank (if this one joined: `tp_box`), leave the group, and kill any local
-    worker still running after `timeout` s."""
+def stop_workers(workers: list[subprocess.Popen], tp_box: list[TPGroup], num_threads: int,
+                 timeout: float = 10.0) -> None:
+    """Send "shutdown" to every rank (if this one joined: `tp_box`), leave the group, kill any local
+    worker still running after `timeout` s, and give this process its `num_threads` torch threads back."""
+    torch.set_num_threads(num_threads)
     if tp_box:
         try:
             send_plan(tp_box.pop(), "shutdown")

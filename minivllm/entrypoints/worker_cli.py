@@ -14,11 +14,12 @@ from ..distributed.executor import run_node
 def add_cli(subparsers) -> argparse.ArgumentParser:
     """Add `worker`: torchrun's rendezvous flags (default: the `MASTER_ADDR`, `MASTER_PORT` variables)."""
     p = subparsers.add_parser("worker", help="run this machine's ranks of a tensor-parallel engine on another node")
-    p.add_argument("--tensor-parallel-size", type=int, required=True)
-    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--tensor-parallel-size", type=int, required=True, help="ranks in all, as given to node 0's engine")
+    p.add_argument("--nnodes", type=int, required=True, help="machines the ranks span")
     p.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1 .. nnodes - 1")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address")
-    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 0)) or None)
+    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 0)) or None,
+                   help="the port node 0's engine listens on")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--distributed-timeout-seconds", type=float, default=300.0)
     p.set_defaults(func=worker)
