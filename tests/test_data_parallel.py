@@ -285,3 +285,17 @@ def test_serve_with_two_engine_cores(tmp_path):
                               "--in-process", "--data-parallel-size", "2"], capture_output=True, text=True,
                              timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert refused.returncode == 2 and "--in-process" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_unseeded_samples_differ_across_cores(tiny_llama):
+    """Each core seeds its unseeded requests' generator differently (seed + core index): n unseeded
+    samples split over two cores are not copies of each other."""
+    folder, _ = tiny_llama
+    llm = LLM(folder, data_parallel_size=2, **ENGINE)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0]
+        samples = [tuple(c.token_ids) for c in out.outputs]
+        assert len(set(samples)) == 4, samples
+    finally:
+        llm.llm_engine.shutdown()

@@ -227,3 +227,19 @@ def test_nccl_at_world_size_one():
         assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
     finally:
         destroy_tensor_parallel()
+
+
+def test_refusals_after_the_ranks_start_leave_nothing_behind(tiny_llama):
+    """A runner that cannot drive the ranks is refused before any starts; a setting refused after they
+    started (max_model_len above the model's limit) stops them at once, so a retry works."""
+    from minivllm.worker.model_runner import ModelRunner
+
+    folder, _ = tiny_llama
+    with pytest.raises(ValueError, match="needs a model runner that drives the other ranks"):
+        LLM(folder, dtype="float64", tensor_parallel_size=2, model_runner_cls=ModelRunner)
+    assert not psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="max_model_len=4096"):
+        LLM(folder, dtype="float64", tensor_parallel_size=2, max_model_len=4096)
+    assert not torch.distributed.is_initialized()
+    llm = LLM(folder, dtype="float64", tensor_parallel_size=2)  # the retry
+    llm.llm_engine.shutdown()

@@ -35,11 +35,12 @@ SEND_TIMEOUT_MS = 2000  # a core that cannot take a message this long is dead or
 
 
 def core_args(args: ParallelEngineArgs, index: int) -> ParallelEngineArgs:
-    """Engine core `index`'s settings: a copy of `args` with `data_parallel_size=1`. Each core is a
+    """Engine core `index`'s settings: a copy of `args` with `data_parallel_size=1` and `seed + index`. Each core is a
     tensor-parallel group of its own, so when a rendezvous port is given (`master_port` or `MASTER_PORT`)
     core i's ranks meet at that port + i; without one each core picks a free port."""
     port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
-    return dataclasses.replace(args, data_parallel_size=1, master_port=None if port is None else port + index)
+    return dataclasses.replace(args, data_parallel_size=1, master_port=None if port is None else port + index,
+                               seed=args.seed + index)  # unseeded requests draw differently on each core
 
 # %% auto #0
 __all__ = ['WAITING_WEIGHT', 'SEND_TIMEOUT_MS', 'core_args', 'DPClient', 'DPOutputProcessor', 'DPStepStats',

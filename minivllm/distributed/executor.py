@@ -170,11 +170,21 @@ class ParallelLLMEngine(LLMEngine):
 
     args_cls = ParallelEngineArgs
 
+    def __init__(self, **kwargs):
+        try:
+            super().__init__(**kwargs)
+        except BaseException:
+            self.shutdown()  # a setting refused after the ranks started: stop them now, not at collection
+            raise
+
     def load_model(self, path, dtype: torch.dtype, device: torch.device):
         args, tp_size = self.args, self.args.tensor_parallel_size
         if tp_size == 1:
             return super().load_model(path, dtype, device)
         check_tensor_parallel(load_config(path), tp_size)  # before any process starts
+        if not issubclass(args.model_runner_cls or ModelRunner, _TensorParallelDriver):
+            raise ValueError(f"tensor_parallel_size={tp_size} needs a model runner that drives the other ranks "
+                             f"(a _TensorParallelDriver, as minivllm.defaults picks); got {args.model_runner_cls!r}")
         ranks = local_ranks(tp_size, args.nnodes, args.node_rank)
         if ranks.start != 0:
             raise ValueError(f"node_rank={args.node_rank}: the engine runs on node 0; start the other nodes' "
