@@ -123,7 +123,7 @@ def test_llm_takes_vllm_arguments_at_their_one_value(folder, tmp_path):
     llm = LLM(str(folder), dtype="float64", max_model_len=64, num_kvcache_blocks=8, tensor_parallel_size=1, trust_remote_code=False,
               tokenizer=str(folder), enforce_eager=True, disable_log_stats=True, quantization=None)
     assert llm.llm_engine.args.enforce_eager is True
-    for kwargs, message in [(dict(tensor_parallel_size=2), "does not have vLLM's tensor_parallel_size=2"),
+    for kwargs, message in [(dict(pipeline_parallel_size=2), "does not have vLLM's pipeline_parallel_size=2"),
                             (dict(trust_remote_code=True), "trust_remote_code"),
                             (dict(enable_chunked_prefill="yes"), "enable_chunked_prefill"),  # chapter 11's: a bool
                             (dict(swap_space=4), "swap_space"),
