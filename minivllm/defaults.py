@@ -31,11 +31,22 @@ from .distributed.executor import (ParallelLLMEngine, TensorParallelMixedBatchMo
                                    TensorParallelModelRunner)
 from .distributed.parallel_state import ParallelEngineArgs
 from .distributed.data_parallel import DataParallelLLMEngine
+from .sample.rejection_sampler import RejectionSampler
+from .spec_decode.config import SpecDecodeEngineArgs
+from .spec_decode.engine import SpecDecodeLLMEngine
+from .spec_decode.model_runner import SpecDecodeModelRunner
+from .spec_decode.output_processor import SpecDecodeOutputProcessor
+from .spec_decode.scheduler import SpecDecodeScheduler
 
 
 def chunked(args: EngineArgs) -> bool:
     """Whether the engine's scheduler is chapter 11's token-budget scheduler (or a subclass of it)."""
     return isinstance(args.scheduler_cls, type) and issubclass(args.scheduler_cls, ChunkedPrefillScheduler)
+
+
+def speculative(args: EngineArgs) -> bool:
+    """Whether the engine verifies drafts (chapter 14's `speculative_config`)."""
+    return getattr(args, "speculative_config", None) is not None
 
 
 def tensor_parallel(args: EngineArgs) -> bool:
@@ -46,6 +57,9 @@ def tensor_parallel(args: EngineArgs) -> bool:
 # (chapter and name, condition on the engine's settings, scheduler class); when no row fits, the
 # engine uses chapter 04's prefill-first `Scheduler`.
 SCHEDULERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("14 speculative decoding: a sequence's drafts scheduled with its last token",
+     lambda args: speculative(args) and getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
+     SpecDecodeScheduler),
     ("11 one token budget: prefill chunks beside decodes",  # unless a given runner cannot run mixed steps
      lambda args: getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
      ChunkedPrefillScheduler),
@@ -71,6 +85,8 @@ ATTENTION_BACKENDS: list[tuple[str, Callable[[torch.device, torch.dtype], bool],
 # (chapter and name, condition on (engine settings, device), model runner class); when no row fits,
 # the engine uses chapter 04's eager `ModelRunner`.
 MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]] = [
+    ("14 speculative decoding: verify the drafts, propose the next", lambda args, device: speculative(args) and chunked(args),
+     SpecDecodeModelRunner),
     ("13 tensor parallel (rank 0 drives the others), 11 mixed batches",
      lambda args, device: tensor_parallel(args) and chunked(args), TensorParallelMixedBatchModelRunner),
     ("13 tensor parallel (rank 0 drives the others)", lambda args, device: tensor_parallel(args),
@@ -87,24 +103,28 @@ MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]
 # (chapter and name, condition on the engine's settings, sampler class); when no row fits, the model
 # runner keeps chapter 04's `sample_batch` (greedy and temperature).
 SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("14 rejection sampler over chapter 10's filtered distribution", speculative, RejectionSampler),
     ("10 batched sampler: penalties, min-p, top-k, top-p, logprobs", lambda args: True, Sampler),
 ]
 
 # (chapter and name, condition on the engine's settings, output processor class); when no row fits,
 # the engine uses chapter 04's `SimpleOutputProcessor` (the text once a request has finished).
 OUTPUT_PROCESSORS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
+    ("14 several tokens per step: a stop inside an accepted run ends it there", speculative, SpecDecodeOutputProcessor),
     ("10 text token by token, stop strings, streaming, n > 1", lambda args: True, OutputProcessor),
 ]
 
 
-# The settings `LLM` accepts: chapter 04's `EngineArgs` and chapter 13's parallel ones.
-ENGINE_ARGS: type = ParallelEngineArgs
+# The settings `LLM` accepts: chapter 04's `EngineArgs`, chapter 13's parallel ones, chapter 14's
+# `speculative_config`.
+ENGINE_ARGS: type = SpecDecodeEngineArgs
 
 # (chapter and name, condition on the settings, engine class); when no row fits, `LLM` builds chapter
 # 04's `LLMEngine`.
 ENGINES: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("13 data parallel: engine cores in processes of their own", lambda args: getattr(args, "data_parallel_size", 1) > 1,
      DataParallelLLMEngine),
+    ("14 speculative decoding: drafts verified by the target", speculative, SpecDecodeLLMEngine),
     ("13 tensor parallel ranks (one rank: chapter 04's engine)", lambda args: isinstance(args, ParallelEngineArgs),
      ParallelLLMEngine),
 ]

@@ -41,8 +41,17 @@ def engine_args_from_vllm(model, kwargs: dict, args_cls: type = EngineArgs) -> E
     vllm_only = {name: value for name, value in VLLM_ONLY_LLM_ARGS.items() if name not in fields}
     return args_cls(model=model, **known_arguments("LLM", kwargs, fields, vllm_only))
 
+
+def engine_kwargs(args: EngineArgs, engine_cls: type) -> dict:
+    """`args` as keyword arguments of `engine_cls`: a setting its `args_cls` lacks is left out when it
+    holds its default (a later chapter's setting, unused), and passed otherwise (the engine refuses it)."""
+    known = {f.name for f in dataclasses.fields(engine_cls.args_cls)}
+    unset = {f.name: f.default for f in dataclasses.fields(args)}
+    return {name: value for name, value in asdict(args).items() if name in known or value != unset[name]}
+
 # %% auto #0
-__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'run_to_completion', 'validate_and_add_requests', 'LLM']
+__all__ = ['VLLM_ONLY_LLM_ARGS', 'engine_args_from_vllm', 'engine_kwargs', 'run_to_completion', 'validate_and_add_requests',
+           'LLM']
 
 # %% ../notebooks/04_scheduler.ipynb #04356bcc
 def run_to_completion(engine: LLMEngine, ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
@@ -139,7 +148,8 @@ class LLM:
             args.model_runner_cls = defaults.model_runner_for(args, device)
         args.sampler_cls = args.sampler_cls or defaults.sampler_for(args)
         args.output_processor_cls = args.output_processor_cls or defaults.output_processor_for(args)
-        self.llm_engine = defaults.engine_for(args)(**asdict(args))
+        engine_cls = defaults.engine_for(args)
+        self.llm_engine = engine_cls(**engine_kwargs(args, engine_cls))
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()

@@ -172,6 +172,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "notebooks/13_scaling_out.ipynb", ("tests/test_grading_ch13_regions.py",)),
     Exercise("ch13_ex3", 5, "rebuild", "heads per rank and KV-head replication (kv_head_replicas, parallelize)",
              "notebooks/13_scaling_out.ipynb", ("tests/test_grading_ch13_regions.py",)),
+    Exercise("ch14_ex1", 10, "rebuild", "the rejection sampler (greedy_verify, rejection_sample)",
+             "notebooks/14_speculative_decoding.ipynb", ("tests/test_grading_ch14_regions.py",)),
+    Exercise("ch14_ex2", 5, "rebuild", "prompt lookup (ngram_lookup)", "notebooks/14_speculative_decoding.ipynb",
+             ("tests/test_grading_ch14_regions.py",)),
+    Exercise("ch14_ex3", 5, "extend", "k adapted per request from its acceptance (AdaptiveNgramProposer)",
+             "exercises/ch14_speculative_decoding.py", ("tests/test_grading_ch14.py",)),
 ]}
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root

@@ -11,17 +11,18 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "core/": ("schedulers,\nKV-cache manager:\nblocks, prefix caching", (4, 5, 6, 11), (2, 2)),
     "worker/": ("model runner, CUDA\ngraphs, mixed batches", (4, 8, 11), (3, 2)),
     "model_executor/": ("the decoder:\nlayers, weights,\nsplit layers", (2, 13), (4, 2)),
-    "sample/": ("sampler, its ops,\nseeded generator", (2, 10), (5, 2)),
+    "sample/": ("sampler, its ops,\nseeded generator,\nrejection sampler", (2, 10, 14), (5, 2)),
     "attention/": ("backends,\npaged attention,\nC++, Triton kernels", (4, 5, 7), (4, 1)),
     "sampling_params.py\nsequence.py": ("the request and\nits tokens", (1,), (1, 1)),
     "config.py\noutputs.py": ("EngineArgs,\nRequestOutput", (4,), (2, 1)),
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
     "entrypoints/": ("the command line,\nthe OpenAI server", (4, 12, 13), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving, parallel", (8, 9, 11, 12, 13), (1, 0)),
+    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving, parallel, drafts", (8, 9, 11, 12, 13, 14), (1, 0)),
     "metrics/": ("Prometheus metrics,\nstats", (12,), (3, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
     "distributed/": ("process groups, ranks,\ntensor-parallel engine,\ndata parallel", (13,), (5, 1)),
+    "spec_decode/": ("proposers: n-gram,\ndraft model; verifying\nscheduler and runner", (14,), (4, 0)),
 }
 # the request's path: text in, through the engine's folders, and tokens back out
 REQUEST_PATH = ("llm.py", "engine/", "core/", "worker/", "model_executor/", "sample/")

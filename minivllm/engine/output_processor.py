@@ -249,15 +249,7 @@ class OutputProcessor(OutputRequests):
         """The outputs of the requests whose sequences a step ran."""
         touched, stepped = {}, {s.seq_id for s in seqs}
         for seq in seqs:
-            parent, state = self.states[seq.seq_id]
-            reason = advance(state, self.sampler.logprobs if state.logprobs is not None else {}, self.tokenizer,
-                             self.decode)
-            if reason is not None:
-                stop_sequence(self.core, seq)
-                state.stop_reason = reason
-            if state.index == 0 and seq.num_completion_tokens == 1 and len(parent.states) < parent.n:
-                for child_state in fork_completions(self.core, parent, seq, self.tokenizer):
-                    self._track(parent, child_state)
+            parent = self.step_sequence(seq, self.sampler.logprobs)
             touched[parent.request_id] = parent
         outputs = [request_output(p, stepped, self.core.num_cached_tokens.get(p.request_id, 0)) for p in touched.values()]
         for out in outputs:
@@ -265,6 +257,19 @@ class OutputProcessor(OutputRequests):
                 self.states.pop(state.seq.seq_id)
                 self.core.num_cached_tokens.pop(state.seq.request_id, None)
         return [out for out in outputs if out is not None]
+
+    def step_sequence(self, seq: Sequence, sampler_logprobs: dict) -> ParentRequest:
+        """`seq`'s new token: `advance`, `stop_sequence` on a stop, `fork_completions` after a request's
+        first token. `sampler_logprobs`: seq_id -> the token's log-probability row. Returns its request."""
+        parent, state = self.states[seq.seq_id]
+        reason = advance(state, sampler_logprobs if state.logprobs is not None else {}, self.tokenizer, self.decode)
+        if reason is not None:
+            stop_sequence(self.core, seq)
+            state.stop_reason = reason
+        if state.index == 0 and seq.num_completion_tokens == 1 and len(parent.states) < parent.n:
+            for child_state in fork_completions(self.core, parent, seq, self.tokenizer):
+                self._track(parent, child_state)
+        return parent
 
 # %% ../../notebooks/10_sampling.ipynb #6226f74f
 def iter_outputs(engine, prompt, sampling_params=None, request_id: str | None = None):

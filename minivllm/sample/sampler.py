@@ -18,29 +18,46 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
-def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
-    """The sampler's one pass: `(tokens [num_seqs] int64, per-row log-probabilities or None)` for
-    `logits [num_seqs, vocab_size]` in float32 or float64, in vLLM's order (see `Sampler`). A random row
-    that excludes every token (`min_tokens` with every token a stop token) draws from all alike."""
-    wants_logprobs = any(n is not None for n in md.num_logprobs)
-    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """What every row's choice starts from: stop tokens masked until `min_tokens`, then the penalties
+    (greedy rows take the argmax of this). `[num_seqs, vocab_size]`, a new tensor or `logits` itself."""
     if md.min_tokens_rows.numel():
         logits = logits.index_put((md.min_tokens_rows, md.min_tokens_ids),
                                   torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
     if not md.no_penalties:
         logits = finite_logits(apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
                                                md.presence_penalties, md.frequency_penalties, md.repetition_penalties))
+    return logits
+
+
+def apply_temperature_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Random rows' logits before top-k and top-p: divided by the temperature, then min-p; a row left
+    with nothing to draw from draws from all alike. `[num_seqs, vocab_size]`."""
+    logits = finite_logits(logits / md.temperature[:, None])
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if bool((empty := torch.isneginf(logits).all(dim=-1)).any()):  # nothing left to draw from
+        logits = logits.masked_fill(empty[:, None], 0.0)
+    return logits
+
+# %% auto #0
+__all__ = ['finite_logits', 'apply_logits_processors', 'apply_temperature_min_p', 'sample_logits', 'Sampler']
+
+# %% ../../notebooks/10_sampling.ipynb #5ae1c0d2
+def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
+    """The sampler's one pass: `(tokens [num_seqs] int64, per-row log-probabilities or None)` for
+    `logits [num_seqs, vocab_size]` in float32 or float64, in vLLM's order (see `Sampler`). A random row
+    that excludes every token (`min_tokens` with every token a stop token) draws from all alike."""
+    wants_logprobs = any(n is not None for n in md.num_logprobs)
+    raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
+    logits = apply_logits_processors(logits, md)
     num_rows = len(logits)
     if md.all_greedy or len(md.plain_rows) + len(md.filtered_rows) < num_rows:
         sampled = logits.argmax(dim=-1)
     else:  # no greedy row: no argmax
         sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if not md.all_greedy:
-        logits = finite_logits(logits / md.temperature[:, None])
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if bool((empty := torch.isneginf(logits).all(dim=-1)).any()):  # nothing left to draw from
-            logits = logits.masked_fill(empty[:, None], 0.0)
+        logits = apply_temperature_min_p(logits, md)
         if len(rows := md.plain_rows):  # temperature (and min-p) only: the whole vocabulary
             sampled[rows] = random_sample(logits if len(rows) == num_rows else logits[rows], md.uniforms[rows])
         if len(rows := md.filtered_rows):  # top-k or top-p: the pivot draw, no sort
@@ -49,9 +66,6 @@ def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Ten
                                                None if md.top_p is None else md.top_p[rows], md.uniforms[rows],
                                                [md.generators[i] for i in rows.tolist()])
     return sampled, (gather_logprobs(raw_logprobs, sampled, md.num_logprobs) if wants_logprobs else None)
-
-# %% auto #0
-__all__ = ['finite_logits', 'sample_logits', 'Sampler']
 
 # %% ../../notebooks/10_sampling.ipynb #19c8a11e
 class Sampler:

@@ -156,12 +156,17 @@ class _MixedBatches:
         """One forward pass over a mixed batch: `(logits [num_sampled, vocab_size], sampled sequences)`."""
         input_ids, positions, md, sample_rows, sampled = prepare_mixed_batch(seqs, self.block_manager.block_size,
                                                                              self.device)
+        return self.logits_at(input_ids, positions, md, sample_rows), sampled
+
+    def logits_at(self, input_ids: torch.Tensor, positions: torch.Tensor, md: MixedBatchMetadata,
+                  rows: torch.Tensor) -> torch.Tensor:
+        """One forward pass over a flat batch (K/V written into the cache): the logits of `rows`."""
         self.mixed_attn.metadata = md
         try:
             hidden = self.model(input_ids, positions, self.mixed_attn)
         finally:
             self.mixed_attn.metadata = None
-        return self.model.compute_logits(hidden[sample_rows]), sampled
+        return self.model.compute_logits(hidden[rows])
 
 
 class MixedBatchModelRunner(_MixedBatches, ModelRunner):

@@ -66,15 +66,12 @@ class _QueueMoves:
 class SchedulerBase(_QueueMoves):
     """The queues and their bookkeeping, which every scheduling policy shares.
 
-    Args:
-        block_manager: the block manager (see `BlockManagerInterface`).
-        max_num_seqs: most sequences running at once (so also in one step).
-        max_num_batched_tokens: most tokens computed in one prefill step.
-        max_model_len: most tokens (prompt + completion) in one sequence.
-        eos_token_ids: token ids that end a sequence (unless its `ignore_eos`).
-    Attributes: sampling_fields, the `SamplingParams` fields the scheduler acts on (see `Processor`).
-    The limits are checked once by `EngineArgs`; here they are asserted.
-    """
+    Args: block_manager (see `BlockManagerInterface`); max_num_seqs, most sequences running at once (so
+        also in one step); max_num_batched_tokens, most tokens computed in one prefill step; max_model_len,
+        most tokens (prompt + completion) in one sequence; eos_token_ids, ids that end a sequence (unless
+        its `ignore_eos`).
+    Attributes: sampling_fields, the `SamplingParams` fields it acts on (see `Processor`). The limits
+    are checked once by `EngineArgs`; here they are asserted."""
 
     sampling_fields = frozenset({"max_tokens", "ignore_eos"})
 
@@ -112,16 +109,19 @@ class SchedulerBase(_QueueMoves):
         Returns the sequences that got a token (here all; vLLM's `update_from_output`)."""
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.append_token(token_id)
-            max_tokens, params = seq.sampling_params.max_tokens, seq.sampling_params
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            elif ((max_tokens is not None and seq.num_completion_tokens >= max_tokens)
-                  or seq.num_tokens >= self.max_seq_len):
-                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            if seq.is_finished:
+            if self.check_stop(seq):
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
         return seqs
+
+    def check_stop(self, seq: Sequence) -> bool:
+        """After a token is appended: finish `seq` on EOS, `max_tokens` or `max_seq_len` (vLLM's `check_stop`)."""
+        params = seq.sampling_params
+        if seq.last_token in self.eos_token_ids and not params.ignore_eos:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_completion_tokens >= (params.max_tokens or float("inf")) or seq.num_tokens >= self.max_seq_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        return seq.is_finished
 
 # %% ../../../notebooks/04_scheduler.ipynb #9f1f4fd4
 class Scheduler(SchedulerBase):
