@@ -226,9 +226,27 @@ def parallel_rows(results: Path) -> list[tuple[str, str, str]]:
              f"**{q['dp2_tok_s_vs_tp1']:.2f}×**", source("cpu_parallel.json", r))]
 
 
+def spec_decode_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of chapter 14's record (`scripts/record_spec_decode.py`), where present."""
+    if not (results / "cpu_spec_decode.json").is_file():
+        return []
+    r = load(results, "cpu_spec_decode.json")
+    r = {**r, **r.pop("environment", {})}
+    t, d = r["targets"], r["draft_model"]
+    ratio = t["draft_measured_over_predicted"]
+    alphas = [run["acceptance_rate"] for name, run in d["runs"].items() if name != "plain"]
+    return [(f"CPU, speculative decoding ({r['model']}): each engine against plain decoding, one run",
+             f"prompt lookup, k = 5: **{t['ngram_rewrite_speedup_k5']:.2f}×** output tokens/s rewriting a given text "
+             f"(target ≥ 1.5×), **{t['ngram_free_speedup_k5']:.2f}×** on free generation (target ≥ 0.9×); a draft model "
+             f"made of the target's {d['layers']} layers (c = {d['cost_ratio_c']:.2f}, acceptance {min(alphas):.0%}–"
+             f"{max(alphas):.0%}): measured / predicted speedup **{min(ratio):.2f}–{max(ratio):.2f}** over k = 1–5 "
+             f"(target 0.8–1.2)", source("cpu_spec_decode.json", r))]
+
+
 def figures(results: Path) -> str:
-    """The generated block: the figures table (CPU, chapter 11's, 12's and 13's comparisons, GPU), then the GPU ladder's table."""
-    rows = cpu_rows(results) + chunked_rows(results) + serve_rows(results) + parallel_rows(results) + gpu_rows(results)
+    """The generated block: the figures table (CPU, chapter 11's to 14's comparisons, GPU), then the GPU ladder's table."""
+    rows = (cpu_rows(results) + chunked_rows(results) + serve_rows(results) + parallel_rows(results)
+            + spec_decode_rows(results) + gpu_rows(results))
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]
     ladder = ladder_table(results)

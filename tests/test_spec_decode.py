@@ -824,16 +824,20 @@ def test_pieces_that_cannot_verify_drafts_are_refused(target):
     from minivllm.core.sched.scheduler import Scheduler
     from minivllm.sample.sampler import Sampler
 
+    from minivllm.worker.model_runner import ModelRunner
+
     with pytest.raises(ValueError, match="scheduler_cls"):
         make_llm(target[0], ngram(2), scheduler_cls=Scheduler)
     with pytest.raises(ValueError, match="sampler_cls"):
         make_llm(target[0], ngram(2), sampler_cls=Sampler)
+    with pytest.raises(ValueError, match="model_runner_cls"):  # the runner named, not the scheduler it implies
+        make_llm(target[0], ngram(2), model_runner_cls=ModelRunner)
 
 
 @pytest.fixture(scope="module")
 def misfit_drafts(tmp_path_factory):
-    """Drafts that do not fit the target: another vocabulary size, a shorter context, a tokenizer (the
-    target has none), and a target with a tokenizer whose draft has another token -> id map."""
+    """Drafts for the target: another vocabulary size, a shorter context, and a target with a tokenizer
+    with a draft without one (accepted) and a draft with another token -> id map (refused)."""
     from test_detokenize import PIECES, sentencepiece_tokenizer
 
     made = {}
@@ -866,13 +870,13 @@ def test_misfit_draft_models_are_refused_naming_both_values(target, misfit_draft
     assert "max_position_embeddings=64" in str(err.value) and "max_model_len=128" in str(err.value)
     make_llm(folder, draft_model(misfit_drafts["short"], 2), max_model_len=64)  # short enough: accepted
     tok_target = misfit_drafts["tok_target"]
-    for draft in ("no_tok", "other_tok"):
-        with pytest.raises(ValueError) as err:
-            make_llm(tok_target, draft_model(misfit_drafts[draft], 2))
-        assert str(misfit_drafts[draft]) in str(err.value) and str(tok_target) in str(err.value), str(err.value)
-    with pytest.raises(ValueError) as err:  # the other way round: a target without tokenizer, a draft with one
-        make_llm(misfit_drafts["no_tok"], draft_model(tok_target, 2))
-    assert "tokenizer" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        make_llm(tok_target, draft_model(misfit_drafts["other_tok"], 2))
+    assert str(misfit_drafts["other_tok"]) in str(err.value) and str(tok_target) in str(err.value), str(err.value)
+    # a folder without tokenizer files on either side is taken to use the other's (vLLM never loads the
+    # draft's tokenizer): only two token -> id maps that differ are refused
+    make_llm(tok_target, draft_model(misfit_drafts["no_tok"], 2))
+    make_llm(misfit_drafts["no_tok"], draft_model(tok_target, 2))
 
 
 def test_after_a_refused_request_the_engine_still_serves(target, greedy_case):
@@ -1012,3 +1016,20 @@ def test_rejection_sampler_returns_a_logprob_row_per_token():
     assert len(rows) == 3
     for row, token, logit in zip(rows, [1, 0, 2], logits):
         assert int(row[0][0]) == token and abs(float(row[1][0]) - float(logit.log_softmax(-1)[token])) < 1e-12
+
+
+def test_the_draft_models_cache_counts_in_the_kv_budget(target):
+    """A byte budget holds both caches (the draft's has as many blocks as the target's): together they
+    take at most `kv_cache_memory_bytes`, where the target alone would take it all."""
+    folder, _ = target
+    budget = 4 * 2**20
+    plain = make_llm(folder, None, kv_cache_memory_bytes=budget, num_kvcache_blocks=None)
+    spec = make_llm(folder, draft_model(folder, 3), kv_cache_memory_bytes=budget, num_kvcache_blocks=None)
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    runner = spec.llm_engine.model_runner
+    total = nbytes(runner.kv_cache) + nbytes(runner.proposer.runner.kv_cache)
+    assert total <= budget < 2 * total, (total, budget)
+    assert spec.llm_engine.block_manager.num_blocks == plain.llm_engine.block_manager.num_blocks // 2

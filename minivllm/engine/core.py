@@ -16,7 +16,7 @@ import torch
 
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from ..sequence import Sequence
-from ..worker.model_runner import ModelRunner, kv_cache_bytes_per_token
+from ..worker.model_runner import ModelRunner
 
 MAX_KV_CACHE_FRACTION = 0.9  # of the memory available when the cache is sized; the rest is headroom
 
@@ -39,15 +39,15 @@ def available_memory_bytes(device: torch.device) -> int:
 __all__ = ['MAX_KV_CACHE_FRACTION', 'available_memory_bytes', 'kv_cache_num_tokens', 'eos_token_ids', 'StepStats', 'EngineCore']
 
 # %% ../../notebooks/04_scheduler.ipynb #31967d26
-def kv_cache_num_tokens(args: EngineArgs, model, device: torch.device) -> int:
-    """How many tokens of K/V the cache will hold: `num_kvcache_blocks` blocks, or a byte budget
-    (`kv_cache_memory_bytes`; on CUDA by default `gpu_memory_utilization`; else 1 GiB).
+def kv_cache_num_tokens(args: EngineArgs, per_token: int, device: torch.device) -> int:
+    """How many tokens of K/V the cache will hold, at `per_token` bytes each (`kv_cache_bytes_per_token`):
+    `num_kvcache_blocks` blocks, or a byte budget (`kv_cache_memory_bytes`; on CUDA by default
+    `gpu_memory_utilization`; else 1 GiB).
 
     Raises:
         ValueError: the cache would not hold one block, or it asks for more than
             `MAX_KV_CACHE_FRACTION` of the memory available on the device (checked before allocating).
     """
-    per_token = kv_cache_bytes_per_token(model)
     if args.num_kvcache_blocks is not None:
         asked, what = args.num_kvcache_blocks * args.block_size * per_token, f"num_kvcache_blocks={args.num_kvcache_blocks}"
     elif args.kv_cache_memory_bytes is not None:

@@ -19,11 +19,12 @@ from ..sampling_params import RequestOutputKind
 from ..sequence import Sequence
 from ..transformers_utils.model_files import has_tokenizer, load_tokenizer, resolve_model
 from ..utils.checks import known_arguments
-from ..worker.model_runner import ModelRunner
+from ..worker.model_runner import ModelRunner, kv_cache_bytes_per_token
 
 
 class _EngineState:
-    """`LLMEngine`'s answers about its state (vLLM's names); it uses `tokenizer` and `scheduler`."""
+    """`LLMEngine`'s answers about its state (vLLM's names) and its K/V bytes per token; it uses
+    `tokenizer`, `scheduler` and `model`."""
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -33,6 +34,10 @@ class _EngineState:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of K/V one token takes in the engine's caches (a subclass with more caches adds theirs)."""
+        return kv_cache_bytes_per_token(self.model)
 
 
 # %% auto #0
@@ -63,7 +68,8 @@ class LLMEngine(_EngineState):
         given = args.max_model_len is not None
         chunks_prefills = args.enable_chunked_prefill and getattr(args.scheduler_cls, "chunks_prefills", False)
         resolve_lengths(args, (config := self.model.config).max_position_embeddings, chunks_prefills)
-        fit_max_model_len(args, num_cache_tokens := kv_cache_num_tokens(args, self.model, device), given)
+        num_cache_tokens = kv_cache_num_tokens(args, self.kv_cache_bytes_per_token(), device)
+        fit_max_model_len(args, num_cache_tokens, given)
         self.block_manager = (args.block_manager_cls or ContiguousBlockManager).from_cache_size(
             num_cache_tokens, args.block_size, args.max_model_len)
         self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)

@@ -136,7 +136,8 @@ class RejectionSampler:
             rows = slice(start, start + len(drafts) + 1)
             out.append(greedy_verify(drafts, argmax[rows]) if seq.sampling_params.greedy
                        else rejection_sample(drafts, probs[rows], q, uniforms[rows]))
-            assert 1 <= len(out[-1]) <= len(drafts) + 1, f"{len(drafts)} drafts verified into {out[-1]}: not 1 ... k + 1"
+            if not 1 <= len(out[-1]) <= len(drafts) + 1:
+                raise RuntimeError(f"{len(drafts)} drafts verified into {out[-1]}: a verification gives 1 ... k + 1 tokens")
             start = rows.stop
         self.logprobs = self.gather_logprobs(logits, seqs, draft_token_ids, out)
         return out

@@ -24,7 +24,8 @@ def load_draft_model(draft: str | Path, target: str | Path | None, target_model,
 
     Raises:
         ValueError: (naming both values) a vocabulary of another size, another tokenizer (a different
-            token -> id map), or a context shorter than the target engine's `max_model_len`.
+            token -> id map; a draft folder without one is taken to use the target's), or a context
+            shorter than the target engine's `max_model_len`.
     """
     draft_path, target_path = resolve_model(draft), resolve_model(target)
     config, target_vocab = load_config(draft_path), target_model.config.vocab_size
@@ -33,8 +34,8 @@ def load_draft_model(draft: str | Path, target: str | Path | None, target_model,
     if config.max_position_embeddings < max_model_len:
         raise ValueError(f"the draft model's max_position_embeddings={config.max_position_embeddings} is shorter "
                          f"than the target's max_model_len={max_model_len}")
-    if has_tokenizer(draft_path) != has_tokenizer(target_path) or (
-            has_tokenizer(draft_path) and load_tokenizer(draft_path).get_vocab() != load_tokenizer(target_path).get_vocab()):
+    if has_tokenizer(draft_path) and has_tokenizer(target_path) and (  # a draft without one uses the target's
+            load_tokenizer(draft_path).get_vocab() != load_tokenizer(target_path).get_vocab()):
         raise ValueError(f"the draft model's tokenizer ({draft_path}) is not the target's ({target_path}): "
                          "drafts must be the target's token ids")
     param = next(target_model.parameters())
@@ -45,14 +46,15 @@ class _Proposers:
     """Building the proposer a `SpeculativeConfig` names; mixed into it (its `method`, `model`,
     `num_speculative_tokens` and lookup bounds are used)."""
 
-    def make_proposer(self, args, runner):
-        """The proposer for the engine of `args` whose model runner is `runner` (its model, block
-        manager, dtype and device). Raises ValueError: a draft model that does not fit (`load_draft_model`)."""
+    def make_proposer(self, args, runner, draft_model=None):
+        """The proposer for the engine of `args` whose model runner is `runner` (its model, block manager,
+        dtype and device); for "draft_model", `draft_model` (None: loaded here). Raises ValueError: a
+        draft model that does not fit (`load_draft_model`)."""
         bm = runner.block_manager
         max_seq_len = min(args.max_model_len, bm.num_blocks * bm.block_size)
         if self.method == "ngram":
             return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max, max_seq_len)
-        draft = load_draft_model(self.model, args.model, runner.model, args.max_model_len)
+        draft = draft_model or load_draft_model(self.model, args.model, runner.model, args.max_model_len)
         return DraftModelProposer(draft, bm, args.attention_backend, self.num_speculative_tokens, max_seq_len)
 
 # %% auto #0

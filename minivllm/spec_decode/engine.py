@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from ..engine.llm_engine import LLMEngine
 from ..sample.rejection_sampler import RejectionSampler
-from .config import SpecDecodeEngineArgs
+from ..worker.model_runner import kv_cache_bytes_per_token
+from .config import SpecDecodeEngineArgs, load_draft_model
 from .metrics import SpecDecodingStats
 from .model_runner import SpecDecodeModelRunner
 from .output_processor import SpecDecodeOutputProcessor
 from .scheduler import SpecDecodeScheduler
 
 # the pieces an engine with drafts needs: setting -> the class it must be (or subclass)
-SPEC_DECODE_PIECES = {"scheduler_cls": SpecDecodeScheduler, "model_runner_cls": SpecDecodeModelRunner,
+SPEC_DECODE_PIECES = {"model_runner_cls": SpecDecodeModelRunner, "scheduler_cls": SpecDecodeScheduler,
                       "sampler_cls": RejectionSampler, "output_processor_cls": SpecDecodeOutputProcessor}
 
 
@@ -22,19 +23,38 @@ class SpecDecodeLLMEngine(LLMEngine):
     """`LLMEngine` whose settings include `speculative_config` (`LLM` builds it when one is given, with
     the pieces of `minivllm.defaults`). Raises ValueError: a bad `speculative_config` (see
     `SpeculativeConfig.from_dict`), a draft model that does not fit, or a piece that cannot verify
-    drafts (`SPEC_DECODE_PIECES`), before the model is loaded.
-    Attributes: as `LLMEngine`; spec_decoding_stats (a `SpecDecodingStats`, None without drafts)."""
+    drafts (`SPEC_DECODE_PIECES`), before the model is loaded. A draft model is loaded with the target,
+    and its KV cache (as many blocks as the target's) counts in the budget (`kv_cache_bytes_per_token`).
+    Attributes: as `LLMEngine`; draft_model (None: none); spec_decoding_stats (a `SpecDecodingStats`,
+        None without drafts)."""
 
     args_cls = SpecDecodeEngineArgs
 
+    def __init__(self, **kwargs):
+        self.draft_model = None  # `load_model` loads it, before the KV caches are sized
+        super().__init__(**kwargs)
+        if self.draft_model is not None:
+            self.model_runner.proposer = self.args.speculative_config.make_proposer(self.args, self.model_runner,
+                                                                                    self.draft_model)
+
     def load_model(self, path, dtype, device):
-        args = self.args
-        if args.speculative_config is not None:
-            for name, cls in SPEC_DECODE_PIECES.items():
-                if not (isinstance(getattr(args, name), type) and issubclass(getattr(args, name), cls)):
-                    raise ValueError(f"speculative_config needs {name} to be {cls.__name__} (or a subclass), "
-                                     f"got {getattr(args, name)!r}")
-        return super().load_model(path, dtype, device)
+        """The target (chapter 04's way) and, for "draft_model", the draft, after the pieces are checked."""
+        args, config = self.args, self.args.speculative_config
+        misfits = [f"{name}={getattr(args, name)!r} (needs {cls.__name__} or a subclass)"
+                   for name, cls in SPEC_DECODE_PIECES.items() if config is not None
+                   and not (isinstance(getattr(args, name), type) and issubclass(getattr(args, name), cls))]
+        if misfits:  # LLM leaves a piece None when one given cannot work with it (the defaults' conditions)
+            raise ValueError(f"speculative_config cannot work with {'; '.join(misfits)}")
+        target = super().load_model(path, dtype, device)
+        if config is not None and config.method == "draft_model":
+            self.draft_model = load_draft_model(config.model, args.model, target,
+                                                args.max_model_len or target.config.max_position_embeddings)
+        return target
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """The target's K/V per token, and the draft model's (its cache has as many blocks)."""
+        draft = 0 if self.draft_model is None else kv_cache_bytes_per_token(self.draft_model)
+        return super().kv_cache_bytes_per_token() + draft
 
     @property
     def spec_decoding_stats(self) -> SpecDecodingStats | None:

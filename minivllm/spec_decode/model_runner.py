@@ -43,10 +43,7 @@ def forward_rows(runner, rows: list[tuple[Sequence, int, list[int], int]]) -> to
     cache: the logits of the scored positions, `[sum(num_sampled), vocab_size]`."""
     return runner.logits_at(*flat_batch(rows, runner.block_manager.block_size, runner.device))
 
-# %% auto #0
-__all__ = ['flat_batch', 'forward_rows', 'verify_row', 'SpecDecodeModelRunner']
 
-# %% ../../notebooks/14_speculative_decoding.ipynb #48f007eb
 def verify_row(seq: Sequence) -> tuple[Sequence, int, list[int], int]:
     """`seq`'s row this step (see `flat_batch`): its scheduled tokens, drafts included; a sequence that
     reaches its last token scores it and each draft (`1 + len(drafts)` positions), a partial prefill none."""
@@ -55,7 +52,10 @@ def verify_row(seq: Sequence) -> tuple[Sequence, int, list[int], int]:
         return seq, start, seq.token_ids[start:end], 0
     return seq, start, seq.token_ids[start:] + seq.spec_token_ids, 1 + len(seq.spec_token_ids)
 
+# %% auto #0
+__all__ = ['flat_batch', 'forward_rows', 'verify_row', 'SpecDecodeModelRunner']
 
+# %% ../../notebooks/14_speculative_decoding.ipynb #48f007eb
 class SpecDecodeModelRunner(MixedBatchModelRunner):
     """Chapter 11's model runner for steps with drafts: one forward pass scores every sequence's last
     token and drafts (`verify_row`), the sampler (a `RejectionSampler`) verifies them, and the proposer
@@ -76,7 +76,8 @@ class SpecDecodeModelRunner(MixedBatchModelRunner):
     @classmethod
     def from_engine_args(cls, args, model, block_manager, generator=None) -> "SpecDecodeModelRunner":
         runner = cls(model, block_manager, generator, args.attention_backend)
-        runner.proposer = args.speculative_config.make_proposer(args, runner)
+        if args.speculative_config.method == "ngram":  # a draft model's comes from the engine, which loads
+            runner.proposer = args.speculative_config.make_proposer(args, runner)  # it before sizing the caches
         return runner
 
     @torch.inference_mode()

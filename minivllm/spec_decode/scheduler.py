@@ -108,7 +108,11 @@ class SpecDecodeScheduler(_Verification, _DraftSlots, ChunkedPrefillScheduler):
 
     @classmethod
     def from_engine_args(cls, args, block_manager, eos_token_ids) -> "SpecDecodeScheduler":
+        """Raises ValueError: `num_speculative_tokens` not below `max_model_len` (drafts that never fit)."""
         config = args.speculative_config
+        if config.num_speculative_tokens >= args.max_model_len:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} is not below max_model_len="
+                             f"{args.max_model_len}")
         return cls(block_manager, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, eos_token_ids,
                    args.enable_chunked_prefill, args.long_prefill_token_threshold,
                    num_spec_tokens=config.num_speculative_tokens,
@@ -126,6 +130,12 @@ class SpecDecodeScheduler(_Verification, _DraftSlots, ChunkedPrefillScheduler):
         copies = super().fork(parent, child)
         child.spec_token_ids = []
         return copies
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """As chapter 11's; a step whose sequences all compute their newest token (with drafts or not)
+        counts as a decode step."""
+        seqs, _ = super().schedule()
+        return seqs, not all(s.num_prompt_tokens <= s.num_computed_tokens == s.num_tokens - 1 for s in seqs)
 
     def num_new_tokens(self, seq: Sequence, budget: int) -> int:
         if seq.spec_token_ids:  # a caught-up sequence: its last token and the drafts that fit
