@@ -16,6 +16,7 @@ Invariants (`spec_helpers.check_spec_invariants`) are checked after every step o
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import math
 import random
@@ -1033,3 +1034,23 @@ def test_the_draft_models_cache_counts_in_the_kv_budget(target):
     total = nbytes(runner.kv_cache) + nbytes(runner.proposer.runner.kv_cache)
     assert total <= budget < 2 * total, (total, budget)
     assert spec.llm_engine.block_manager.num_blocks == plain.llm_engine.block_manager.num_blocks // 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_greedy_tokens_equal_plain_decoding_in_float32(target, close_draft, device):
+    """In float32 (on a GPU: the CUDA attention backends, graphs for plain decode steps), both proposers'
+    greedy tokens equal plain decoding's and transformers'."""
+    folder, hf = target
+    prompts = [p * 3 for p in random_prompts(6, 4, 12, seed=21)]
+    kwargs = dict(device=device, dtype="float32", num_kvcache_blocks=512)
+    plain = [o.outputs[0].token_ids for o in make_llm(folder, None, **kwargs).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False)]
+    hf32 = copy.deepcopy(hf).float()
+    assert plain == [hf_greedy(hf32, p, 24) for p in prompts]
+    for spec in (ngram(4), draft_model(close_draft, 3)):
+        outs = make_llm(folder, spec, **kwargs).generate([{"prompt_token_ids": p} for p in prompts],
+                                                          SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                                          use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain, spec
