@@ -47,12 +47,13 @@ __all__ = ['REWRITE_TEXTS', 'REWRITE_CHANGES', 'FREE_PROMPTS', 'draft_from_first
            'free_messages', 'run_batch_one', 'compare_speculation']
 
 # %% ../../notebooks/14_speculative_decoding.ipynb #77745997
-def predicted_speedup(alpha: float, k: int, c: float) -> float:
+def predicted_speedup(alpha: float, k: int, c: float, verify: float = 1.0) -> float:
     """Leviathan et al.'s expected speedup of speculative decoding over plain decoding: each step yields
-    `(1 - alpha^(k+1)) / (1 - alpha)` tokens on average (drafts accepted independently with probability
-    `alpha`) and costs `k * c + 1` target steps (`c`: a draft step's cost over a target step's)."""
+    `(1 - alpha^(k+1)) / (1 - alpha)` tokens on average (each draft, when tested, accepted independently
+    with probability `alpha`) and costs `k * c + verify` decode steps (`c`: a draft step's cost over a
+    target decode step's; `verify`: the verification pass's, 1 in their formula)."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    return tokens / (k * c + verify)
 
 # %% ../../notebooks/14_speculative_decoding.ipynb #1b0b6fa1
 REWRITE_TEXTS = [
@@ -88,19 +89,21 @@ def run_batch_one(llm, messages: list, params) -> dict:
 
     llm.chat(messages[0], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     stats = getattr(llm.llm_engine, "spec_decoding_stats", None)
-    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0, 0)
+    counters = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_tested_tokens")
+    before = [getattr(stats, name) if stats else 0 for name in counters]
     seconds, token_ids = 0.0, []
     for conversation in messages:
         t0 = time.perf_counter()
         out = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0]
         seconds += time.perf_counter() - t0
         token_ids.append(list(out.token_ids))
-    after = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0, 0)
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    after = [getattr(stats, name) if stats else 0 for name in counters]
+    drafts, draft_tokens, accepted, tested = (a - b for a, b in zip(after, before))
     num_tokens = sum(map(len, token_ids))
     return dict(output_tokens=num_tokens, seconds=seconds, tokens_per_s=num_tokens / seconds, token_ids=token_ids,
                 num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                 acceptance_rate=accepted / draft_tokens if draft_tokens else None,
+                tested_acceptance_rate=accepted / tested if tested else None,
                 mean_acceptance_length=1 + accepted / drafts if drafts else None)
 
 

@@ -54,9 +54,12 @@ def rejection_sample(draft_token_ids: list[int], target_probs: torch.Tensor, dra
                      uniforms: list[float]) -> list[int]:
     """Verify `k` drafts against the target's distributions (Leviathan et al. 2023, Algorithm 1).
 
-    Draft `j` is accepted with probability `min(1, p_j(d) / q_j(d))`; at the first rejection a token is
-    drawn from the positive part of `p_j - q_j`, normalized, and the rest is dropped; after `k`
-    acceptances a bonus token is drawn from `p_k`. Whatever `q` is, each output token follows `p`.
+    Draft `j` is accepted with probability `min(1, p_j(d) / q_j(d))`; at the first rejection a token
+    (vLLM's "recovered" token) is drawn from the positive part of `p_j - q_j`, normalized, and the rest
+    is dropped; after `k` acceptances a bonus token is drawn from `p_k`. Whatever `q` is, each output
+    token follows `p`. Every draw is `draw(probs, u)` with the next unused uniform; the uniforms after
+    it are not read and no argument is modified. A residual of total 0 (`p <= q` everywhere: `p == q`
+    up to rounding) falls back to `p`.
     Args:
         target_probs: `[k + 1, vocab_size]`, the target's filtered distribution at each position.
         draft_probs: `[k, vocab_size]`, the distributions the drafts were drawn from; None: each draft

@@ -8,8 +8,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class _AcceptanceRates:
+    """What the counters say; mixed into `SpecDecodingStats`, whose counters it reads."""
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 + accepted / drafts (1.0 before any draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts, vLLM's rate (0.0 before any): it falls with k, since the
+        drafts after a rejection count although they were never tested."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tested_acceptance_rate(self) -> float:
+        """Accepted drafts over tested ones (0.0 before any): the chance that a draft is accepted when
+        it is tested, Leviathan et al.'s alpha (if acceptances are independent)."""
+        return self.num_accepted_tokens / self.num_tested_tokens if self.num_tested_tokens else 0.0
+
+# %% auto #0
+__all__ = ['SpecDecodingStats']
+
+# %% ../../notebooks/14_speculative_decoding.ipynb #57037883
 @dataclass
-class SpecDecodingStats:
+class SpecDecodingStats(_AcceptanceRates):
     """Counts over the engine's life (vLLM's `vllm:spec_decode_*` counters).
 
     Attributes:
@@ -18,6 +42,9 @@ class SpecDecodingStats:
         num_draft_tokens: drafts verified. num_accepted_tokens: drafts accepted and kept (a run cut at a
             stop counts none after it).
         num_accepted_tokens_per_pos: `[k]`, how often the draft at each position was accepted.
+        num_tested_tokens: drafts the rejection sampler decided on: the accepted ones and the first
+            rejected one of each run (those after it are never tested). Not one of vLLM's counters: it
+            gives `tested_acceptance_rate`, the estimate of Leviathan et al.'s alpha.
     """
 
     num_spec_tokens: int
@@ -25,6 +52,7 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_tested_tokens: int = 0
 
     def __post_init__(self):
         self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.num_spec_tokens
@@ -36,6 +64,7 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        self.num_tested_tokens += min(num_draft_tokens, num_accepted_tokens + 1)
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
 
@@ -43,18 +72,6 @@ class SpecDecodingStats:
         """A stop string ended a run after `num_kept` of its `num_accepted_tokens` accepted drafts: the
         rest are no longer counted."""
         self.num_accepted_tokens -= num_accepted_tokens - num_kept
+        self.num_tested_tokens -= num_accepted_tokens - num_kept
         for pos in range(num_kept, num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] -= 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification step: 1 + accepted / drafts (1.0 before any draft)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over verified drafts (0.0 before any)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-# %% auto #0
-__all__ = ['SpecDecodingStats']
