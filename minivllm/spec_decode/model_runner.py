@@ -83,8 +83,9 @@ class SpecDecodeModelRunner(MixedBatchModelRunner):
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[list[int], list[int]] | None]:
         limit = self.prefill_microbatch_tokens if self.device.type == "cpu" else None
-        logits = torch.cat([forward_rows(self, [verify_row(s) for s in group]) for group in split_rows(seqs, limit)])
-        sampled = [s for s in seqs if verify_row(s)[3]]
+        rows = {id(s): verify_row(s) for s in seqs}
+        logits = torch.cat([forward_rows(self, [rows[id(s)] for s in group]) for group in split_rows(seqs, limit)])
+        sampled = [s for s in seqs if rows[id(s)][3]]  # those that score positions: the sampler's
         probs = [self.draft_probs[s.seq_id][:len(s.spec_token_ids)] if s.seq_id in self.draft_probs else None
                  for s in sampled]
         tokens = self.sampler(logits, sampled, [s.spec_token_ids for s in sampled], probs, self.generators,
