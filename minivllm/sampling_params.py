@@ -13,8 +13,8 @@ from .utils.checks import known_arguments, require_bool, require_int, require_nu
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # vLLM's SamplingParams arguments minivllm does not have: accepted only as None (off)
-VLLM_ONLY_ARGS = dict.fromkeys(["best_of", "logits_processors", "truncate_prompt_tokens", "guided_decoding",
-                                "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words", "extra_args"])
+VLLM_ONLY_ARGS = dict.fromkeys(["best_of", "logits_processors", "truncate_prompt_tokens", "logit_bias",
+                                "allowed_token_ids", "bad_words", "extra_args"])
 
 
 class RequestOutputKind(enum.Enum):
@@ -26,7 +26,7 @@ class RequestOutputKind(enum.Enum):
 
 # %% auto #0
 __all__ = ['SAMPLING_EPS', 'SEED_MIN', 'SEED_MAX', 'VLLM_ONLY_ARGS', 'RequestOutputKind', 'check_sampling_filters',
-           'check_sampling_params', 'SamplingParams']
+           'check_sampling_params', 'StructuredOutputsParams', 'SamplingParams']
 
 # %% ../notebooks/01_sequences.ipynb #85d3d68a
 def check_sampling_filters(p) -> None:
@@ -88,6 +88,60 @@ def check_sampling_params(p) -> None:
         raise ValueError(f"output_kind must be a RequestOutputKind, got {p.output_kind!r}")
     if p.stop and not p.detokenize:
         raise ValueError("stop strings need detokenize=True: they are looked for in the text")
+    if p.structured_outputs is not None and not isinstance(p.structured_outputs, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(p.structured_outputs).__name__}")
+
+# %% ../notebooks/01_sequences.ipynb #33fa2b48
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's whole output (vLLM's `StructuredOutputsParams`; chapter 15 enforces it).
+
+    Exactly one of: json (a JSON schema, a dict or its JSON text), regex (a pattern the whole output
+    matches), choice (a non-empty list of strings: the output is one of them), grammar (a context-free
+    grammar, GBNF `root ::= ...` as in vLLM's examples or Lark `start: ...`), json_object=True (any JSON
+    object). disable_any_whitespace: JSON without free whitespace between tokens (vLLM's option).
+    Raises:
+        ValueError: no constraint or several; json empty or not an object; json_object other than True;
+            an empty choice list or a choice that is not a string; an empty grammar; a non-string regex;
+            vLLM's structural_tag (not implemented here).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        import json
+
+        given = [f.name for f in dataclasses.fields(self)[:6] if getattr(self, f.name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag; got {', '.join(given) or 'none'}")
+        if self.structural_tag is not None:
+            raise ValueError("minivllm does not implement structural_tag; use json, regex, choice or grammar")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"json must be a JSON schema; its text does not parse: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json must be a JSON schema object, got {self.json!r:.80}")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"json must be a schema as a dict or JSON text, got {type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be True (or left out), got {self.json_object!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r:.80}")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise ValueError(f"grammar must be a non-empty grammar text, got {self.grammar!r:.80}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"regex must be a string, got {type(self.regex).__name__}")
+        require_bool("disable_any_whitespace", self.disable_any_whitespace)
 
 # %% ../notebooks/01_sequences.ipynb #2289b3a3
 @dataclass(init=False)
@@ -100,7 +154,8 @@ class SamplingParams:
     [SEED_MIN, SEED_MAX] or None); stop (strings); stop_token_ids; ignore_eos; max_tokens (>= 1, or
     None: up to max_model_len); min_tokens (<= max_tokens); logprobs, prompt_logprobs (None, or how many
     top tokens per position; -1: all); detokenize; skip_special_tokens; spaces_between_special_tokens;
-    include_stop_str_in_output; output_kind (a `RequestOutputKind`).
+    include_stop_str_in_output; output_kind (a `RequestOutputKind`); structured_outputs (None, or a
+    `StructuredOutputsParams`).
     Raises:
         ValueError: a value out of range (naming the field, the value and the limit), a positional
             argument, or an argument minivllm does not have (saying so; see `known_arguments`).
@@ -127,10 +182,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, *args, **kwargs):
         if args:
             raise ValueError(f"SamplingParams takes keyword arguments (vLLM's names); got {len(args)} positional")
+        if "guided_decoding" in kwargs:  # removed from vLLM in v0.12.0
+            raise ValueError("guided_decoding was renamed: pass structured_outputs=StructuredOutputsParams(json=..., "
+                             "regex=..., choice=..., grammar=... or json_object=True)")
         defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
         kwargs = known_arguments("SamplingParams", kwargs, defaults, VLLM_ONLY_ARGS)
         for name, default in defaults.items():

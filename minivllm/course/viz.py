@@ -18,11 +18,12 @@ PACKAGE_MAP: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {
     "transformers_utils/\nutils/": ("model files, tokenizer,\nargument checks", (1,), (3, 1)),
     "baselines/": ("the naive loop,\nstatic batching", (2, 3), (0, 1)),
     "entrypoints/": ("the command line,\nthe OpenAI server", (4, 12, 13), (0, 0)),
-    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving, parallel, drafts", (8, 9, 11, 12, 13, 14), (1, 0)),
+    "benchmarks/": ("throughput, roofline,\nspeedup ladder, latency,\nserving, parallel, drafts,\ngrammars", (8, 9, 11, 12, 13, 14, 15), (1, 0)),
     "metrics/": ("Prometheus metrics,\nstats", (12,), (3, 0)),
     "course/": ("grading, tiny models,\nthese pictures", (1, 2), (2, 0)),
     "distributed/": ("process groups, ranks,\ntensor-parallel engine,\ndata parallel", (13,), (5, 1)),
     "spec_decode/": ("proposers: n-gram,\ndraft model; verifying\nscheduler and runner", (14,), (4, 0)),
+    "structured_output/": ("grammar backend,\nbitmasks, the\nstructured output manager", (15,), (5, 0)),
 }
 # the request's path: text in, through the engine's folders, and tokens back out
 REQUEST_PATH = ("llm.py", "engine/", "core/", "worker/", "model_executor/", "sample/")

@@ -99,7 +99,8 @@ def front_end_processor(tokenizer, info: EngineCoreInfo, output_processor: CoreO
     (`logprobs` only if the core's sampler reports them, `stop` strings only with a tokenizer)."""
     fields = output_processor.sampling_fields - (set() if info.has_logprobs else {"logprobs"})
     fields -= set() if tokenizer is not None else {"stop"}
-    return Processor(tokenizer, info.vocab_size, info.max_model_len, info.cache, info.sampling_fields | fields)
+    return Processor(tokenizer, info.vocab_size, info.max_model_len, info.cache, info.sampling_fields | fields,
+                     info.request_checks)
 
 
 class _FrontEnd:

@@ -95,7 +95,8 @@ class EngineCoreInfo:
 
     Attributes: max_model_len (resolved), vocab_size, cache (a `CacheShape`), sampling_fields (the
         `SamplingParams` fields the core's scheduler and model runner act on), has_logprobs (its
-        sampler reports log-probabilities).
+        sampler reports log-probabilities), request_checks (its parts' further checks of a request's
+        `SamplingParams`: functions, sent by reference).
     """
 
     max_model_len: int
@@ -103,6 +104,7 @@ class EngineCoreInfo:
     cache: CacheShape
     sampling_fields: frozenset
     has_logprobs: bool
+    request_checks: tuple = ()
 
 # %% ../../notebooks/12_serving.ipynb #8cd0ad64
 class EngineCoreProc:
@@ -118,10 +120,12 @@ class EngineCoreProc:
 
     def info(self) -> EngineCoreInfo:
         e = self.engine
-        fields = frozenset().union(*(getattr(p, "sampling_fields", ()) for p in (e.scheduler, e.model_runner)))
+        parts = (e.scheduler, e.model_runner)
+        fields = frozenset().union(*(getattr(p, "sampling_fields", ()) for p in parts))
         return EngineCoreInfo(e.args.max_model_len, e.model.config.vocab_size,
                               CacheShape(e.block_manager.num_blocks, e.block_manager.block_size),
-                              fields, hasattr(e.model_runner.sampler, "logprobs"))
+                              fields, hasattr(e.model_runner.sampler, "logprobs"),
+                              tuple(check for p in parts for check in getattr(p, "request_checks", ())))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.sent[request.request_id] = 0

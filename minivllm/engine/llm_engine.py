@@ -83,7 +83,9 @@ class LLMEngine(_EngineState):
         self.output_processor = (args.output_processor_cls or SimpleOutputProcessor)(self)
         parts = (self.scheduler, self.model_runner, self.output_processor)
         supported = frozenset().union(*(getattr(part, "sampling_fields", ()) for part in parts))
-        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager, supported)
+        checks = [check for part in parts for check in getattr(part, "request_checks", ())]
+        self.processor = Processor(self.tokenizer, config.vocab_size, args.max_model_len, self.block_manager,
+                                   supported, checks)
 
     def load_model(self, path, dtype, device):
         """The model the engine runs: chapter 02's `load_model` (a subclass may load it otherwise)."""

@@ -108,11 +108,15 @@ class Processor:
         block_manager: the block manager; a prompt must fit in the whole cache, and its `block_size`
             is the sequence's.
         supported_fields: the `SamplingParams` fields some part of the engine acts on (None: all).
+        request_checks: more checks of a request's checked `SamplingParams`, each raising ValueError (a
+            part that acts on a field may check it further: its `request_checks`).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_manager, supported_fields=None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_manager, supported_fields=None,
+                 request_checks=()):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_manager, self.supported_fields = block_manager, supported_fields
+        self.request_checks = tuple(request_checks)
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         """Check a request and wrap it in a `Sequence` (not yet queued).
@@ -121,7 +125,7 @@ class Processor:
             prompt: text, a list of token ids, or `{"prompt_token_ids": [...]}` (optionally with "prompt").
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
-                sequence keeps a checked copy) or set while no part acts on it; the prompt is empty, is text but there
+                sequence keeps a checked copy) or set while no part acts on it, or fails a `request_checks`; the prompt is empty, is text but there
                 is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len` tokens or more; `n` is more than
                 the KV cache's blocks (each completion holds one of its own).
         """
@@ -134,6 +138,8 @@ class Processor:
         if unsupported:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
+        for check in self.request_checks:
+            check(sampling_params)
         if sampling_params.n > self.block_manager.num_blocks:  # each completion holds a block of its own
             raise ValueError(f"n={sampling_params.n} is more than the KV cache's {self.block_manager.num_blocks} blocks")
         text, raw = split_prompt(prompt, self.tokenizer)
