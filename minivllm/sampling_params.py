@@ -91,7 +91,7 @@ def check_sampling_params(p) -> None:
     if p.structured_outputs is not None and not isinstance(p.structured_outputs, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(p.structured_outputs).__name__}")
 
-# %% ../notebooks/01_sequences.ipynb #33fa2b48
+# %% ../notebooks/01_sequences.ipynb #50f1af3d
 @dataclass
 class StructuredOutputsParams:
     """One constraint on a request's whole output (vLLM's `StructuredOutputsParams`; chapter 15 enforces it).
