@@ -90,6 +90,8 @@ def check_sampling_params(p) -> None:
         raise ValueError("stop strings need detokenize=True: they are looked for in the text")
     if p.structured_outputs is not None and not isinstance(p.structured_outputs, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(p.structured_outputs).__name__}")
+    if p.structured_outputs is not None:  # a copy of its own, checked again (a field may have been set since)
+        p.structured_outputs = dataclasses.replace(p.structured_outputs)
 
 # %% ../notebooks/01_sequences.ipynb #50f1af3d
 @dataclass
@@ -154,13 +156,10 @@ class SamplingParams:
     [SEED_MIN, SEED_MAX] or None); stop (strings); stop_token_ids; ignore_eos; max_tokens (>= 1, or
     None: up to max_model_len); min_tokens (<= max_tokens); logprobs, prompt_logprobs (None, or how many
     top tokens per position; -1: all); detokenize; skip_special_tokens; spaces_between_special_tokens;
-    include_stop_str_in_output; output_kind (a `RequestOutputKind`); structured_outputs (None, or a
-    `StructuredOutputsParams`).
-    Raises:
-        ValueError: a value out of range (naming the field, the value and the limit), a positional
-            argument, or an argument minivllm does not have (saying so; see `known_arguments`).
+    include_stop_str_in_output; output_kind (a `RequestOutputKind`); structured_outputs (a `StructuredOutputsParams`).
+    Raises: ValueError: a value out of range (naming the field, the value and the limit), a positional
+        argument, an argument minivllm does not have (saying so; see `known_arguments`), guided_decoding.
     """
-
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -188,8 +187,7 @@ class SamplingParams:
         if args:
             raise ValueError(f"SamplingParams takes keyword arguments (vLLM's names); got {len(args)} positional")
         if "guided_decoding" in kwargs:  # removed from vLLM in v0.12.0
-            raise ValueError("guided_decoding was renamed: pass structured_outputs=StructuredOutputsParams(json=..., "
-                             "regex=..., choice=..., grammar=... or json_object=True)")
+            raise ValueError("guided_decoding was renamed: pass structured_outputs=StructuredOutputsParams(...)")
         defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
         kwargs = known_arguments("SamplingParams", kwargs, defaults, VLLM_ONLY_ARGS)
         for name, default in defaults.items():

@@ -245,10 +245,25 @@ def spec_decode_rows(results: Path) -> list[tuple[str, str, str]]:
              f"**{min(ratio):.2f}–{max(ratio):.2f}** (target 0.8–1.2, {met})", source("cpu_spec_decode.json", r))]
 
 
+def structured_output_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of chapter 15's record (`scripts/record_structured_output.py`), where present."""
+    if not (results / "cpu_structured_output.json").is_file():
+        return []
+    r = load(results, "cpu_structured_output.json")
+    r = {**r, **r.pop("environment", {})}
+    c, j = r["cost"], r["json_parse"]
+    return [(f"CPU, structured outputs ({r['model']}, {r['backend']}): constrained and plain runs side by side, one run",
+             f"decode step, {c['batch']} constrained (a JSON schema) vs {c['batch']} plain requests: **{c['step_overhead']:+.1%}** "
+             f"(target ≤ 10 %); grammar compilation {c['compile_ms_per_request']:.1f} ms per request, "
+             f"**{c['setup_share']:.2%}** of a request's end-to-end time (target ≤ 5 %); JSON asked of the model at "
+             f"temperature 0.7: {j['free']['parses']}/{j['free']['of']} parse free, {j['constrained']['matches_schema']}/"
+             f"{j['constrained']['of']} match the schema constrained", source("cpu_structured_output.json", r))]
+
+
 def figures(results: Path) -> str:
     """The generated block: the figures table (CPU, chapter 11's to 14's comparisons, GPU), then the GPU ladder's table."""
     rows = (cpu_rows(results) + chunked_rows(results) + serve_rows(results) + parallel_rows(results)
-            + spec_decode_rows(results) + gpu_rows(results))
+            + spec_decode_rows(results) + structured_output_rows(results) + gpu_rows(results))
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]
     ladder = ladder_table(results)

@@ -90,6 +90,8 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
         return list(importlib.import_module("grading_ch13_ranks").STAND_INS.get(ex, []))
     if ch == "ch14":
         return list(importlib.import_module("test_grading_ch14_regions").STAND_INS.get(ex, []))
+    if ch == "ch15":
+        return list(importlib.import_module("test_grading_ch15_regions").STAND_INS.get(ex, []))
     return []
 
 

@@ -13,7 +13,7 @@ VLLM_DEFAULTS = dict(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetitio
                      top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
                      max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True,
                      skip_special_tokens=True, spaces_between_special_tokens=True, include_stop_str_in_output=False,
-                     output_kind=RequestOutputKind.CUMULATIVE)
+                     output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None)
 
 
 def test_vllm_fields_and_defaults():

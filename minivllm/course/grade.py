@@ -178,6 +178,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              ("tests/test_grading_ch14_regions.py",)),
     Exercise("ch14_ex3", 5, "extend", "k adapted per request from its acceptance (AdaptiveNgramProposer)",
              "exercises/ch14_speculative_decoding.py", ("tests/test_grading_ch14.py",)),
+    Exercise("ch15_ex1", 5, "rebuild", "applying a packed token bitmask (apply_token_bitmask)",
+             "notebooks/15_structured_outputs.ipynb", ("tests/test_grading_ch15_regions.py",)),
+    Exercise("ch15_ex2", 10, "rebuild", "the toy regex index (token_mask)", "notebooks/15_structured_outputs.ipynb",
+             ("tests/test_grading_ch15_regions.py",)),
+    Exercise("ch15_ex3", 5, "extend", "fast-forward tokens: forced tokens appended without sampling "
+             "(FastForwardScheduler)", "exercises/ch15_structured_outputs.py", ("tests/test_grading_ch15.py",)),
 ]}
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root

@@ -122,10 +122,9 @@ class EngineCoreProc:
         e = self.engine
         parts = (e.scheduler, e.model_runner)
         fields = frozenset().union(*(getattr(p, "sampling_fields", ()) for p in parts))
-        return EngineCoreInfo(e.args.max_model_len, e.model.config.vocab_size,
-                              CacheShape(e.block_manager.num_blocks, e.block_manager.block_size),
-                              fields, hasattr(e.model_runner.sampler, "logprobs"),
-                              tuple(check for p in parts for check in getattr(p, "request_checks", ())))
+        checks = tuple(check for p in parts for check in getattr(p, "request_checks", ()))
+        return EngineCoreInfo(e.args.max_model_len, e.model.config.vocab_size, CacheShape(e.block_manager.num_blocks,
+                              e.block_manager.block_size), fields, hasattr(e.model_runner.sampler, "logprobs"), checks)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.sent[request.request_id] = 0

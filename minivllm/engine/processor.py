@@ -105,18 +105,14 @@ class Processor:
         tokenizer: the model's tokenizer, or None (then prompts must be token ids).
         vocab_size: token ids must be in `[0, vocab_size)`.
         max_model_len: a prompt must leave room for one generated token.
-        block_manager: the block manager; a prompt must fit in the whole cache, and its `block_size`
-            is the sequence's.
+        block_manager: the block manager; a prompt must fit in the whole cache; its `block_size` is the sequence's.
         supported_fields: the `SamplingParams` fields some part of the engine acts on (None: all).
-        request_checks: more checks of a request's checked `SamplingParams`, each raising ValueError (a
-            part that acts on a field may check it further: its `request_checks`).
+        checks: functions of a checked `SamplingParams` raising ValueError (the parts' `request_checks`).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_manager, supported_fields=None,
-                 request_checks=()):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_manager, supported_fields=None, checks=()):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.block_manager, self.supported_fields = block_manager, supported_fields
-        self.request_checks = tuple(request_checks)
+        self.block_manager, self.supported_fields, self.request_checks = block_manager, supported_fields, tuple(checks)
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         """Check a request and wrap it in a `Sequence` (not yet queued).
@@ -125,9 +121,9 @@ class Processor:
             prompt: text, a list of token ids, or `{"prompt_token_ids": [...]}` (optionally with "prompt").
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
-                sequence keeps a checked copy) or set while no part acts on it, or fails a `request_checks`; the prompt is empty, is text but there
-                is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len` tokens or more; `n` is more than
-                the KV cache's blocks (each completion holds one of its own).
+                sequence keeps a checked copy) or set while no part acts on it, or fails a check; the prompt is
+                empty, is text but there is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len`
+                tokens or more; `n` is more than the KV cache's blocks (each completion holds one of its own).
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):

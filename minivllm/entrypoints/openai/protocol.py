@@ -4,16 +4,18 @@
 """The OpenAI API's request bodies and error object, as pydantic models (after vLLM's
 `vllm/entrypoints/openai/protocol.py`): OpenAI's fields, vLLM's sampling extras (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`), and `to_sampling_params` to turn a request into minivllm's `SamplingParams`."""
+`include_stop_str_in_output`), the output constraints (OpenAI's `response_format`, vLLM's
+`structured_outputs`), and `to_sampling_params` to turn a request into minivllm's `SamplingParams`."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...sampling_params import RequestOutputKind, SamplingParams
+from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top tokens per position a request may ask for (vLLM's default max_logprobs)
 
@@ -51,9 +53,58 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo', 'ErrorResponse', 'StreamOptions', 'SamplingRequest',
-           'capped_max_tokens', 'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest',
-           'model_card']
+__all__ = ['MAX_LOGPROBS', 'STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
+           'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat', 'structured_outputs_params',
+           'SamplingRequest', 'capped_max_tokens', 'CompletionRequest', 'ContentPart', 'ChatMessage',
+           'ChatCompletionRequest', 'model_card']
+
+# %% ../../../notebooks/12_serving.ipynb #6e3fb1c9
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: the schema (OpenAI's key `schema`, which pydantic's models reserve,
+    hence the alias), its name, and `strict` (minivllm always enforces the schema)."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON
+    object) or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; another type is a
+    validation error (400)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+STRUCTURED_OUTPUTS_KEYS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams))
+OPTION_KEYS = frozenset({"disable_any_whitespace"})  # how a constraint is enforced, not a constraint
+
+
+def structured_outputs_params(response_format: ResponseFormat | None,
+                              structured_outputs: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None: OpenAI's `response_format` (json_object, json_schema) or
+    vLLM's `structured_outputs` (a dict of `StructuredOutputsParams`' fields). As in vLLM, a format fills
+    in the constraint and `structured_outputs` may add options (`disable_any_whitespace`) to it. Raises
+    ValueError: two constraints (a "text" format is none), a json_schema format without its schema, a key
+    `StructuredOutputsParams` lacks, or a value it refuses (a constraint that does not compile is refused
+    later, at submission)."""
+    given = dict(structured_outputs or {})
+    unknown = sorted(set(given) - STRUCTURED_OUTPUTS_KEYS)
+    if unknown:
+        raise ValueError(f"structured_outputs has no field {', '.join(unknown)} "
+                         f"(it takes {', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))})")
+    if response_format is None or response_format.type == "text":
+        return None if structured_outputs is None else StructuredOutputsParams(**given)
+    both = sorted(k for k, v in given.items() if v is not None and k not in OPTION_KEYS)
+    if both:
+        raise ValueError(f"response_format and structured_outputs' {', '.join(both)} are two constraints: give one")
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(**dict(given, json_object=True))
+    if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+        raise ValueError('response_format of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+    return StructuredOutputsParams(**dict(given, json=response_format.json_schema.json_schema))
 
 # %% ../../../notebooks/12_serving.ipynb #d6238cbc
 class SamplingRequest(OpenAIBaseModel):
@@ -79,11 +130,14 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output's constraint: OpenAI's response_format or vLLM's structured_outputs (chapter 15)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """`SamplingParams` keyword arguments; a field left None keeps SamplingParams' default. Streams ask
         for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: `logprobs` outside
-        [0, MAX_LOGPROBS]."""
+        [0, MAX_LOGPROBS], or a bad output constraint (`structured_outputs_params`)."""
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -94,7 +148,8 @@ class SamplingRequest(OpenAIBaseModel):
         return dict(kwargs, n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                     ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                     logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output, output_kind=kind)
+                    include_stop_str_in_output=self.include_stop_str_in_output, output_kind=kind,
+                    structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
 
     @property
     def include_usage(self) -> bool:
