@@ -23,6 +23,9 @@ from minivllm.benchmarks.runners import run_hf
 from minivllm.benchmarks.workload import Workload, make_workload
 from minivllm.model_executor.model_loader import load_model
 from minivllm.baselines.naive import naive_generate
+from minivllm.core.sched.chunked_prefill import ChunkedPrefillScheduler
+from minivllm.defaults import scheduler_for
+from minivllm.config import EngineArgs as _EngineArgs
 from minivllm.sampling_params import SamplingParams
 
 
@@ -481,7 +484,7 @@ def test_ladder_rungs_run_chapter_04s_scheduler_with_the_real_default_assembly(m
         args = benchmarks.ladder.rung_engine_args(name, {}, torch.device(device), torch.bfloat16)
         assert defaults.scheduler_for(EngineArgs(**args)) is None, name  # None: chapter 04's Scheduler
     assert args["model_runner_cls"] is CUDAGraphModelRunner
-    assert defaults.scheduler_for(EngineArgs()).__name__ == "ChunkedPrefillScheduler"  # the default engine's
+    assert issubclass(defaults.scheduler_for(EngineArgs()), ChunkedPrefillScheduler)  # the default engine's
 
 
 def test_ladder_records_every_rung_and_goes_on_after_a_failure(tiny_llama, monkeypatch):
@@ -668,6 +671,9 @@ MIXED_ARGS = ["--workload", "mixed", "--dtype", "float64", "--threads", "1", "--
               "--mixed-first-arrival-step", "2", "--mixed-arrival-every", "3", "--mixed-budget", "16"]
 
 
+DEFAULT_SCHEDULER = scheduler_for(_EngineArgs()).__name__  # the default assembly's token-budget scheduler
+
+
 @pytest.fixture
 def schedulers_built(monkeypatch):
     """The scheduler class name of every `LLM` built, in order."""
@@ -696,7 +702,7 @@ def test_bench_mixed_workload_record(tiny_llama, tmp_path, capsys, schedulers_bu
     assert r["engine_args"] == {"block_size": 4, "max_model_len": 43, "max_num_seqs": 16}  # when not given:
     # the longest request, and no more sequences than the budget can give a token each step
     # each contender: a warm-up engine run, then the timed one; chapter 04's scheduler, then the budget
-    assert [name for name, _ in schedulers_built] == ["Scheduler", "ChunkedPrefillScheduler"]
+    assert [name for name, _ in schedulers_built] == ["Scheduler", DEFAULT_SCHEDULER]
     assert schedulers_built[1][1] == 16
     pf, ch = r["contenders"]["prefill_first"], r["contenders"]["chunked"]
     for c in (pf, ch):
@@ -744,7 +750,7 @@ def test_bench_compare_ch09_runs_both_engines_on_one_workload(tiny_llama, capsys
             "--output-len", "2", "9", "--threads", "1", "--block-size", "4", "--no-roofline", "--compare", "ch09"]
     assert main([*argv, "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip())
-    assert [name for name, _ in schedulers_built] == ["ChunkedPrefillScheduler", "Scheduler"]
+    assert [name for name, _ in schedulers_built] == [DEFAULT_SCHEDULER, "Scheduler"]
     w = make_workload(5, (2, 30), (2, 9), vocab_size=128, seed=0)
     assert r["compare"] == "ch09" and r["output_tokens"] == w.num_output_tokens and r["hf_tok_s"] is None
     assert r["ch09_tok_s"] == pytest.approx(w.num_output_tokens / r["ch09_s"])

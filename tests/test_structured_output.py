@@ -696,20 +696,32 @@ def test_ignore_eos_choice_stops_when_complete(llm, prompts, ll_tokenizer):
 
 # --- min_tokens longer than the constraint allows -------------------------------------------------------------
 
-def test_min_tokens_never_breaks_the_constraint(llm, prompts, ll_tokenizer):
-    """min_tokens past the end of a choice: after "red" the grammar allows only EOS, which min_tokens
-    forbids. Either the request is refused at submission (ValueError), or whatever it outputs, every
-    token is one the grammar accepts (no token the grammar refused may reach the output)."""
-    so = SO(choice=["red"])
-    for p in (greedy(max_tokens=20, min_tokens=5, structured_outputs=so),
-              sampled(0, max_tokens=20, min_tokens=5, structured_outputs=so)):
-        try:
+def test_min_tokens_never_breaks_the_constraint(llm, prompts, ll_tokenizer, tokenizer):
+    """min_tokens past the end of a constraint: where the grammar allows only EOS, min_tokens does not
+    mask it (the constraint wins). The output is the whole constrained text, ends with EOS and "stop",
+    and every token is one the grammar accepts; also for a constraint whose only output is empty."""
+    for so in (SO(choice=["red"]), SO(regex="abcdef"), SO(json={"type": "boolean"}), SO(regex=""), SO(regex="a{0}")):
+        for p in (greedy(max_tokens=20, min_tokens=5, structured_outputs=so),
+                  sampled(0, max_tokens=20, min_tokens=5, structured_outputs=so)):
             out = run_engine(llm.llm_engine, prompts[:1], p)[0].outputs[0]
-        except ValueError:
-            continue
-        m = independent_matcher(ll_tokenizer, so)
-        assert all(m.consume_token(t) for t in out.token_ids), (out.text, list(out.token_ids), out.finish_reason)
-        assert out.text in ("", "r", "re", "red"), out
+            m = independent_matcher(ll_tokenizer, so)
+            assert all(m.consume_token(t) for t in out.token_ids), (so, out.text, list(out.token_ids))
+            assert out.finish_reason == "stop" and out.token_ids[-1] == tokenizer.eos_token_id, (so, out)
+            assert out.text == tokenizer.decode(out.token_ids[:-1]), (so, out.text, list(out.token_ids))
+            check_output(so, out, ll_tokenizer, "min_tokens")
+
+
+def test_grammar_only_the_tokenizer_can_refuse(llm, prompts):
+    """A Lark grammar naming a special token the tokenizer lacks compiles without a tokenizer; the check
+    at submission compiles with the model's tokenizer, so it is refused there (and not in the engine
+    loop), by LLM.generate with other requests in the same call, and the engine goes on."""
+    bad = SamplingParams(max_tokens=4, structured_outputs=SO(grammar='start: <|no_such_token|> "a"'))
+    with pytest.raises(ValueError, match="no_such_token"):
+        llm.generate(prompts[:2], [greedy(max_tokens=4), bad], use_tqdm=False)
+    with pytest.raises(ValueError, match="no_such_token"):
+        llm.llm_engine.add_request(None, prompts[0], bad)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate(prompts[:1], greedy(max_tokens=4), use_tqdm=False)[0].finished
 
 
 # --- the default model -------------------------------------------------------------------------------------
@@ -735,3 +747,42 @@ def test_default_model_json(default_model_dir):
             assert list(json.loads(c.text, object_pairs_hook=lambda pairs: [k for k, _ in pairs])) == ["name", "age"]
             m = independent_matcher(ll_tok, so)
             assert all(m.consume_token(t) for t in c.token_ids) and m.is_stopped()
+
+
+def test_vllm_structured_outputs_example_runs_by_changing_the_import(llm, ll_tokenizer):
+    """vLLM's examples/offline_inference/structured_outputs.py, retold with minivllm's import: a choice, a
+    regex with a stop string, a pydantic model's JSON schema and the simplified SQL grammar in GBNF; the
+    calls use vLLM's keyword names (`prompts=`, `sampling_params=`)."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    class CarType(str, Enum):
+        sedan, suv, truck, coupe = "sedan", "SUV", "Truck", "Coupe"
+
+    class CarDescription(BaseModel):
+        brand: str
+        model: str
+        car_type: CarType
+
+    sql = ('root ::= select_statement\n'
+           'select_statement ::= "SELECT " column " from " table " where " condition\n'
+           'column ::= "col_1 " | "col_2 "\ntable ::= "table_1 " | "table_2 "\n'
+           'condition ::= column "= " number\nnumber ::= "1 " | "2 "\n')
+    cases = [(StructuredOutputsParams(choice=["Positive", "Negative"]), {}, "Classify this sentiment: vLLM is wonderful!"),
+             (StructuredOutputsParams(regex=r"\w+@\w+\.com\n"), {"stop": ["\n"], "max_tokens": 50},
+              "Generate an email address for Alan Turing, who works in Enigma. End in .com and new line."),
+             (StructuredOutputsParams(json=CarDescription.model_json_schema(), disable_any_whitespace=True),
+              {"max_tokens": 200}, "Generate a JSON with the brand, model and car_type of the most iconic car"),
+             (StructuredOutputsParams(grammar=sql), {"max_tokens": 50},
+              "Generate an SQL query to show the 'username' and 'email' from the 'users' table.")]
+    for so, extra, prompt in cases:
+        out = llm.generate(prompts=prompt, sampling_params=SamplingParams(structured_outputs=so, **extra))[0].outputs[0]
+        if so.choice is not None:
+            assert out.text in so.choice
+        elif so.regex is not None:
+            assert out.finish_reason == "length" or re.fullmatch(r"\w+@\w+\.com", out.text), out.text
+        elif so.json is not None:
+            assert out.finish_reason == "length" or CarDescription.model_validate_json(out.text)
+        else:
+            assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", out.text), out.text
