@@ -69,7 +69,8 @@ class StructuredOutputManager:
     Args: tokenizer_path (a model folder with tokenizer files; loaded on the first structured request),
         eos_token_ids, backend_cls (a `StructuredOutputBackend` subclass; llguidance's by default).
     Attributes: backend (None until the first structured request; not pickled), num_compiled,
-        compile_seconds (compilations in `grammar_init`).
+        compile_seconds (every compilation: `validate`'s at submission and `grammar_init`'s, the
+        backend's creation, with its tokenizer conversion, counted in the first).
     """
 
     def __init__(self, tokenizer_path: str | Path, eos_token_ids, backend_cls: type = GuidanceBackend):
@@ -82,10 +83,14 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """A fresh grammar for `params` (the backend made on first use). Raises ValueError."""
-        if self.backend is None:
-            self.backend = self.backend_cls(load_tokenizer(self.tokenizer_path), self.eos_token_ids)
-        request_type, spec = structured_output_key(params)
-        return self.backend.compile_grammar(request_type, spec, params.disable_any_whitespace)
+        t0 = time.perf_counter()
+        try:
+            if self.backend is None:
+                self.backend = self.backend_cls(load_tokenizer(self.tokenizer_path), self.eos_token_ids)
+            request_type, spec = structured_output_key(params)
+            return self.backend.compile_grammar(request_type, spec, params.disable_any_whitespace)
+        finally:
+            self.num_compiled, self.compile_seconds = self.num_compiled + 1, self.compile_seconds + time.perf_counter() - t0
 
     def validate(self, params: SamplingParams) -> None:
         """The check at submission (a `Processor` request check). Raises ValueError: the constraint does
@@ -99,6 +104,4 @@ class StructuredOutputManager:
         params = seq.sampling_params.structured_outputs
         if params is None or getattr(seq, "structured_output_request", None) is not None:
             return
-        t0 = time.perf_counter()
         seq.structured_output_request = StructuredOutputRequest(params, self.compile(params))
-        self.num_compiled, self.compile_seconds = self.num_compiled + 1, self.compile_seconds + time.perf_counter() - t0
