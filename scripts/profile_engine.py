@@ -18,7 +18,10 @@ wall-clock timers around the parts of a step:
     engine rest    the rest of LLMEngine.step (outputs, statistics) and of LLM.generate's loop
 
 It prints a table and the CPU model, and with `--out` writes one JSON record: the table, the
-linear layers' FLOP rate, the exact command, versions, threads, hardware and the date. The timers
+linear layers' FLOP rate, attention against its bound per step kind, the exact command, versions,
+threads, hardware and the date. Attention's bound (chapter 09's roofline terms, `model_cost`, rates from
+`measure_peaks` in the run's dtype, measured before the timed run): prefill, its causal (query, key)
+pairs' FLOPs at the matmul rate; decode, the K/V bytes it reads at the copy rate. The timers
 cost a few microseconds per call (a step takes tens of milliseconds), so the total is within a few
 percent of the untimed run. Takes about as long as the engine half of the benchmark (about a minute
 on 2 cores for the headline workload). `--num-requests 4 --input-len 4 32 --output-len 2 8 --model
@@ -37,6 +40,7 @@ from collections import defaultdict
 import torch
 
 from minivllm.benchmarks.env import cpu_model, environment
+from minivllm.benchmarks.roofline import measure_peaks, model_cost
 from minivllm.benchmarks.runners import warm_up_engine
 from minivllm.benchmarks.workload import DEFAULT_INPUT_LEN, DEFAULT_NUM_REQUESTS, DEFAULT_OUTPUT_LEN, make_workload
 from minivllm.llm import LLM
@@ -58,6 +62,8 @@ class StepTimer:
         self.tokens = {k: 0 for k in KINDS}
         self.linear_flop = {k: 0 for k in KINDS}
         self.forward_passes = {k: 0 for k in KINDS}
+        self.attention_pairs = {k: 0 for k in KINDS}  # causal (query, key) pairs, all sequences of a kind
+        self.context_tokens = {k: 0 for k in KINDS}   # tokens attended over (cached and new), summed
 
     def add(self, part: str, seconds: float) -> None:
         self.seconds[self.kind][part] += seconds
@@ -91,8 +97,11 @@ def instrument(llm: LLM, timer: StepTimer) -> int:
         timer.add("scheduler", time.perf_counter() - t0)
         if seqs:
             timer.steps[timer.kind] += 1
-            spans = (scheduler.scheduled_span(s, is_prefill) for s in seqs)
-            timer.tokens[timer.kind] += sum(end - start for start, end in spans)
+            for start, end in (scheduler.scheduled_span(s, is_prefill) for s in seqs):
+                q = end - start
+                timer.tokens[timer.kind] += q
+                timer.attention_pairs[timer.kind] += q * end - q * (q - 1) // 2
+                timer.context_tokens[timer.kind] += end
         return seqs, is_prefill
 
     scheduler.schedule = schedule_and_note_kind
@@ -137,8 +146,20 @@ def instrument(llm: LLM, timer: StepTimer) -> int:
     return weight_bytes
 
 
-def table(timer: StepTimer, total: float) -> dict:
-    """Per kind: steps, tokens, seconds, and each part's seconds (the parts add up to the kind's time)."""
+def attention_bound(timer: StepTimer, kind: str, cost, peaks) -> dict:
+    """A kind's attention against its bound: prefill FLOPs at the matmul rate, decode K/V bytes read
+    at the copy rate (chapter 09's `step_cost` terms, attention only)."""
+    flop = cost.attention_flops_per_pair * timer.attention_pairs[kind]
+    kv_bytes = cost.kv_bytes_per_token * timer.context_tokens[kind]
+    bound = flop / peaks.matmul_flops_per_s if kind == "prefill" else kv_bytes / peaks.copy_bytes_per_s
+    seconds = timer.seconds[kind]["attention"]
+    return dict(gflop=flop / 1e9, kv_gbytes=kv_bytes / 1e9, bound_by="matmul rate" if kind == "prefill" else "copy rate",
+                bound_s=bound, seconds=seconds, ratio=seconds / bound if bound else None)
+
+
+def table(timer: StepTimer, total: float, cost=None, peaks=None) -> dict:
+    """Per kind: steps, tokens, seconds, and each part's seconds (the parts add up to the kind's time);
+    with `cost` and `peaks`, attention against its bound (`attention_bound`)."""
     out = {}
     for kind in KINDS:
         s = timer.seconds[kind]
@@ -150,6 +171,8 @@ def table(timer: StepTimer, total: float) -> dict:
                          forward_passes=timer.forward_passes[kind], parts=parts,
                          linear_gflop=timer.linear_flop[kind] / 1e9,
                          linear_gflop_per_s=timer.linear_flop[kind] / 1e9 / s["linear"] if s["linear"] else None)
+        if cost is not None and peaks is not None:
+            out[kind]["attention_bound"] = attention_bound(timer, kind, cost, peaks)
     out["generate_s"] = total
     out["outside_steps_s"] = total - sum(out[k]["seconds"] for k in KINDS)
     return out
@@ -165,6 +188,10 @@ def format_table(t: dict) -> str:
             lines.append(f"{'':8} {part:12} {sec:8.2f} {100 * sec / t['generate_s']:5.1f}%")
         if k["linear_gflop_per_s"]:
             lines.append(f"{'':8} linear layers: {k['linear_gflop']:.0f} GFLOP at {k['linear_gflop_per_s']:.0f} GFLOP/s")
+        if (a := k.get("attention_bound")) and a["ratio"]:
+            what = f"{a['gflop']:.0f} GFLOP" if kind == "prefill" else f"{a['kv_gbytes']:.1f} GB of K/V"
+            lines.append(f"{'':8} attention: {a['seconds']:.2f} s against {a['bound_s']:.2f} s for {what} at the "
+                         f"{a['bound_by']}: {a['ratio']:.2f}x its bound")
     lines.append(f"LLM.generate: {t['generate_s']:.2f} s ({t['outside_steps_s']:.2f} s outside the steps)")
     return "\n".join(lines)
 
@@ -193,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                              seed=args.seed)
     warmup_s = warm_up_engine(llm)
     device = engine.model_runner.device
+    cost = model_cost(engine.model.config, engine.model_runner.dtype)
+    peaks = measure_peaks(device, engine.model_runner.dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     timer = StepTimer(sync)
     linear_weight_bytes = instrument(llm, timer)
@@ -202,14 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - t0
 
-    t = table(timer, total)
+    t = table(timer, total, cost, peaks)
     print(format_table(t))
+    print(f"rates: matmul {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s, copy {peaks.copy_bytes_per_s / 1e9:.1f} GB/s "
+          "read + written")
     record = dict(script="scripts/profile_engine.py", model=str(args.model or "default"), dtype=args.dtype,
                   workload=workload.spec, prompt_tokens_total=workload.num_prompt_tokens,
                   output_tokens=workload.num_output_tokens,
                   attention_backend=type(engine.model_runner.attn).__mro__[1].__name__,
                   kv_manager=type(engine.block_manager).__name__, warmup_s=warmup_s,
                   linear_weight_bytes=linear_weight_bytes, profile=t,
+                  peaks=dict(matmul_flops_per_s=peaks.matmul_flops_per_s, copy_bytes_per_s=peaks.copy_bytes_per_s,
+                             **peaks.detail),
                   command=" ".join(["python scripts/profile_engine.py",
                                     *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
     record.update(environment())

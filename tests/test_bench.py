@@ -243,6 +243,23 @@ def test_profile_script_accounts_for_every_step(tiny_llama, tmp_path, capsys):
         assert k["parts"]["linear"] > 0 and k["parts"]["attention"] > 0 and k["linear_gflop"] > 0
     assert p["generate_s"] >= p["prefill"]["seconds"] + p["decode"]["seconds"]
     assert r["warmup_s"] > 0 and r["linear_weight_bytes"] > 0
+    # attention against its bound: prefill's causal pairs (whatever the chunking), decode's K/V reads,
+    # worked out from the workload: a prompt of P tokens has P (P + 1) / 2 pairs; its k-th decode
+    # (k = 1 .. n - 1) reads P + k tokens of K/V
+    from minivllm.benchmarks.roofline import model_cost
+    from transformers import AutoConfig
+    cost = model_cost(AutoConfig.from_pretrained(folder), torch.float32)
+    pairs = sum(len(q) * (len(q) + 1) // 2 for q in w.prompts)
+    reads = sum(len(q) + k for q, n in zip(w.prompts, w.output_lens) for k in range(1, n))
+    a_pre, a_dec = p["prefill"]["attention_bound"], p["decode"]["attention_bound"]
+    assert a_pre["gflop"] * 1e9 == pytest.approx(cost.attention_flops_per_pair * pairs)
+    assert a_dec["kv_gbytes"] * 1e9 == pytest.approx(cost.kv_bytes_per_token * reads)
+    peaks = r["peaks"]
+    assert a_pre["bound_s"] == pytest.approx(a_pre["gflop"] * 1e9 / peaks["matmul_flops_per_s"])
+    assert a_dec["bound_s"] == pytest.approx(a_dec["kv_gbytes"] * 1e9 / peaks["copy_bytes_per_s"])
+    for a, kind in ((a_pre, "prefill"), (a_dec, "decode")):
+        assert a["ratio"] == pytest.approx(p[kind]["parts"]["attention"] / a["bound_s"])
+    assert "against" in captured.out and "its bound" in captured.out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Chapter 05's CPU backend prefill: in bfloat16, `CPUPagedAttention` runs each sequence's causal
 attention through torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`), which
-accumulates in float32; other dtypes keep the plain-torch `prefill_attention`.
+accumulates in float32; float32 and float64 go through `prefill_attention_grouped` (one product per
+K/V head and query chunk).
 
 Oracle: `attention_reference` in float64 on the same bfloat16-rounded inputs."""
 import pytest
 import torch
 
 from minivllm.attention.backend import AttentionMetadata
-from minivllm.attention.backends.cpu_attn import CPUPagedAttention, prefill_attention_sdpa
+from minivllm.attention.backends.cpu_attn import (CPUPagedAttention, prefill_attention_grouped,
+                                                  prefill_attention_sdpa)
 from minivllm.model_executor.models.llama import attention_reference
 from minivllm.attention.paged_attention import PagedAttention
 
@@ -57,6 +59,34 @@ def test_the_check_can_fail():
     assert (wrong.double() - ref).abs().max().item() > BF16_TOL * v.double().abs().max().item()
 
 
+@pytest.mark.parametrize("tq,tk", CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_grouped_prefill_in_float64_equals_the_reference(tq, tk, heads, kv_heads, chunk):
+    q, k, v = qkv(tq, tk, heads, kv_heads, 40, seed=5)
+    torch.testing.assert_close(prefill_attention_grouped(q, k, v, 0.2, chunk=chunk),
+                               attention_reference(q, k, v, 0.2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tq,tk", CASES)
+def test_grouped_prefill_in_float32_is_close_to_the_float64_reference(tq, tk):
+    """float32 products and softmax: 1e-5 relative (scores of size ~30 carry ~2e-6 of rounding into exp)."""
+    q, k, v = qkv(tq, tk, 9, 3, 64, seed=6)
+    out = prefill_attention_grouped(q.float(), k.float(), v.float(), 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_prefill_mask_off_by_one_is_caught():
+    """The check can fail: a chunk that lets each query see one key past its own position differs."""
+    q, k, v = qkv(20, 30, 9, 3, 64, seed=7)
+    ref = attention_reference(q, k, v, 0.125)
+    leaky = torch.cat([attention_reference(q[i:i + 1], k[:min(30, 10 + i + 2)], v[:min(30, 10 + i + 2)], 0.125,
+                                           causal=False) for i in range(20)])
+    assert (leaky - ref).abs().max().item() > 1e-3
+    assert (prefill_attention_grouped(q, k, v, 0.125, chunk=7) - ref).abs().max().item() < 1e-12
+
+
 def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: int) -> AttentionMetadata:
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
     width = max(-(-n // block_size) for n in lens)
@@ -72,7 +102,8 @@ def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: in
 def test_backend_prefill_over_a_cached_prefix(dtype):
     """The whole backend call: the new tokens of three sequences, two of them over a cached prefix read
     through shuffled block tables. bfloat16 goes through the fused path (within one rounding of plain
-    torch in float64 on the same inputs); float32 gives plain torch's result exactly."""
+    torch in float64 on the same inputs); float32 through the grouped products (within 1e-5 of plain
+    torch in float32: the same sums in another order)."""
     lens_q, lens, block_size, num_blocks = [6, 1, 33], [6, 20, 50], 16, 16
     md = metadata(lens_q, lens, block_size, num_blocks)
     q, k, v = qkv(sum(lens_q), sum(lens_q), 9, 3, 64, seed=2)
@@ -85,7 +116,7 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
     if dtype == torch.float32:
         plain = PagedAttention(cache.clone(), 0.125)
         plain.metadata = md
-        assert torch.equal(out, plain(0, q, k, v))
+        torch.testing.assert_close(out, plain(0, q, k, v), rtol=1e-5, atol=1e-5)
     else:
         plain = PagedAttention(cache.double(), 0.125)
         plain.metadata = md

@@ -59,9 +59,9 @@ def cpu_kernel_build_dir() -> Path:
 
 # %% auto #0
 __all__ = ['KERNEL_NAME', 'KERNEL_SOURCE', 'CPU_KERNEL_DTYPES', 'CPU_KERNEL_CFLAGS', 'CPU_KERNEL_LDFLAGS', 'CPUINFO',
-           'LIBRARY_SUFFIX', 'BUILT', 'cpu_identity', 'cpu_kernel_build_dir', 'build_kernel', 'library_path',
-           'is_built', 'load_kernel_library', 'cpu_decode_kernel', 'prefill_attention_sdpa', 'prefill_attention_cpu',
-           'paged_decode_attention_cpu', 'CPUPagedAttention']
+           'LIBRARY_SUFFIX', 'BUILT', 'GROUPED_QUERY_CHUNK', 'cpu_identity', 'cpu_kernel_build_dir', 'build_kernel',
+           'library_path', 'is_built', 'load_kernel_library', 'cpu_decode_kernel', 'prefill_attention_sdpa',
+           'prefill_attention_grouped', 'prefill_attention_cpu', 'paged_decode_attention_cpu', 'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #fbcd2622
 @contextlib.contextmanager
@@ -199,13 +199,47 @@ def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out.transpose(0, 1)
 
 
+# %% ../../../notebooks/05_paged_attention.ipynb #7c3d9e41
+GROUPED_QUERY_CHUNK = 64  # queries per product in `prefill_attention_grouped` (64 and 128 timed alike)
+
+
+def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              chunk: int = GROUPED_QUERY_CHUNK) -> torch.Tensor:
+    """`prefill_attention` with each K/V head's query heads stacked into one product per query chunk.
+
+    Args:
+        q: `[Tq, num_heads, head_dim]`; k, v: `[Tk, num_kv_heads, head_dim]`, `Tk >= Tq`, one dtype;
+            `num_heads` a multiple of `num_kv_heads`.
+        scale: multiplies q·k. chunk: queries per product (>= 1).
+    Returns:
+        `[Tq, num_heads, head_dim]`, dtype of `q`; query `i` sees keys `0 .. Tk - Tq + i`. Softmax in
+        the inputs' dtype: for float32 and float64 (bfloat16 goes to `prefill_attention_sdpa`).
+    """
+    tq, num_heads, head_dim = q.shape
+    tk, num_kv_heads, _ = k.shape
+    group, offset = num_heads // num_kv_heads, tk - tq
+    # row t * group + j of K/V head h is query head h * group + j at token t
+    rows = (q * scale).view(tq, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    keys_t = k.permute(1, 2, 0).contiguous()  # [num_kv_heads, head_dim, Tk]
+    values = v.transpose(0, 1).contiguous()   # [num_kv_heads, Tk, head_dim]
+    out = torch.empty_like(rows)
+    c = min(chunk, tq)  # the causal corner of a chunk: key offset + s + j is hidden from the chunk's query i < j
+    corner = torch.full((c, c), float("-inf"), dtype=q.dtype, device=q.device).triu_(1).repeat_interleave(group, 0)
+    for s in range(0, tq, chunk):
+        e = min(s + chunk, tq)
+        scores = torch.bmm(rows[:, s * group:e * group], keys_t[:, :, :offset + e])
+        scores[:, :, offset + s:offset + e] += corner[:(e - s) * group, :e - s]
+        torch.bmm(scores.softmax(-1), values[:, :offset + e], out=out[:, s * group:e * group])
+    return out.view(num_kv_heads, tq, group, head_dim).transpose(0, 1).reshape(tq, num_heads, head_dim)
+
+
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in bfloat16, the plain-torch
-    `prefill_attention` otherwise (float32: faster in chapter 05's timing of the two; float64: exact).
-    Shapes and dtypes: as `prefill_attention_sdpa`."""
+    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in bfloat16 (float32 inside),
+    `prefill_attention_grouped` otherwise (the fastest of the three in float32 in chapter 05's timing;
+    float64: equal to the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
     if q.dtype == torch.bfloat16:
         return prefill_attention_sdpa(q, k, v, scale)
-    return prefill_attention(q, k, v, scale)
+    return prefill_attention_grouped(q, k, v, scale)
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
