@@ -81,6 +81,48 @@ def cpu_rows(results: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def cpu_kind_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of the headline workload recorded on a CPU with bfloat16 instructions
+    (`scripts/record_bf16.sh headline results/cpu_amx`), where present: float32 and bfloat16, each against
+    transformers in the same dtype, and bfloat16 over the engine's own float32."""
+    f32_path, bf16_path = results / "cpu_amx_headline_float32.json", results / "cpu_amx_headline_bfloat16.json"
+    if not (f32_path.is_file() and bf16_path.is_file()):
+        return []
+    f, b = load(results, f32_path.name), load(results, bf16_path.name)
+    isa = ", ".join(i for i in b["hardware"].get("cpu_isa", []) if "bf16" in i or "amx" in i)
+    note = "; ".join(n for n in (f.get("note"), b.get("note")) if n)
+    return [(f"CPU with bfloat16 instructions ({isa}), the headline workload ({workload(b)}): float32 and bfloat16",
+             f"float32: engine **{f['engine_tok_s']:,.1f}** against transformers' {f['hf_tok_s']:,.1f} output tok/s: "
+             f"**{f['ratio']:.2f}×**, roofline ratio {f['roofline_ratio']:.2f}; bfloat16: **{b['engine_tok_s']:,.1f}** "
+             f"against transformers-bfloat16's {b['hf_tok_s']:,.1f}: **{b['ratio']:.2f}×**, roofline ratio "
+             f"{b['roofline_ratio']:.2f}, identical greedy outputs for {100 * b['hf_match_fraction']:.0f} % of "
+             f"requests; bfloat16 over the engine's float32: **{b['engine_tok_s'] / f['engine_tok_s']:.2f}×**"
+             + (f" ({note})" if note else ""),
+             f"{source(f32_path.name, f)}; `{bf16_path.name}`, {day(b)}")]
+
+
+def profile_rows(results: Path) -> list[tuple[str, str, str]]:
+    """(what, figure, record) of `scripts/profile_engine.py`'s record, where present and carrying the
+    attention bounds: each step kind's attention against its bound, and the linear layers' rate."""
+    path = results / "cpu_profile_headline.json"
+    if not path.is_file():
+        return []
+    r = load(results, path.name)
+    p = r["profile"]
+    pre, dec = p["prefill"], p["decode"]
+    if "attention_bound" not in pre or "attention_bound" not in dec:
+        return []
+    a_pre, a_dec = pre["attention_bound"], dec["attention_bound"]
+    small = pre["parts"]["other ops"] + dec["parts"]["other ops"]
+    return [(f"CPU, where the headline run's time goes ({r['dtype']}, `scripts/profile_engine.py`)",
+             f"{p['generate_s']:.1f} s: linear layers {pre['parts']['linear'] + dec['parts']['linear']:.1f} s "
+             f"({pre['linear_gflop_per_s']:.0f} GFLOP/s in prefill, {dec['linear_gflop_per_s']:.0f} in decode); "
+             f"prefill attention {a_pre['seconds']:.1f} s, **{a_pre['ratio']:.1f}×** its FLOP bound at the matmul "
+             f"rate; decode attention {a_dec['seconds']:.1f} s, **{a_dec['ratio']:.1f}×** its K/V byte bound at the "
+             f"copy rate (target ≤ 1.5× each); small ops (norms, rotary, activation, residuals) {small:.1f} s",
+             source(path.name, r))]
+
+
 def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
     """(what, figure, record) of chapter 11's records, where present: the mixed workload (prefill-first
     against a token budget) and the headline workload through the default engine against chapter 09's."""
@@ -262,7 +304,8 @@ def structured_output_rows(results: Path) -> list[tuple[str, str, str]]:
 
 def figures(results: Path) -> str:
     """The generated block: the figures table (CPU, chapter 11's to 14's comparisons, GPU), then the GPU ladder's table."""
-    rows = (cpu_rows(results) + chunked_rows(results) + serve_rows(results) + parallel_rows(results)
+    rows = (cpu_rows(results) + cpu_kind_rows(results) + profile_rows(results) + chunked_rows(results)
+            + serve_rows(results) + parallel_rows(results)
             + spec_decode_rows(results) + structured_output_rows(results) + gpu_rows(results))
     out = ["| what | figure | record in `results/` (date, where) |", "|---|---|---|"]
     out += [f"| {what} | {figure} | {record} |" for what, figure, record in rows]

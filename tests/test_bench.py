@@ -776,3 +776,29 @@ def test_bench_compare_ch09_runs_both_engines_on_one_workload(tiny_llama, capsys
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "engine:" in out and "ch09  :" in out and "chapter 09's engine" in out
+
+
+def test_small_ops_probe_compares_equal_numbers(capsys):
+    """scripts/cpu_small_ops_ab.py: each candidate computes the engine op's numbers (float64 within 1e-12),
+    and the probe would say so if one did not (a rotary with its halves swapped differs)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "cpu_small_ops_ab.py"
+    spec = importlib.util.spec_from_file_location("cpu_small_ops_ab", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--rows", "3", "--dtype", "float64", "--calls", "1", "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("3 ")]
+    assert [line.split()[1] for line in lines] == ["qkv", "gate/up", "rotary", "rms_norm"]
+    verdict = {line.split()[1]: line.split("x  ", 1)[1] for line in lines}
+    assert verdict["qkv"] == verdict["gate/up"] == verdict["rotary"] == "yes (1e-12)", lines
+    # chapter 02's RMSNorm takes float32 statistics in every dtype (as transformers does); F.rms_norm
+    # computes in the input's dtype, so in float64 the two differ
+    assert verdict["rms_norm"] == "NO", lines
+    assert probe.main(["--rows", "3", "--dtype", "float32", "--calls", "1", "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("3 ")]
+    verdict = {line.split()[1]: line.split("x  ", 1)[1] for line in lines}
+    assert verdict["rotary"] == verdict["rms_norm"] == "bit-identical", lines
+    rot = probe.RotaryEmbedding(64, 32, 10000.0)
+    pos = torch.arange(5)
+    q, k = torch.randn(5, 9, 64, dtype=torch.float64), torch.randn(5, 3, 64, dtype=torch.float64)
+    swapped = probe.rotary_without_cat(rot, pos, q.roll(32, -1), k.roll(32, -1))
+    assert probe.same(rot(pos, q, k), swapped, torch.float64) == "NO"
