@@ -290,6 +290,71 @@ def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
     assert ModelRunner.pack_cpu_linears is True
 
 
+
+# --- chapter 02's appendix: one product for q, k and v ------------------------------------------------
+from minivllm.model_executor.models.fused_qkv import QKVFusedAttention, fuse_qkv_projections  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # no bias, q/k/v biases, q/k norms
+def test_fused_qkv_gives_the_same_logits_bit_for_bit(kind):
+    """Each output column of the stacked product is the same dot product as before: float64 logits are
+    equal, not just close; the model keeps every other module, and the stacked layer replaces the three."""
+    import copy
+    from minivllm.course.testing import tiny_config
+    from minivllm.model_executor.models.llama import MODEL_REGISTRY
+
+    cfg = tiny_config(kind)
+    torch.manual_seed(0)
+    plain = MODEL_REGISTRY[cfg.model_type](cfg).double()
+    with torch.no_grad():
+        for m in plain.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_()  # Qwen2's biases: not zero, so a dropped one would show
+    fused = copy.deepcopy(plain)
+    assert fuse_qkv_projections(fused) == cfg.num_hidden_layers
+    attn = fused.model.layers[0].self_attn
+    assert type(attn) is QKVFusedAttention and not hasattr(attn, "q_proj")
+    assert attn.qkv_proj.out_features == (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    assert (attn.qkv_proj.bias is not None) == (plain.model.layers[0].self_attn.q_proj.bias is not None)
+    assert fuse_qkv_projections(fused) == 0  # already fused
+    ids = torch.randint(0, cfg.vocab_size, (17,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(our_logits(fused, ids), our_logits(plain, ids))
+
+
+def test_fused_qkv_order_matters_and_other_projections_are_left_alone():
+    """The check can fail: stacking k before q changes the logits. Projections that are not plain
+    `nn.Linear` (chapter 13's tensor-parallel layers) are not fused."""
+    import copy
+    from minivllm.course.testing import tiny_config
+    from minivllm.model_executor.models.llama import MODEL_REGISTRY
+
+    cfg = tiny_config("llama", num_key_value_heads=4)  # equal widths, so a swapped stack still runs
+    torch.manual_seed(2)
+    plain = MODEL_REGISTRY[cfg.model_type](cfg).double()
+    swapped = copy.deepcopy(plain)
+    for layer in swapped.model.layers:
+        a = layer.self_attn
+        a.q_proj, a.k_proj = a.k_proj, a.q_proj
+    fuse_qkv_projections(swapped)
+    ids = torch.arange(9)
+    assert not torch.allclose(our_logits(swapped, ids), our_logits(plain, ids))
+
+    class OtherLinear(torch.nn.Linear):
+        pass
+    other = copy.deepcopy(plain)
+    other.model.layers[0].self_attn.v_proj.__class__ = OtherLinear
+    assert fuse_qkv_projections(other) == cfg.num_hidden_layers - 1
+    assert hasattr(other.model.layers[0].self_attn, "q_proj")
+
+
+def test_engine_fuses_qkv_on_cpu(tiny_llama):
+    from minivllm import LLM
+
+    folder, _ = tiny_llama
+    for dtype in ("float32", "float64"):
+        model = LLM(str(folder), dtype=dtype, num_kvcache_blocks=8).llm_engine.model_runner.model
+        assert all(type(layer.self_attn) is QKVFusedAttention for layer in model.model.layers)
+
 # --- the sampler: 64-bit seeds, inverse transform sampling -----------------------------------------
 
 from minivllm.sample.generator import CounterGenerator, make_generator, sample  # noqa: E402

@@ -11,6 +11,7 @@ import torch
 from ..attention.backend import AttentionMetadata, ContiguousAttention
 from ..core.kv_cache_manager import slot_mapping
 from ..model_executor.layers.linear import pack_linear_layers
+from ..model_executor.models.fused_qkv import fuse_qkv_projections
 from ..sample.generator import make_generator, sample
 from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
@@ -149,7 +150,8 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
-        pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers.
+        pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers,
+            with each attention layer's q, k and v projections fused into one (`fuse_qkv_projections`).
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
         sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
@@ -162,6 +164,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.pack_cpu_linears and self.device.type == "cpu":
+            fuse_qkv_projections(model)  # one product for q, k and v (chapter 02's appendix)
             pack_linear_layers(model)  # float64/float16 models are left as they are
         self.kv_cache = self.allocate_kv_cache(block_manager.num_blocks, block_manager.block_size)
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)

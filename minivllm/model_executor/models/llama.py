@@ -157,14 +157,20 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         n = hidden.shape[0]
-        q = self.q_proj(hidden).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(hidden)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query, key and value heads of `hidden` `[N, hidden_size]`: `[N, num_heads, head_dim]`,
+        then `[N, num_kv_heads, head_dim]` twice."""
+        n = hidden.shape[0]
+        return (self.q_proj(hidden).view(n, self.num_heads, self.head_dim),
+                self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim),
+                self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim))
 
 # %% ../../../notebooks/02_model.ipynb #5d29a0e3
 class MLP(nn.Module):
