@@ -16,8 +16,7 @@ from ..sample.generator import make_generator, sample
 from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
 
-# A CPU prefill step runs in forward passes of at most this many new tokens: the same tokens, smaller
-# activations that stay in the CPU's caches (chapter 09's profile reports the rates with this setting).
+# A CPU prefill runs in passes of at most this many new tokens: smaller activations stay in the caches.
 PREFILL_MICROBATCH_TOKENS = 2048
 
 
