@@ -3,7 +3,9 @@
     python scripts/run_notebooks.py notebooks/01_sequences.ipynb [...]
 
 Readers who open a chapter on GitHub or in Jupyter see what it printed and drew; the test suite
-executes the same notebooks again with nbmake (outputs there are not saved).
+executes the same notebooks again with nbmake (outputs there are not saved). The widgets' state is
+saved too (so JupyterLab and static viewers draw the controls, not `VBox(children=...)`), and the
+kernelspec is the one JupyterLab writes, so a freshly opened chapter is not marked modified.
 """
 import sys
 import time
@@ -12,6 +14,10 @@ import nbformat
 import zmq
 from nbclient import NotebookClient
 from traitlets.config import Config
+
+# What JupyterLab writes for ipykernel's python3 kernel; any other display_name it rewrites on
+# opening, and the chapter shows as modified before the reader has touched it.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 # Encrypt the kernel's local TCP connection (CurveZMQ keys made by the kernel manager) where pyzmq
 # and jupyter_client can; otherwise ipykernel warns, once per notebook, that it runs unencrypted.
@@ -23,7 +29,9 @@ if zmq.has("curve"):
 for path in sys.argv[1:]:
     t0 = time.perf_counter()
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", config=config,
+    nb.metadata.pop("widgets", None)  # the state of this run only, not a stale one from the last
+    NotebookClient(nb, timeout=900, kernel_name=KERNELSPEC["name"], config=config, store_widget_state=True,
                    resources={"metadata": {"path": "notebooks"}}).execute()
+    nb.metadata.kernelspec = dict(KERNELSPEC)
     nbformat.write(nb, path)
     print(f"{path}: {time.perf_counter() - t0:.1f} s")

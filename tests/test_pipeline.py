@@ -94,3 +94,35 @@ def test_chapters_build_in_small_steps(chapter):
             runs.append(list(run))
     assert not long, f"{chapter}: export cells over {EXPORT_CELL_MAX_LINES} lines (cell id, lines): {long}"
     assert not runs, f"{chapter}: more than {EXPORT_CELLS_IN_A_ROW_MAX} export cells in a row: {runs}"
+
+
+JUPYTERLAB_KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+WIDGET_VIEW, WIDGET_STATE = "application/vnd.jupyter.widget-view+json", "application/vnd.jupyter.widget-state+json"
+
+
+@pytest.mark.parametrize("chapter", [p.name for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))])
+def test_chapters_open_as_saved_in_jupyterlab(chapter):
+    """A chapter opens in JupyterLab unmodified (the kernelspec JupyterLab writes) and draws its widgets
+    from the saved state (every model a widget output shows, and the models those refer to), not as
+    `VBox(children=...)` text. scripts/run_notebooks.py writes both."""
+    import json
+
+    nb = json.loads((ROOT / "notebooks" / chapter).read_text(encoding="utf-8"))
+    assert nb["metadata"].get("kernelspec") == JUPYTERLAB_KERNELSPEC, f"{chapter}: re-run scripts/run_notebooks.py"
+    shown = [out["data"][WIDGET_VIEW]["model_id"] for cell in nb["cells"] for out in cell.get("outputs", [])
+             if WIDGET_VIEW in out.get("data", {})]
+    if not shown:
+        return
+    state = nb["metadata"].get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    missing, todo, seen = [], list(shown), set()
+    while todo:  # the shown models and, through their "IPY_MODEL_<id>" references, their children and layouts
+        model_id = todo.pop()
+        if model_id in seen:
+            continue
+        seen.add(model_id)
+        if model_id not in state:
+            missing.append(model_id)
+            continue
+        refs = json.dumps(state[model_id]["state"]).split('"IPY_MODEL_')[1:]
+        todo += [ref.split('"', 1)[0] for ref in refs]
+    assert not missing, f"{chapter}: widget models without saved state (re-run scripts/run_notebooks.py): {missing}"
