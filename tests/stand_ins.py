@@ -59,9 +59,9 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
         kvm, mr = importlib.import_module("minivllm.core.kv_cache_manager"), importlib.import_module("minivllm.worker.model_runner")
         from minivllm.core.sched.scheduler import Scheduler
         return {"ch04_ex2": [(kvm, "slot_mapping", t._grader_slots)],
-                "ch04_ex3": [(Scheduler, "schedule_prefill", t._GraderScheduler.schedule_prefill)],
-                "ch04_ex4": [(Scheduler, "schedule_decode", t._GraderScheduler.schedule_decode)],
-                "ch04_ex5": [(mr, "prepare_batch", t._grader_prepare_batch)]}.get(ex, [])
+                "ch04_ex3": [(Scheduler, name, getattr(t._GraderScheduler, name))
+                             for name in ("schedule", "schedule_prefill", "schedule_decode")],
+                "ch04_ex4": [(mr, "prepare_batch", t._grader_prepare_batch)]}.get(ex, [])
     if ch == "ch05":
         from minivllm.attention import paged_attention
         from minivllm.core.block_manager import BlockManager

@@ -120,9 +120,9 @@ def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
     assert suite.get("tests") == str(len(RELEASED)) and suite.get("failures") == suite.get("tests")
 
 
-def _fill(edition: Path, bodies: dict[str, str]) -> None:
-    """Replace the stubs of `bodies`' exercises in the edition's chapter 05, as a student would."""
-    nb = nbformat.read(edition / CH05, as_version=4)
+def _fill(edition: Path, bodies: dict[str, str], chapter: str = CH05) -> None:
+    """Replace the stubs of `bodies`' exercises in the edition's `chapter` (05), as a student would."""
+    nb = nbformat.read(edition / chapter, as_version=4)
     for cell in nb.cells:
         for ex, body in bodies.items():
             lines = cell.source.split("\n")
@@ -131,7 +131,7 @@ def _fill(edition: Path, bodies: dict[str, str]) -> None:
                 indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
                 lines[i] = "\n".join(indent + b for b in body.split("\n"))
             cell.source = "\n".join(lines)
-    nbformat.write(nb, edition / CH05)
+    nbformat.write(nb, edition / chapter)
 
 
 def _dedent(text: str) -> str:
@@ -169,6 +169,50 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
     assert any("AttributeError" in f["message"] for f in rep["exercises"]["ch05_ex3"]["failed"])
     assert rep["exercises"]["ch05_ex4"]["failed"] and all(
         "NotImplementedError" not in f["message"] for f in rep["exercises"]["ch05_ex4"]["failed"])
+
+
+def test_a_build_scores_by_its_parts(tmp_path):
+    """Chapter 04's build (ch04_ex3, the whole scheduler) released alone: the stubs score 0 in every
+    part, each with the task's NotImplementedError; then a plausible wrong answer (the book's, with a
+    decode that preempts the oldest running sequence instead of the newest) keeps the admission part
+    and the engine's tokens (preemption changes when a sequence runs, not what it generates) and loses
+    the decode part's points."""
+    ch04, ex = "notebooks/04_scheduler.ipynb", "ch04_ex3"
+    edition = tmp_path / "ch04-student"
+    _script("release").release([ex], edition)
+    names = [g for g, _ in EXERCISES[ex].groups]
+    rep = grading.grade([ex], edition, verbose=False)["exercises"][ex]
+    assert rep["points"] == 0 and list(rep["groups"]) == names, rep["groups"]
+    assert all(g["tests"] > 0 and g["points"] == 0 and f"NotImplementedError: {ex}: " in g["message"]
+               for g in rep["groups"].values()), rep["groups"]
+    nb = nbformat.read(ROOT / ch04, as_version=4)
+    answers = {}  # method name -> the book's answer, from the regions of the Scheduler cell
+    for cell in nb.cells:
+        lines = cell.source.split("\n")
+        for r in find_regions(cell.source):
+            if r.id == ex:
+                method = next(line.split("def ")[1].split("(")[0] for line in reversed(lines[:r.marker]) if " def " in line)
+                answers[method] = _dedent("\n".join(lines[r.begin + 1:r.end]))
+    assert sorted(answers) == ["schedule", "schedule_decode", "schedule_prefill"], sorted(answers)
+    wrong = answers["schedule_decode"].replace("self.preempt(self.running.pop())", "self.preempt(self.running.popleft())")
+    assert wrong != answers["schedule_decode"]
+    stubs = [answers["schedule"], answers["schedule_prefill"], wrong]  # in the order of the stubs in the chapter
+    chapter = nbformat.read(edition / ch04, as_version=4)
+    for cell in chapter.cells:
+        lines = cell.source.split("\n")
+        for i, line in enumerate(lines):
+            if f'raise NotImplementedError("{ex}: ' in line or f"raise NotImplementedError('{ex}: " in line:
+                indent = line[:len(line) - len(line.lstrip())]
+                lines[i] = "\n".join(indent + b for b in stubs.pop(0).split("\n"))
+        cell.source = "\n".join(lines)
+    assert not stubs
+    nbformat.write(chapter, edition / ch04)
+    rep = grading.grade([ex], edition, verbose=False)["exercises"][ex]
+    groups = {name: g["points"] for name, g in rep["groups"].items()}
+    admits, decodes, _, equals = names
+    assert groups[admits] == 3 and groups[decodes] == 0 and groups[equals] == 2, rep["groups"]
+    assert rep["points"] == sum(groups.values()) and not rep["passed"]
+    assert "PART" in grading.format_report({"exercises": {ex: rep}, "total": rep["points"], "max_total": 10})
 
 
 FORGED_CONFTEST = """import pytest

@@ -31,8 +31,10 @@ from test_prefix_caching import check_cache  # the prefix cache's invariants
 
 
 def _with_grader_decode(cls):
-    """`cls` with the grader's `schedule_decode`: in a chapter 04 edition the chapter's is a stub (ch04_ex4)."""
-    return type(cls.__name__, (cls,), {"schedule_decode": _GraderScheduler.schedule_decode})
+    """`cls` with the grader's `schedule` and `schedule_decode`: in a chapter 04 edition the chapter's are
+    stubs (ch04_ex3)."""
+    return type(cls.__name__, (cls,), {"schedule": _GraderScheduler.schedule,
+                                       "schedule_decode": _GraderScheduler.schedule_decode})
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 

@@ -1,11 +1,16 @@
 """Grading tests for chapter 04's rebuild exercises (`python -m minivllm.course.grade ch04_ex3`, or `pytest -m ch04_ex3`).
 
-ch04_ex2 (`slot_mapping`), ch04_ex3 (`Scheduler.schedule_prefill`), ch04_ex4 (`Scheduler.schedule_decode`)
-and ch04_ex5 (`prepare_batch`'s flat layout) are graded in the package itself: in a student edition
-they are the student's code, exported from the chapter (stubs until filled), and there is no reference
-to compare with. Each is graded alone: the grader's own stand-ins (`_GraderScheduler`,
-`_grader_prepare_batch`, `_grader_slots`) take the place of the regions the exercise is not about, so
-a filled region passes whatever state the others are in (`stand_ins`, also usable by other graders).
+ch04_ex2 (`slot_mapping`), ch04_ex3 (the build: `Scheduler` whole, `schedule`, `schedule_prefill`
+and `schedule_decode`) and ch04_ex4 (`prepare_batch`'s flat layout) are graded in the package itself:
+in a student edition they are the student's code, exported from the chapter (stubs until filled),
+and there is no reference to compare with. Each is graded alone: the grader's own stand-ins
+(`_GraderScheduler`, `_grader_prepare_batch`, `_grader_slots`) take the place of the regions the
+exercise is not about, so a filled region passes whatever state the others are in (`stand_ins`, also
+usable by other graders). ch04_ex3's random workloads are derandomized (the same answer always
+scores the same points). ch04_ex3 scores by parts (`@pytest.mark.group`, the groups of
+`EXERCISES["ch04_ex3"]`): the student's admission with the grader's decode, the student's decode
+with the grader's admission, the student's whole scheduler, and the engine on it. The tests at the
+end check that plausible wrong answers lose the right part's points.
 
 What is checked is the contract, never this chapter's code:
 * the slot formula on random block tables: each slot lies in the block the table names for its
@@ -39,6 +44,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
 from minivllm.core.sched.scheduler import Scheduler
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.sequence import Sequence, SequenceStatus
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -110,7 +116,11 @@ def _student_slots_prepare_batch(seqs, is_prefill, block_size, device):
 
 
 class _GraderScheduler(Scheduler):
-    """The grader's admission and decode (first come, first served; preempt the newest)."""
+    """The grader's step, admission and decode (first come, first served; preempt the newest)."""
+
+    def schedule(self):
+        batch = self.schedule_prefill()
+        return (batch, True) if batch else (self.schedule_decode(), False)
 
     def schedule_prefill(self):
         batch, used = [], 0
@@ -138,12 +148,18 @@ class _GraderScheduler(Scheduler):
         return out
 
 
-SCHEDULER_METHODS = {"ch04_ex3": "schedule_prefill", "ch04_ex4": "schedule_decode"}
-EXERCISES = ("ch04_ex2", "ch04_ex3", "ch04_ex4", "ch04_ex5")
+SCHEDULER_METHODS = {"prefill": "schedule_prefill", "decode": "schedule_decode"}  # ch04_ex3's parts
+EXERCISES = ("ch04_ex2", "ch04_ex3", "ch04_ex4")
+ADMITS, DECODES, SURVIVES, EQUALS = (name for name, _ in GRADED["ch04_ex3"].groups)
+PART_GROUP = {"prefill": ADMITS, "decode": DECODES, "whole": SURVIVES}
 
 
 def graded_scheduler(ex: str | None) -> type[Scheduler]:
-    """A scheduler with the package's (the student's) method for `ex`, the grader's others (None: all the grader's)."""
+    """The scheduler to grade `ex` with: ch04_ex3 (or "whole") the package's (the student's) `Scheduler`;
+    "prefill" or "decode" the package's method of that part and the grader's others; anything else
+    (None, another exercise) all the grader's."""
+    if ex in ("ch04_ex3", "whole"):
+        return Scheduler
     if ex not in SCHEDULER_METHODS:
         return _GraderScheduler
     method = SCHEDULER_METHODS[ex]
@@ -153,10 +169,10 @@ def graded_scheduler(ex: str | None) -> type[Scheduler]:
 @contextmanager
 def stand_ins(ex: str | None = None):
     """Within: the model runner lays batches out with the grader's code, except the piece `ex` grades
-    (ch04_ex2: the student's `slot_mapping` inside the grader's layout; ch04_ex5: the student's
+    (ch04_ex2: the student's `slot_mapping` inside the grader's layout; ch04_ex4: the student's
     `prepare_batch` with the grader's slots). Use `graded_scheduler(ex)` as the engine's scheduler."""
     with ExitStack() as stack:
-        if ex == "ch04_ex5":
+        if ex == "ch04_ex4":
             stack.enter_context(mock.patch.object(mr, "slot_mapping", _grader_slots))
         else:
             fn = _student_slots_prepare_batch if ex == "ch04_ex2" else _grader_prepare_batch
@@ -208,7 +224,7 @@ def test_ch04_ex2_slot_mapping_by_its_definition(case):
                 f"{t} % {bs} = {t % bs}, so in slot {table[t // bs]} * {bs} + {t % bs} = {w}; got {g}{hint}")
 
 
-# --- ch04_ex3 / ch04_ex4: the scheduler ----------------------------------------------------------
+# --- ch04_ex3: the scheduler, built whole ----------------------------------------------------------
 # (kind, a, b): add a prompt of 1 + a % 6 tokens with max_tokens b; step, sampling EOS (3) when a == 0;
 # abort sequence a. Adds and steps outnumber aborts, so that several sequences run and get preempted.
 OPS = st.lists(st.tuples(st.sampled_from(["add"] * 3 + ["step"] * 4 + ["abort"]), st.integers(0, 30),
@@ -299,10 +315,11 @@ def _named_invariants(ex: str, sched, after: str) -> None:
             from e
 
 
-def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: int, budget: int) -> None:
+def _ch04_drive(ex: str, cls: type[Scheduler], ops, block_size: int, num_blocks: int, max_num_seqs: int,
+                budget: int) -> None:
     # max_model_len = the budget, as the engine ensures (max_num_batched_tokens >= max_model_len): a
     # preempted sequence always fits a prefill again
-    sched = graded_scheduler(ex)(BlockManager(num_blocks, block_size), max_num_seqs, budget, budget, {3})
+    sched = cls(BlockManager(num_blocks, block_size), max_num_seqs, budget, budget, {3})
     seqs, step = [], 0
     for op, a, b in ops:
         if op == "add":
@@ -331,65 +348,204 @@ def _ch04_drive(ex: str, ops, block_size: int, num_blocks: int, max_num_seqs: in
     _expect(sched.block_manager.num_free_blocks == num_blocks, f"{ex}: blocks still held after every request finished")
 
 
-@pytest.mark.ch04
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in SCHEDULER_METHODS])
-@settings(max_examples=120, deadline=None, report_multiple_bugs=False)
-@given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
-       budget=st.integers(10, 24))
-def test_ch04_scheduler_contract(ex, ops, block_size, num_blocks, max_num_seqs, budget):
-    """Random adds, steps (with preemption) and aborts: first come first served, the limits, recompute
-    preemption of the newest, the KV-cache invariants, and every request finishes."""
-    _ch04_drive(ex, ops, block_size, num_blocks, max_num_seqs, budget)
+def check_contract(cls: type[Scheduler], ex: str = "ch04_ex3", max_examples: int = 120) -> None:
+    """Random adds, steps (with preemption) and aborts on `cls`: first come first served, the limits,
+    recompute preemption of the newest, the KV-cache invariants, and every request finishes."""
+    @settings(max_examples=max_examples, deadline=None, report_multiple_bugs=False, database=None,
+              derandomize=True)
+    @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
+           budget=st.integers(10, 24))
+    def run(ops, block_size, num_blocks, max_num_seqs, budget):
+        _ch04_drive(ex, cls, ops, block_size, num_blocks, max_num_seqs, budget)
+    run()
 
 
-@pytest.mark.ch04
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in SCHEDULER_METHODS])
-@settings(max_examples=60, deadline=None, report_multiple_bugs=False)
-@given(lens=st.lists(st.integers(1, 6), min_size=2, max_size=5), block_size=st.integers(1, 3),
-       spare=st.integers(0, 2), max_tokens=st.integers(2, 8))
-def test_ch04_scheduler_under_memory_pressure(ex, lens, block_size, spare, max_tokens):
+def check_memory_pressure(cls: type[Scheduler], ex: str = "ch04_ex3", max_examples: int = 60) -> None:
     """Every prompt admitted at once into a cache with `spare` blocks beyond their prompts, then
-    decoded to the end: preemption after preemption, each step checked as above."""
-    need = sum(-(-n // block_size) for n in lens)
-    budget = max(24, sum(lens))
-    sched = graded_scheduler(ex)(BlockManager(need + spare, block_size), len(lens), budget, budget, set())
-    for i, n in enumerate(lens):
-        sched.add(Sequence([1] * n, SamplingParams(max_tokens=max_tokens), block_size=block_size, seq_id=i))
-    for step in range(1, 500):
-        if sched.is_finished():
-            break
-        batch = _ch04_step(ex, sched, step)
-        sched.postprocess(batch, [1] * len(batch))
-        _named_invariants(ex, sched, f"step {step}")
-    _expect(sched.is_finished(), f"{ex}: sequences {[s.seq_id for s in [*sched.waiting, *sched.running]]} never finished")
+    decoded to the end: preemption after preemption, each step checked as in `check_contract`."""
+    @settings(max_examples=max_examples, deadline=None, report_multiple_bugs=False, database=None,
+              derandomize=True)
+    @given(lens=st.lists(st.integers(1, 6), min_size=2, max_size=5), block_size=st.integers(1, 3),
+           spare=st.integers(0, 2), max_tokens=st.integers(2, 8))
+    def run(lens, block_size, spare, max_tokens):
+        need = sum(-(-n // block_size) for n in lens)
+        budget = max(24, sum(lens))
+        sched = cls(BlockManager(need + spare, block_size), len(lens), budget, budget, set())
+        for i, n in enumerate(lens):
+            sched.add(Sequence([1] * n, SamplingParams(max_tokens=max_tokens), block_size=block_size, seq_id=i))
+        for step in range(1, 500):
+            if sched.is_finished():
+                break
+            batch = _ch04_step(ex, sched, step)
+            sched.postprocess(batch, [1] * len(batch))
+            _named_invariants(ex, sched, f"step {step}")
+        _expect(sched.is_finished(), f"{ex}: sequences {[s.seq_id for s in [*sched.waiting, *sched.running]]} "
+                "never finished")
+    run()
 
 
-@pytest.mark.ch04
-@pytest.mark.ch04_ex4
-def test_ch04_ex4_preempts_the_newest_back_to_the_front():
+def check_preempts_the_newest(cls: type[Scheduler], ex: str = "ch04_ex3") -> None:
     """Three sequences of 4 tokens in 3 blocks of 4: the first decode needs a block for each; the
     oldest keeps running, the newest two are preempted and wait at the front in admission order."""
-    sched = graded_scheduler("ch04_ex4")(BlockManager(3, 4), 8, 64, 64, set())
+    sched = cls(BlockManager(3, 4), 8, 64, 64, set())
     seqs = [Sequence([1, 2, 3, 4], SamplingParams(max_tokens=4), block_size=4, seq_id=i) for i in range(3)]
     late = Sequence([5], SamplingParams(max_tokens=1), block_size=4, seq_id=3)
     for s in seqs:
         sched.add(s)
-    batch, _ = sched.schedule()
+    batch, _ = _GraderScheduler.schedule(sched)
     sched.postprocess(batch, [9, 9, 9])
     sched.add(late)  # waits behind the preempted ones
-    with your_code("ch04_ex4", "schedule() of three running sequences that each need a new block, none free"):
-        batch, is_prefill = sched.schedule()
+    with your_code(ex, "schedule_decode() of three running sequences that each need a new block, none free"):
+        batch = sched.schedule_decode()
     for s in batch:
-        _expect(len(s.block_table) == s.num_blocks, f"ch04_ex4: sequence {s.seq_id} ({s.num_tokens} tokens) decodes "
+        _expect(len(s.block_table) == s.num_blocks, f"{ex}: sequence {s.seq_id} ({s.num_tokens} tokens) decodes "
                 f"with block_table {s.block_table}: it needs {s.num_blocks} blocks for its new token's K/V")
-    _expect(not is_prefill and [s.seq_id for s in batch] == [0], f"ch04_ex4: three running sequences each need "
-            f"a new block and none is free: preempting the newest (2, then 1) leaves a decode of sequence 0 alone;"
-            f" expected [0], got {[s.seq_id for s in batch]}")
-    _expect([s.seq_id for s in sched.waiting] == [1, 2, 3], f"ch04_ex4: waiting should be [1, 2, 3] (the preempted "
+    _expect([s.seq_id for s in batch] == [0], f"{ex}: three running sequences each need a new block and none is "
+            f"free: preempting the newest (2, then 1) leaves a decode of sequence 0 alone; expected [0], got "
+            f"{[s.seq_id for s in batch]}")
+    _expect([s.seq_id for s in sched.waiting] == [1, 2, 3], f"{ex}: waiting should be [1, 2, 3] (the preempted "
             f"ones first, in admission order), got {[s.seq_id for s in sched.waiting]}")
 
 
-# --- ch04_ex5: prepare_batch ---------------------------------------------------------------------
+def check_token_budget(cls: type[Scheduler], ex: str = "ch04_ex3") -> None:
+    """Seats and blocks for all, a budget of 10 tokens: prompts of 4, 4 and 4 tokens admit two (8 tokens;
+    the third would make 12); the next step admits the third."""
+    sched = cls(BlockManager(16, 4), 8, 10, 10, set())
+    for i in range(3):
+        sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=4), block_size=4, seq_id=i))
+    for step, want in [(1, [0, 1]), (2, [2])]:
+        batch = _ch04_step(ex, sched, step)
+        _expect([s.seq_id for s in batch] == want, f"{ex}: step {step}: with max_num_batched_tokens=10 and "
+                f"prompts of 4 tokens, the prefill should admit {want}, got {[s.seq_id for s in batch]}")
+        sched.postprocess(batch, [1] * len(batch))
+
+
+PARTS = [pytest.param(part, marks=pytest.mark.group(group), id=part) for part, group in PART_GROUP.items()]
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex3
+@pytest.mark.parametrize("part", PARTS)
+def test_ch04_ex3_scheduler_contract(part):
+    """One part of the scheduler (admission, decode) with the grader's others, or the whole: random
+    adds, steps and aborts (see `check_contract`)."""
+    check_contract(graded_scheduler(part))
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex3
+@pytest.mark.parametrize("part", PARTS)
+def test_ch04_ex3_scheduler_under_memory_pressure(part):
+    check_memory_pressure(graded_scheduler(part))
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex3
+@pytest.mark.group(ADMITS)
+def test_ch04_ex3_admission_keeps_to_the_token_budget():
+    check_token_budget(graded_scheduler("prefill"))
+
+
+@pytest.mark.ch04
+@pytest.mark.ch04_ex3
+@pytest.mark.group(DECODES)
+def test_ch04_ex3_preempts_the_newest_back_to_the_front():
+    check_preempts_the_newest(graded_scheduler("decode"))
+
+
+# --- plausible wrong answers lose the right part's points (not graded: they check the graders) -------
+class _Overtakes(_GraderScheduler):
+    """Admission that skips a head that does not fit and admits later ones (not first come, first served)."""
+
+    def schedule_prefill(self):
+        batch, used = [], 0
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if used + seq.num_tokens <= self.max_num_batched_tokens and self.block_manager.can_allocate(seq):
+                self.block_manager.allocate(seq)
+                used += seq.num_tokens - seq.num_cached_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                batch.append(seq)
+        return batch
+
+
+class _IgnoresTheBudget(_GraderScheduler):
+    """Admission that checks seats and blocks but not `max_num_batched_tokens`."""
+
+    def schedule_prefill(self):
+        batch = []
+        while self.waiting and len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(self.waiting[0]):
+            seq = self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
+
+
+class _PreemptsTheOldest(_GraderScheduler):
+    """Decode that frees room by preempting the oldest running sequence instead of the newest."""
+
+    def schedule_decode(self):
+        out = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue
+            while not self.block_manager.can_append(seq) and self.running[0] is not seq:
+                self.preempt(self.running.popleft())
+            if self.block_manager.can_append(seq):
+                self.block_manager.may_append(seq)
+                out.append(seq)
+            else:
+                self.running.remove(seq)
+                self.preempt(seq)
+        return out
+
+
+class _NeverClaims(_GraderScheduler):
+    """Decode that checks for room but never claims it (`may_append` forgotten)."""
+
+    def schedule_decode(self):
+        out = []
+        while self.running and len(out) < len(self.running):
+            seq = self.running[len(out)]
+            if self.block_manager.can_append(seq):
+                out.append(seq)
+            else:
+                self.preempt(self.running.pop())
+        return out
+
+
+class _DecodeFirst(_GraderScheduler):
+    """A step that decodes whenever something runs and admits only when nothing does."""
+
+    def schedule(self):
+        if self.running:
+            return self.schedule_decode(), False
+        return self.schedule_prefill(), True
+
+
+@pytest.mark.parametrize("wrong, fails", [
+    (_Overtakes, "admission"), (_IgnoresTheBudget, "admission"), (_PreemptsTheOldest, "decode"),
+    (_NeverClaims, "decode"), (_DecodeFirst, "whole")])
+def test_ch04_ex3_wrong_answers_lose_their_part(wrong, fails):
+    """Each wrong answer fails the checks of the part it gets wrong, so it loses that part's points (the
+    other parts run the grader's code in place of the wrong method, or, for the whole, all of it)."""
+    checks = [check_contract, check_memory_pressure] + {"admission": [check_token_budget],
+                                                        "decode": [check_preempts_the_newest]}.get(fails, [])
+    failures = []
+    for check in checks:
+        try:
+            check(wrong)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert failures, f"{wrong.__name__}: a wrong {fails} passed every check of its part"
+
+
+# --- ch04_ex4: prepare_batch ---------------------------------------------------------------------
 @st.composite
 def _batches(draw):
     block_size = draw(st.integers(1, 4))
@@ -407,14 +563,14 @@ def _batches(draw):
 
 
 @pytest.mark.ch04
-@pytest.mark.ch04_ex5
+@pytest.mark.ch04_ex4
 @settings(max_examples=120, deadline=None, report_multiple_bugs=False)
 @given(case=_batches())
-def test_ch04_ex5_flat_batch_by_its_definition(case):
+def test_ch04_ex4_flat_batch_by_its_definition(case):
     """Random sequences (shuffled block tables, cached prefixes at a prefill): each field equals its
     definition, written here from the sequences alone."""
     seqs, is_prefill, bs = case
-    with stand_ins("ch04_ex5"), your_code("ch04_ex5", "prepare_batch"):
+    with stand_ins("ch04_ex4"), your_code("ch04_ex4", "prepare_batch"):
         ids, pos, md, last = mr.prepare_batch(seqs, is_prefill, bs, torch.device("cpu"))
     starts = [s.num_cached_tokens if is_prefill else s.num_tokens - 1 for s in seqs]
     lens = [s.num_tokens - a for s, a in zip(seqs, starts)]
@@ -433,7 +589,7 @@ def test_ch04_ex5_flat_batch_by_its_definition(case):
            "slot_mapping": md.slot_mapping, "block_tables": md.block_tables, "last_token_rows": last}
     desc = "; ".join(f"seq {s.seq_id}: {s.num_tokens} tokens, {s.num_cached_tokens} cached, block_table {s.block_table}"
                      for s in seqs)
-    at = f"ch04_ex5: prepare_batch({'prefill' if is_prefill else 'decode'}, block_size={bs}) of [{desc}]"
+    at = f"ch04_ex4: prepare_batch({'prefill' if is_prefill else 'decode'}, block_size={bs}) of [{desc}]"
     _expect(md.is_prefill == is_prefill, f"{at}: metadata.is_prefill should be {is_prefill}")
     for name, w in want.items():
         t = got[name]
@@ -454,7 +610,8 @@ def engine_case(tmp_path_factory):
 
 
 @pytest.mark.ch04
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in EXERCISES])
+@pytest.mark.parametrize("ex", [pytest.param(ex, marks=[getattr(pytest.mark, ex)] + (
+    [pytest.mark.group(EQUALS)] if ex == "ch04_ex3" else []), id=ex) for ex in EXERCISES])
 def test_ch04_engine_equals_transformers(ex, engine_case):
     """The engine with the exercise's code in place (the grader's for the other regions), paged blocks
     of 4 on a cache that forces preemptions, at most 4 sequences and 64 prefill tokens a step:

@@ -9,7 +9,9 @@ student edition, and write points per exercise and the total (JSON, JUnit XML; a
 
 Hand-written, not exported from a chapter: it is the course's tooling, like `scripts/release.py`.
 `EXERCISES` is the one place where exercises and their points are defined. An exercise scores its
-points when every test carrying its marker passes (public and private tests alike), nothing otherwise.
+points when every test carrying its marker passes (public and private tests alike), nothing otherwise;
+an exercise with named test groups (`Exercise.groups`, e.g. "admits first come, first served") scores
+each group's points when that group's tests pass, so a student sees which part of a build works.
 
 Graded regions (rebuild exercises) sit in the chapters' export cells, between nbgrader's markers,
 under one line that names the exercise, its points and the task (`REGION_MARKER`):
@@ -61,6 +63,12 @@ class Exercise:
         title: a few words.
         where: the file a student edits.
         tests: the test files (relative to the edition's root) that hold its graders.
+        groups: for partial credit, `(name, points)` pairs whose points add up to `points`: a test
+            marked `@pytest.mark.group(name)` belongs to that group, and a group scores its points when
+            every test in it passes; a test of the exercise in no group must pass for any points. Empty:
+            all or nothing.
+    Raises:
+        ValueError: groups whose points do not add up to `points`, or a group named twice.
     """
 
     id: str
@@ -69,6 +77,12 @@ class Exercise:
     title: str
     where: str
     tests: tuple[str, ...]
+    groups: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        names = [g for g, _ in self.groups]
+        if self.groups and (sum(p for _, p in self.groups) != self.points or len(set(names)) != len(names)):
+            raise ValueError(f"{self.id}: groups {self.groups} should name each group once and add up to {self.points}")
 
 
 _CH05_NB, _CH05_EX = "notebooks/05_paged_attention.ipynb", "exercises/ch05_paged_attention.py"
@@ -99,11 +113,13 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
     Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
     Exercise("ch04_ex2", 2, "rebuild", "the slot mapping", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
-    Exercise("ch04_ex3", 3, "rebuild", "Scheduler.schedule_prefill (admission)", "notebooks/04_scheduler.ipynb",
-             ("tests/test_grading_ch04_regions.py",)),
-    Exercise("ch04_ex4", 3, "rebuild", "Scheduler.schedule_decode (preemption)", "notebooks/04_scheduler.ipynb",
-             ("tests/test_grading_ch04_regions.py",)),
-    Exercise("ch04_ex5", 3, "rebuild", "prepare_batch's flat layout", "notebooks/04_scheduler.ipynb",
+    Exercise("ch04_ex3", 10, "rebuild", "build the scheduler: Scheduler.schedule, schedule_prefill (admission), "
+             "schedule_decode (preemption)", "notebooks/04_scheduler.ipynb", ("tests/test_grading_ch04_regions.py",),
+             groups=(("admits first come, first served within the limits", 3),
+                     ("decodes the oldest, preempts the newest", 3),
+                     ("survives random adds, steps and aborts", 2),
+                     ("equals transformers under memory pressure", 2))),
+    Exercise("ch04_ex4", 3, "rebuild", "prepare_batch's flat layout", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
     Exercise("ch05_ex1", 3, "rebuild", "BlockManager.allocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
     Exercise("ch05_ex2", 3, "rebuild", "BlockManager.deallocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
@@ -322,7 +338,9 @@ def _save_outcomes() -> None:
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
         marks = sorted({m.name for m in item.iter_markers() if m.name in EXERCISES})
-        _outcomes[item.nodeid] = {"exercises": marks, "outcome": "passed", "message": "", "details": ""}
+        group = item.get_closest_marker("group")
+        _outcomes[item.nodeid] = {"exercises": marks, "group": group.args[0] if group else None,
+                                  "outcome": "passed", "message": "", "details": ""}
 
 
 class GradeTimeout(BaseException):
@@ -539,9 +557,13 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
                                          f"(their stand-ins are not your answer): {borrowed[0]}"})
         passed = bool(tests) and not failed and any(o["outcome"] == "passed" for o in tests.values())
         pts = EXERCISES[ex].points
-        report["exercises"][ex] = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
-                                   "passed": passed, "tests": len(tests), "failed": failed}
-        report["total"] += pts if passed else 0
+        entry = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
+                 "passed": passed, "tests": len(tests), "failed": failed}
+        if EXERCISES[ex].groups:
+            entry["groups"] = score_groups(EXERCISES[ex], tests, bool(borrowed))
+            entry["points"] = sum(g["points"] for g in entry["groups"].values())
+        report["exercises"][ex] = entry
+        report["total"] += entry["points"]
         report["max_total"] += pts
     if not outcomes:  # pytest could not collect or start: say why
         report["error"] = "".join(r.stdout + r.stderr for r in logs)[-MESSAGE_CHARS:]
@@ -561,6 +583,24 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     if junit_path:
         write_junit(report, junit_path)
     return report
+
+
+def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[str, dict]:
+    """Partial credit: each of `ex.groups` scores its points when its tests (`tests`: outcomes by test
+    id, each with its `group`) ran, at least one passed, and none failed, and no test of `ex` outside
+    every group failed (nothing scores where the code uses the graders' own code: `borrowed`).
+    Returns `{name: {"points", "max_points", "passed", "tests", "message"}}` (`message`: the first failure's)."""
+    names = {g for g, _ in ex.groups}
+    gate = [o for o in tests.values() if o.get("group") not in names and o["outcome"] == "failed"]
+    out = {}
+    for name, pts in ex.groups:
+        mine = [o for o in tests.values() if o.get("group") == name]
+        bad = [o for o in mine if o["outcome"] == "failed"] + gate
+        ok = not borrowed and bool(mine) and not bad and any(o["outcome"] == "passed" for o in mine)
+        message = bad[0]["message"].splitlines()[0][:150] if bad and bad[0]["message"] else \
+            ("" if mine else "no test of this group ran")
+        out[name] = {"points": pts if ok else 0, "max_points": pts, "passed": ok, "tests": len(mine), "message": message}
+    return out
 
 
 GRADER_NAMES = re.compile(r"\b(_grader\w*|_Grader\w*|_Scaffold|STAND_INS)\b")
@@ -604,9 +644,13 @@ def format_report(report: dict) -> str:
     """The score table, one line per exercise."""
     lines = []
     for ex, r in report["exercises"].items():
-        status = "PASS" if r["passed"] else ("FAIL" if r["tests"] else "NO TESTS RAN")
+        status = "PASS" if r["passed"] else ("PART" if r["points"] else "FAIL") if r["tests"] else "NO TESTS RAN"
         why = f" — {r['failed'][0]['message'].splitlines()[0][:150]}" if r["failed"] and r["failed"][0]["message"] else ""
-        lines.append(f"{ex} {status:>4} {r['points']:>2}/{r['max_points']:<2} {r['title']}{why}")
+        lines.append(f"{ex} {status:>4} {r['points']:>2}/{r['max_points']:<2} {r['title']}"
+                     + ("" if r.get("groups") else why))
+        for name, g in r.get("groups", {}).items():
+            lines.append(f"    {'ok' if g['passed'] else '--'} {g['points']:>2}/{g['max_points']:<2} {name}"
+                         + (f" — {g['message']}" if g["message"] else ""))
     lines.append(f"total: {report['total']}/{report['max_total']} points")
     return "\n".join(lines)
 
@@ -623,6 +667,8 @@ def write_junit(report: dict, path: str | Path) -> None:
         cprops = ET.SubElement(case, "properties")
         ET.SubElement(cprops, "property", name="points", value=str(r["points"]))
         ET.SubElement(cprops, "property", name="max_points", value=str(r["max_points"]))
+        for name, g in r.get("groups", {}).items():
+            ET.SubElement(cprops, "property", name=f"group: {name}", value=f"{g['points']}/{g['max_points']}")
         if not r["passed"]:
             first = r["failed"][0] if r["failed"] else {"message": "no test ran", "details": ""}
             fail = ET.SubElement(case, "failure", message=first["message"][:500])

@@ -26,7 +26,7 @@ def prepare_batch(seqs: list[Sequence], is_prefill: bool, block_size: int, devic
     A prefill feeds each sequence's tokens from `num_cached_tokens` on; a decode feeds its last token.
     All int64; `cu_seqlens_q` stays on the CPU, the rest goes to `device`.
     """
-    # EXERCISE ch04_ex5 (3 points): each sequence's new tokens end to end: ids, positions, slots, cu, lens, last rows
+    # EXERCISE ch04_ex4 (3 points): each sequence's new tokens end to end: ids, positions, slots, cu, lens, last rows
     ### BEGIN SOLUTION
     input_ids, positions, slots, cu, lens, last_rows = [], [], [], [0], [], []
     for seq in seqs:

@@ -128,13 +128,22 @@ class Scheduler(SchedulerBase):
     """Continuous batching, prefill first, first come first served (nano-vllm's, vLLM V0's); args as `SchedulerBase`."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """This step's batch: `(seqs, is_prefill)`; empty only when nothing is waiting or running."""
+        """This step's `(seqs, is_prefill)`: a prefill of those `schedule_prefill` admits, else a decode."""
+        # EXERCISE ch04_ex3 (10 points): a prefill if anyone is admitted, else a decode
+        ### BEGIN SOLUTION
         admitted = self.schedule_prefill()
         return (admitted, True) if admitted else (self.schedule_decode(), False)
+        ### END SOLUTION
 
     def schedule_prefill(self) -> list[Sequence]:
-        """Admit waiting sequences from the head of the queue while they fit; return them."""
-        # EXERCISE ch04_ex3 (3 points): admit from the head of waiting, in order, while the head fits; return them
+        """Admit sequences from the head of `waiting`, in order, while the head fits; return them in order.
+
+        The head fits when fewer than `max_num_seqs` run, the step's new tokens so far plus the head's
+        `num_tokens` stay within `max_num_batched_tokens`, and `block_manager.can_allocate(head)`. The
+        first head that does not fit ends admission: nobody overtakes it. An admitted sequence gets its
+        blocks (`allocate`), status RUNNING and a place at the back of `running`; it adds its
+        `num_tokens - num_cached_tokens` to the step's new tokens (`allocate` may find some cached)."""
+        # EXERCISE ch04_ex3 (10 points): admit from the head of waiting, in order, while the head fits; return them
         ### BEGIN SOLUTION
         scheduled, num_batched_tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -151,8 +160,13 @@ class Scheduler(SchedulerBase):
         ### END SOLUTION
 
     def schedule_decode(self) -> list[Sequence]:
-        """Room for one more token for each running sequence, preempting when there is none."""
-        # EXERCISE ch04_ex4 (3 points): room for one more token per running sequence; preempt the newest when full
+        """Room for one more token for each running sequence, oldest first; return those that got it.
+
+        A sequence has room when `block_manager.can_append(seq)`, and `may_append(seq)` claims it. While
+        it has none, preempt the newest running sequence (`preempt`: it frees the blocks and goes to the
+        front of `waiting`), the sequence itself if it is the newest. Afterwards `running` is exactly the
+        returned sequences and the preempted wait at the front in admission order."""
+        # EXERCISE ch04_ex3 (10 points): room for one more token per running sequence; preempt the newest when full
         ### BEGIN SOLUTION
         scheduled = []
         while self.running and len(scheduled) < self.max_num_seqs:
@@ -169,5 +183,3 @@ class Scheduler(SchedulerBase):
         self.running.extendleft(reversed(scheduled))  # keep admission order
         return scheduled
         ### END SOLUTION
-
-
