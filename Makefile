@@ -36,8 +36,10 @@ test: setup
 	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --nbmake tests notebooks
 
-## read and run the chapters in JupyterLab (installed by the set-up with the `notebooks` extra)
+## read and run the chapters in JupyterLab (installed by the set-up with the `notebooks` extra); the chapters
+## are marked trusted first, so JupyterLab draws their saved widgets (trust is kept per machine, not in the file)
 lab: setup
+	$(VENV)/bin/jupyter trust notebooks/[0-9][0-9]_*.ipynb
 	$(VENV)/bin/jupyter lab notebooks/
 
 ## tests without the notebooks, for a quick loop
