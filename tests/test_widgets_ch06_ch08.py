@@ -1,0 +1,118 @@
+"""The explorers of chapters 06, 07 and 08: each callback recomputes `state` for the controls' new
+values, and that state equals a computation done here from the definitions (not by the chapter's code)."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+from minivllm.course.widgets.prefix_cache import prefix_cache_state, words_to_ids  # noqa: E402
+
+
+# --- chapter 06: the prefix-cache explorer ------------------------------------------------------
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def expected_hits(prompts: list[list[int]], block_size: int) -> list[int]:
+    """Blocks each prompt finds when every earlier prompt finished and nothing was evicted: the longest
+    common prefix with an earlier prompt in whole blocks, never the block holding the last token."""
+    return [min(max((common_prefix(p, q) for q in prompts[:k]), default=0) // block_size,
+                (len(p) - 1) // block_size) for k, p in enumerate(prompts)]
+
+
+def full_block_prefixes(prompts: list[list[int]], block_size: int) -> set[tuple[int, ...]]:
+    return {tuple(p[:end]) for p in prompts for end in range(block_size, len(p) + 1, block_size)}
+
+
+def check_prefix_state(state: dict, prompts: list[list[int]], block_size: int, num_blocks: int) -> None:
+    """`state` of prompts that each finished before the next, in a pool that never had to evict."""
+    rows = state["prompts"]
+    assert [r["hit_blocks"] for r in rows] == expected_hits(prompts, block_size)
+    assert [r["num_cached_tokens"] for r in rows] == [h * block_size for h in expected_hits(prompts, block_size)]
+    for p, r in zip(prompts, rows):
+        assert [t for block in r["blocks"] for t in block] == p
+        assert all(len(block) == block_size for block in r["blocks"][:-1]) and 0 < len(r["blocks"][-1]) <= block_size
+        assert r["admitted"] and len(r["block_table"]) == len(r["blocks"])
+    # equal names exactly for equal full-block prefixes
+    names = {}
+    for p, r in zip(prompts, rows):
+        for j, h in enumerate(r["hashes"]):
+            if len(r["blocks"][j]) == block_size:
+                names.setdefault(tuple(p[:(j + 1) * block_size]), set()).add(h)
+            else:
+                assert h == -1
+    assert all(len(hs) == 1 for hs in names.values())
+    assert len({next(iter(hs)) for hs in names.values()}) == len(names)
+    # the pool: nothing runs; every distinct full-block prefix is cached once; the rest is empty
+    assert state["in_use"] == []
+    assert len(state["free_cached"]) == len(full_block_prefixes(prompts, block_size))
+    assert sorted(state["free_cached"] + state["free_empty"]) == list(range(num_blocks))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_state_hits_the_longest_common_full_block_prefix(seed):
+    rng = random.Random(seed)
+    block_size = rng.randint(1, 5)
+    stem = [rng.randrange(4) for _ in range(rng.randint(0, 12))]
+    prompts = [stem[:rng.randint(0, len(stem))] + [rng.randrange(4) for _ in range(rng.randint(1, 9))]
+               for _ in range(rng.randint(2, 6))]
+    num_blocks = sum(-(-len(p) // block_size) for p in prompts)  # room for every block: no eviction
+    check_prefix_state(prefix_cache_state(prompts, block_size, num_blocks), prompts, block_size, num_blocks)
+
+
+def test_prefix_state_edges():
+    # a whole number of blocks sent twice: all but the block holding the last token hit
+    state = prefix_cache_state([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, block_size=4, num_blocks=8)
+    assert [r["hit_blocks"] for r in state["prompts"]] == [0, 1]
+    assert state["prompts"][1]["cached"] == [True, False]  # its last block's name is taken: not cached again
+    # blocks larger than any prompt: nothing is full, nothing is named, nothing hits
+    state = prefix_cache_state([[1, 2, 3], [1, 2, 3, 4]], block_size=8, num_blocks=4)
+    assert [r["hit_blocks"] for r in state["prompts"]] == [0, 0] and state["free_cached"] == []
+    # prompts kept running in a small pool: the third does not fit (can_allocate counts all its blocks)
+    state = prefix_cache_state([[1, 2], [1, 2, 3], [1, 2, 3, 4]], block_size=1, num_blocks=6, keep_running=True)
+    assert [r["admitted"] for r in state["prompts"]] == [True, True, False]
+    assert state["in_use"] == sorted({b for r in state["prompts"] for b in r["block_table"]}) == [0, 1, 2]
+    assert [r["hit_blocks"] for r in state["prompts"][:2]] == [0, 2]
+    # a pool that must evict: the second of two unrelated prompts takes the first's blocks
+    state = prefix_cache_state([[1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 9]], block_size=2, num_blocks=2)
+    assert [r["hit_blocks"] for r in state["prompts"]] == [0, 0, 0]
+
+
+def test_words_to_ids_gives_equal_words_equal_ids():
+    ids, words = words_to_ids(["a b c", "", "  ", "a c d"])
+    assert words == [["a", "b", "c"], ["a", "c", "d"]] and ids == [[0, 1, 2], [0, 2, 3]]
+
+
+def test_prefix_cache_explorer_recomputes_on_every_control():
+    pytest.importorskip("ipywidgets")
+    from minivllm.course.widgets.prefix_cache import PRESETS, prefix_cache_explorer
+
+    box = prefix_cache_explorer(num_blocks=48)
+    assert set(box.controls) >= {"prompts", "block_size", "num_blocks", "keep_running", "preset"}
+    for text, block_size in (("x y z w x\nx y z w q\nx y", 2), ("a b c d\na b c d\na b c d e", 1),
+                             ("one two three\none two three four", 4)):
+        box.controls["prompts"].value = text
+        box.controls["block_size"].value = block_size
+        prompts, _ = words_to_ids(text.splitlines())
+        check_prefix_state(box.state, prompts, block_size, 48)
+    box.controls["block_size"].value = 1
+    box.controls["preset"].value = "one prompt twice"
+    assert box.controls["prompts"].value == PRESETS["one prompt twice"]
+    prompts, words = words_to_ids(PRESETS["one prompt twice"].splitlines())
+    check_prefix_state(box.state, prompts, 1, 48)
+    assert box.state["words"] == words
+    box.controls["keep_running"].value = True
+    box.controls["num_blocks"].value = 9  # 8 blocks for the first prompt, 1 free: the second is refused
+    assert [r["admitted"] for r in box.state["prompts"]] == [True, False]
+    assert box.state["in_use"] == list(range(8)) and box.state["num_blocks"] == 9
+    box.controls["prompts"].value = ""  # no prompt: an empty state, no error
+    assert box.state["prompts"] == [] and len(box.state["free_empty"]) == 9
+
