@@ -47,9 +47,8 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
     ch = ex[:4]
     if ch == "ch01":
         return list(importlib.import_module("test_grading_ch01_regions").STAND_INS.get(ex, []))
-    if ch == "ch02":
-        cls, fn = importlib.import_module("test_grading_ch02_regions").STAND_INS[ex]
-        return [(cls, "forward", fn)]
+    if ch == "ch02":  # ch02_ex3, the decoder layer: one stand-in per method of the build
+        return list(importlib.import_module("test_grading_ch02_regions").STAND_INS.get(ex, []))
     if ch == "ch03":
         t, sb = importlib.import_module("test_grading_ch03_regions"), importlib.import_module("minivllm.baselines.static_batching")
         return {"ch03_ex2": [(sb, "pad_batch", t._grader_pad_batch)],

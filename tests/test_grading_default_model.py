@@ -1,4 +1,4 @@
-"""Graders on the default model against a recorded snapshot (`python -m minivllm.course.grade ch02_ex4`, `pytest -m ch02_ex4`).
+"""Graders on the default model against a recorded snapshot (`python -m minivllm.course.grade ch02_ex3`, `pytest -m ch02_ex3`).
 
 The other graders run transformers on tiny random float64 models. These run the package on the real
 default model, SmolLM2-135M-Instruct in float32, and compare it with what transformers computed on
@@ -6,12 +6,12 @@ it once, recorded in tests/data/snapshots/default_model.json by scripts/record_s
 snapshot fixtures; tests/test_snapshots.py checks in the book that the file is what transformers
 computes now). No oracle runs at grading time, so a student edition needs nothing but the model.
 
-* ch02_ex3, ch02_ex4, ch02_ex5 (RMSNorm, RoPE, the MLP): the package's decoder, with the exercise's
-  piece and the grader's stand-ins for the other two (`graded` of test_grading_ch02_regions.py), fed
-  each prompt followed by transformers' greedy completion in one causal pass: at every completion
-  step the logits of transformers' top 5 ids within `LOGITS_ATOL`, no other id above the fifth by
-  more than that, so the greedy token is transformers' (each recorded step's top-2 gap is over
-  `min_gap` = 5e-3, more than twice `LOGITS_ATOL`: no near tie can flip).
+* ch02_ex3 (the decoder layer built whole; its part "the decoder equals transformers' logits"):
+  the package's decoder, every part of the build the package's (`graded("whole")` of
+  test_grading_ch02_regions.py), fed each prompt followed by transformers' greedy completion in one
+  causal pass: at every completion step the logits of transformers' top 5 ids within `LOGITS_ATOL`,
+  no other id above the fifth by more than that, so the greedy token is transformers' (each recorded
+  step's top-2 gap is over `min_gap` = 5e-3, more than twice `LOGITS_ATOL`: no near tie can flip).
 * ch04_ex2 and ch04_ex4 (the slot mapping, the flat batch) and ch05_ex1-ex4 (the block
   manager's allocate, deallocate, may_append; paged decode attention): the engine with the
   exercise's code and the grader's stand-ins for the other pieces of chapters 01, 02, 04 and 05
@@ -40,7 +40,7 @@ from minivllm.baselines.naive import CausalAttention
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
 from test_grading_ch01_regions import graded as ch01_stand_ins
-from test_grading_ch02_regions import STAND_INS as CH02_PIECES
+from test_grading_ch02_regions import WHOLE as CH02_WHOLE
 from test_grading_ch02_regions import graded as ch02_graded
 from test_grading_ch04_06 import CH05_METHODS, _graded, _ReferenceDecode, _Scaffold
 from test_grading_ch04_regions import EXERCISES as CH04_EXERCISES
@@ -110,20 +110,21 @@ def _check_step(ex: str, where: str, row: torch.Tensor, step: dict) -> None:
             f"{int(ids[-1])}); transformers' top 5 are {step['top_ids']}")
 
 
-# --- chapter 02: the decoder's pieces, logits at every step --------------------------------------
+# --- chapter 02: the decoder built whole, logits at every step -----------------------------------
 @pytest.mark.ch02
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in CH02_PIECES])
-def test_ch02_default_model_logits_and_greedy_tokens(ex, snapshot, decoder):
-    """The decoder with the exercise's piece, on each prompt followed by transformers' greedy
-    completion (one causal pass, no cache): the greedy token at every step is transformers', and the
-    top logits are within LOGITS_ATOL of the recorded ones."""
-    _, snap = snapshot
+@pytest.mark.ch02_ex3
+@pytest.mark.group(CH02_WHOLE)
+def test_ch02_default_model_logits_and_greedy_tokens(snapshot, decoder):
+    """The decoder with every part of the build the package's, on each prompt followed by transformers'
+    greedy completion (one causal pass, no cache): the greedy token at every step is transformers', and
+    the top logits are within LOGITS_ATOL of the recorded ones."""
+    ex, (_, snap) = "ch02_ex3", snapshot
     scale = decoder.model.layers[0].self_attn.scale
     for i, p in enumerate(snap["prompts"]):
         prompt, steps = p["prompt_token_ids"], p["steps"]
         tokens = [s["token"] for s in steps]
         ids = torch.tensor(prompt + tokens[:-1])
-        with ch01_stand_ins(None), ch02_graded(ex), torch.no_grad():
+        with ch01_stand_ins(None), ch02_graded("whole"), torch.no_grad():
             hidden = decoder(ids, torch.arange(len(ids)), CausalAttention(scale))
             _expect(isinstance(hidden, torch.Tensor) and hidden.shape[0] == len(ids), f"{ex}: the decoder "
                     f"should return [{len(ids)}, hidden_size] hidden states, got {getattr(hidden, 'shape', hidden)}")

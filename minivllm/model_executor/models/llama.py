@@ -33,7 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # EXERCISE ch02_ex3 (3 points): x over its root mean square (float32 statistics, + eps), cast back, times weight
+        """`x` `[..., hidden_size]` (any float dtype) -> the same shape and dtype: `h = x` in float32
+        (`STATS_DTYPE`), `h * rsqrt(mean(h**2 over the last dim) + self.eps)`, cast back to `x`'s
+        dtype, then times `self.weight` (transformers' `LlamaRMSNorm`, the same roundings)."""
+        # EXERCISE ch02_ex3 (15 points): x over its root mean square (float32 statistics, + eps), cast back, times weight
         ### BEGIN SOLUTION
         dtype = x.dtype
         h = x.to(STATS_DTYPE)
@@ -85,7 +88,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([-x2, x1], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # EXERCISE ch02_ex4 (3 points): rotate q and k by their positions' angles, pairing dim i with i + head_dim/2
+        """Rotate `q` `[N, num_heads, head_dim]` and `k` `[N, num_kv_heads, head_dim]` (any float dtype)
+        by the angles of `positions` `[N]` (int64, each `< max_position`): with `cos`, `sin` = rows
+        `positions` of `self.cos`, `self.sin` (float32, an angle per pair at columns i and i + head_dim/2)
+        cast to `q`'s dtype, `x * cos + _rotate_half(x) * sin` for x = q, k: each head's pair
+        (i, i + head_dim/2) turns by its angle. Returns `(q, k)` rotated, same shapes and dtypes."""
+        # EXERCISE ch02_ex3 (15 points): rotate q and k by their positions' angles, pairing dim i with i + head_dim/2
         ### BEGIN SOLUTION
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
@@ -132,9 +140,7 @@ class AttentionBackend(Protocol):
 # %% ../../../notebooks/02_model.ipynb #66cb82cb
 class Attention(nn.Module):
     """Multi-head self-attention with grouped-query K/V, RoPE and optional q/k RMSNorm (Qwen3).
-
-    Shapes: `forward(positions [N], hidden [N, hidden_size], attn)` -> `[N, hidden_size]`.
-    """
+    Weight names are the checkpoint's. Source: Vaswani et al., 2017; GQA: Ainslie et al., EMNLP 2023."""
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
                  o_bias: bool = False):
@@ -156,6 +162,14 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # a list, so the shared table is not registered once per layer
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """`positions` `[N]` int64, `hidden` `[N, hidden_size]` (normalised) -> `[N, hidden_size]`, same dtype.
+        The heads come from `self.qkv` (the engine may swap in a fused one); Qwen3 (`self.qk_norm`)
+        normalises each q and k head (`self.q_norm`, `self.k_norm`) before `self.rotary[0]` rotates them;
+        `attn(self.layer_idx, q, k, v)` attends (grouped-query: `k`, `v` go as the `num_kv_heads` heads
+        the KV cache stores, and query head h reads K/V head `h // (num_heads // num_kv_heads)`); its
+        `[N, num_heads, head_dim]` output, heads side by side, goes through `self.o_proj`."""
+        # EXERCISE ch02_ex3 (15 points): heads from self.qkv, q/k norms (Qwen3), rotary, the backend attn, o_proj
+        ### BEGIN SOLUTION
         n = hidden.shape[0]
         q, k, v = self.qkv(hidden)
         if self.qk_norm:
@@ -163,14 +177,19 @@ class Attention(nn.Module):
         q, k = self.rotary[0](positions, q, k)
         o = attn(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        ### END SOLUTION
 
     def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The query, key and value heads of `hidden` `[N, hidden_size]`: `[N, num_heads, head_dim]`,
-        then `[N, num_kv_heads, head_dim]` twice."""
+        """The query, key and value heads of `hidden` `[N, hidden_size]`: `q_proj`, `k_proj`, `v_proj`
+        viewed as `[N, self.num_heads, self.head_dim]`, then `[N, self.num_kv_heads, self.head_dim]` twice
+        (head h is columns `h * head_dim ..`; chapter 13 changes the counts per rank)."""
+        # EXERCISE ch02_ex3 (15 points): project hidden into query, key and value heads
+        ### BEGIN SOLUTION
         n = hidden.shape[0]
         return (self.q_proj(hidden).view(n, self.num_heads, self.head_dim),
                 self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim),
                 self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim))
+        ### END SOLUTION
 
 # %% ../../../notebooks/02_model.ipynb #5d29a0e3
 class MLP(nn.Module):
@@ -186,7 +205,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # EXERCISE ch02_ex5 (2 points): SwiGLU: the gate projection through SiLU times the up projection, projected down
+        """`x` `[N, hidden_size]` -> `down_proj(silu(gate_proj(x)) * up_proj(x))`, same shape and dtype."""
+        # EXERCISE ch02_ex3 (15 points): SwiGLU: the gate projection through SiLU times the up projection, projected down
         ### BEGIN SOLUTION
         # in place: the same arithmetic as `silu(gate) * up`, without two more [N, intermediate_size]
         # tensors (a long prefill's are tens of MB each, and fresh ones that big cost page faults)
@@ -195,7 +215,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (Llama's; pre-norm:
+    Xiong et al., "On Layer Normalization in the Transformer Architecture", ICML 2020).
 
     Shapes: `forward(positions [N], hidden [N, hidden_size], attn)` -> `[N, hidden_size]`.
     """
@@ -208,9 +229,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
-    def forward(self, positions, hidden, attn):
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """`hidden` `[N, hidden_size]` (the residual stream) -> the same, same dtype: `h = hidden +
+        self_attn(positions, input_layernorm(hidden), attn)`, then `h + mlp(post_attention_layernorm(h))`.
+        Only the branches see normalised inputs; the residual adds the un-normalised stream (pre-norm)."""
+        # EXERCISE ch02_ex3 (15 points): pre-norm residuals: hidden plus attention of its norm, then plus the MLP of the next norm
+        ### BEGIN SOLUTION
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        ### END SOLUTION
 
 # %% ../../../notebooks/02_model.ipynb #08d02577
 class DecoderModel(nn.Module):
