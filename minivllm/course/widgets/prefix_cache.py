@@ -5,7 +5,7 @@
 pool (exported from notebooks/06_prefix_caching.ipynb)."""
 from __future__ import annotations
 
-from ...core.prefix_caching import NO_HASH, PrefixCachingBlockManager, compute_hash
+from ...core import prefix_caching  # the module: in the chapter, its names stay the chapter's own
 from ...sequence import Sequence
 
 
@@ -32,26 +32,26 @@ def prefix_cache_state(prompts: list[list[int]], block_size: int, num_blocks: in
         "num_cached_tokens", "admitted"; then the pool: "in_use" (ids held by a running prompt),
         "free_cached" (free but findable, front of the queue first), "free_empty" (free, caching nothing)}.
     """
-    bm = PrefixCachingBlockManager(num_blocks, block_size)
+    bm = prefix_caching.PrefixCachingBlockManager(num_blocks, block_size)
     rows = []
     for tokens in prompts:
         seq = Sequence(list(tokens), block_size=block_size)
         blocks = [seq.block(i) for i in range(seq.num_blocks)]
-        hashes, h = [], NO_HASH
+        hashes, h = [], prefix_caching.NO_HASH
         for block in blocks:
-            h = compute_hash(block, h) if len(block) == block_size else NO_HASH
+            h = prefix_caching.compute_hash(block, h) if len(block) == block_size else prefix_caching.NO_HASH
             hashes.append(h)
         admitted = bm.can_allocate(seq)
         if admitted:
             bm.allocate(seq)
         rows.append({"blocks": blocks, "hashes": hashes, "block_table": list(seq.block_table),
-                     "cached": [bm.blocks[b].hash != NO_HASH for b in seq.block_table],
+                     "cached": [bm.blocks[b].hash != prefix_caching.NO_HASH for b in seq.block_table],
                      "hit_blocks": seq.num_cached_blocks, "num_cached_tokens": seq.num_cached_tokens,
                      "admitted": admitted})
         if admitted and not keep_running:
             bm.deallocate(seq)
     free = list(bm.free_block_ids)
-    cached = [b for b in free if bm.blocks[b].hash != NO_HASH]
+    cached = [b for b in free if bm.blocks[b].hash != prefix_caching.NO_HASH]
     return {"block_size": block_size, "num_blocks": num_blocks, "keep_running": keep_running,
             "prompts": rows, "in_use": sorted(bm.used_block_ids), "free_cached": cached,
             "free_empty": [b for b in free if b not in set(cached)]}
@@ -111,7 +111,7 @@ def describe_prefix_cache(state: dict) -> str:
             continue
         lines.append(f"prompt {k + 1}: {len(row['blocks'])} blocks, {row['hit_blocks']} from the cache "
                      f"({row['num_cached_tokens']} tokens); block table {row['block_table']}; hashes "
-                     + " ".join("-" if h == NO_HASH else f"{h:016x}"[-4:] for h in row["hashes"]))
+                     + " ".join("-" if h == prefix_caching.NO_HASH else f"{h:016x}"[-4:] for h in row["hashes"]))
     lines.append(f"pool of {state['num_blocks']}: in use {state['in_use']}, free and cached "
                  f"{state['free_cached']}, free and empty {len(state['free_empty'])}")
     return "\n".join(lines)
