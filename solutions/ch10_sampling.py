@@ -1,16 +1,16 @@
 """Chapter 10 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 5 (ch10_ex5) — locally typical sampling, a sampler filter the chapter does not show: write
+Exercise 2 (ch10_ex2) — locally typical sampling, a sampler filter the chapter does not show: write
 `apply_typical_p`. Graded against transformers' `TypicalLogitsWarper` (float64 to 1e-12, float32),
-row by row, on random rows: `pytest -m ch10_ex5 --impl=exercises`.
+row by row, on random rows: `pytest -m ch10_ex2 --impl=exercises`.
 
-Exercise 6 (ch10_ex6) — incremental detokenization with two offsets (the scheme vLLM used before the
+Exercise 3 (ch10_ex3) — incremental detokenization with two offsets (the scheme vLLM used before the
 tokenizers library's `DecodeStream`): write `MyIncrementalDetokenizer.decode_next`. Graded on the
-default model's tokenizer, on random token streams: `pytest -m ch10_ex6 --impl=exercises`.
+default model's tokenizer, on random token streams: `pytest -m ch10_ex3 --impl=exercises`.
 
-Exercise 7 (ch10_ex7) — extend the sampler with transformers' `no_repeat_ngram_size`: write
+Exercise 4 (ch10_ex4) — extend the sampler with transformers' `no_repeat_ngram_size`: write
 `apply_no_repeat_ngram`; the given `NoRepeatNGramSampler` applies it. Graded against transformers'
-`NoRepeatNGramLogitsProcessor` and `generate(no_repeat_ngram_size=3)`: `pytest -m ch10_ex7 --impl=exercises`.
+`NoRepeatNGramLogitsProcessor` and `generate(no_repeat_ngram_size=3)`: `pytest -m ch10_ex4 --impl=exercises`.
 """
 import torch
 

@@ -153,7 +153,7 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
 # grader's reference in the same test) they work as usual.
 OTHER_IMPLEMENTATIONS = {
-    "ch10_ex6": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
+    "ch10_ex3": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer.decode_next"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer._step")]),
     "ch05_ex4": (("minivllm.attention.paged_attention", "paged_decode_attention"),

@@ -1,4 +1,4 @@
-"""Grading tests for chapter 10 (`pytest -m ch10_ex5 --impl=exercises`, ...); see test_grading.py.
+"""Grading tests for chapter 10 (`pytest -m ch10_ex2 --impl=exercises`, ...); see test_grading.py.
 
 Each answer is graded by its contract, not by comparison with minivllm's own code: transformers'
 logits processors (float64 to 1e-12: the same formula, only last-bit rounding may differ; float32 on
@@ -41,10 +41,10 @@ def typical_reference(logits: torch.Tensor, mass: float) -> torch.Tensor:
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex5
+@pytest.mark.ch10_ex2
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 100_000), vocab=st.integers(2, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex5_typical_p_equals_transformers(ch10, seed, vocab, rows, data):
+def test_ch10_ex2_typical_p_equals_transformers(ch10, seed, vocab, rows, data):
     logits = random_logits(seed, rows, vocab)
     masses = [data.draw(st.floats(0.05, 0.99)) for _ in range(rows)]
     ours = ch10.apply_typical_p(logits, torch.tensor(masses, dtype=torch.float64))
@@ -59,8 +59,8 @@ def test_ch10_ex5_typical_p_equals_transformers(ch10, seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex5
-def test_ch10_ex5_typical_p_rows_alone_and_float32(ch10):
+@pytest.mark.ch10_ex2
+def test_ch10_ex2_typical_p_rows_alone_and_float32(ch10):
     logits = random_logits(3, 6, 40)
     masses = torch.tensor([0.2, 1.0, 0.5, 0.9, 1.0, 0.7], dtype=torch.float64)
     batch = ch10.apply_typical_p(logits, masses)
@@ -88,10 +88,10 @@ def smol():
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex6
+@pytest.mark.ch10_ex3
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_ch10_ex6_offset_detokenizer_contract(ch10, smol, data):
+def test_ch10_ex3_offset_detokenizer_contract(ch10, smol, data):
     tok, pieces = smol
     token = st.one_of(st.sampled_from(pieces), st.integers(0, len(tok) - 1))
     prompt = tok.encode(data.draw(st.sampled_from(["Note:", "The capital of France is", "中文 text", "Hi"])))
@@ -110,8 +110,8 @@ def test_ch10_ex6_offset_detokenizer_contract(ch10, smol, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex6
-def test_ch10_ex6_cases_by_name(ch10, smol):
+@pytest.mark.ch10_ex3
+def test_ch10_ex3_cases_by_name(ch10, smol):
     tok, _ = smol
     star = tok.encode("🌟")
     d = ch10.MyIncrementalDetokenizer(tok, tok.encode("Stars:"))
@@ -123,10 +123,10 @@ def test_ch10_ex6_cases_by_name(ch10, smol):
 # --- exercise 7: no repeated n-grams ----------------------------------------------------------------
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex7
+@pytest.mark.ch10_ex4
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), n=st.integers(1, 4), vocab=st.integers(2, 8), seed=st.integers(0, 1000))
-def test_ch10_ex7_no_repeat_ngram_equals_transformers(ch10, data, n, vocab, seed):
+def test_ch10_ex4_no_repeat_ngram_equals_transformers(ch10, data, n, vocab, seed):
     rows = data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), min_size=1, max_size=3))
     logits = random_logits(seed, len(rows), vocab)
     ours = ch10.apply_no_repeat_ngram(logits, rows, n)
@@ -137,8 +137,8 @@ def test_ch10_ex7_no_repeat_ngram_equals_transformers(ch10, data, n, vocab, seed
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex7
-def test_ch10_ex7_engine_greedy_equals_transformers_generate(ch10, tmp_path):
+@pytest.mark.ch10_ex4
+def test_ch10_ex4_engine_greedy_equals_transformers_generate(ch10, tmp_path):
     hf = make_model(tmp_path, "llama", vocab_size=12)  # a small vocabulary: repeats are frequent
     prompts = random_prompts(4, 3, 12, seed=2, vocab=12)
     engine = LLMEngine(model=tmp_path, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=64,

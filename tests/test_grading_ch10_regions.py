@@ -1,16 +1,19 @@
-"""Grading tests for chapter 10's rebuild exercises (`python -m minivllm.course.grade ch10_ex1`, or `pytest -m ch10_ex1`).
+"""Grading tests for chapter 10's build assignment (`python -m minivllm.course.grade ch10_ex1`, or `pytest -m ch10_ex1`).
 
-ch10_ex1 (`apply_penalties`), ch10_ex2 (`apply_min_p`), ch10_ex3 (`apply_top_k_top_p`) and ch10_ex4
-(`ranked_before` and `mass_ranked_before`, the pivot draw's ranking and keep test) are graded in the package itself: in a student edition
-they are the student's code, exported from the chapter (stubs until filled), and there is no reference to
-compare with. The oracles are transformers' logits processors and warpers (`RepetitionPenaltyLogitsProcessor`,
+ch10_ex1 builds the sampler's filters whole: `apply_penalties`, `apply_min_p`, `apply_top_k_top_p`, and
+the pivot draw's ranking and keep test (`ranked_before`, `mass_ranked_before`). It scores in four parts
+(`@pytest.mark.group`, the groups of `EXERCISES["ch10_ex1"]`), one per piece, and is graded in the
+package itself: in a student edition the pieces are the student's code, exported from the chapter
+(stubs until filled), and there is no reference to compare with. The oracles are transformers' logits processors and warpers (`RepetitionPenaltyLogitsProcessor`,
 `MinPLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`) in float64 on random logits, OpenAI's formulas
 for the frequency and presence penalties written out token by token, and the ranking rule written here (a
 larger logit first; equal logits: the smaller id, as argmax and a stable sort). The draw is graded by where
 its tokens land (only on kept tokens) and, with fixed seeds, by a chi-square test of their frequencies.
 
-Each exercise is graded alone: where the sampler runs, `graded` puts the grader's own versions of the other
-three pieces in place, so a filled region passes whatever state the others are in.
+Each part is graded alone: where the sampler runs, `graded` puts the grader's own versions of the other
+three pieces in place, so a filled piece scores whatever state the others are in. Hypothesis draws
+are derandomized (the same answer always scores the same points). The tests at the end check that
+plausible wrong answers lose their own part's points.
 
 Dtypes: float64 (transformers' result to 1e-12), float32 and bfloat16 (the same rule on the same rounded
 values; a kept set may differ only for tokens whose margin to the threshold is within the dtype's rounding,
@@ -29,6 +32,7 @@ from hypothesis import strategies as st
 
 import minivllm.sample.ops as ops
 import minivllm.sample.sampler as sampler_module
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.sample.generator import make_generator
 from minivllm.sample.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
@@ -166,22 +170,26 @@ def _mass_ranked_before_stand_in(logits, probs, token_ids):
     return (probs * _ranked_before_stand_in(logits, token_ids).to(probs.dtype)).sum(-1)
 
 
+# the build's parts: part -> [(owner, attribute, stand-in)]
+PIECES = {"penalties": [(ops, "apply_penalties", _penalties_stand_in)],
+          "min_p": [(ops, "apply_min_p", _min_p_stand_in)],
+          "top_k_top_p": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
+          "pivot": [(ops, "ranked_before", _ranked_before_stand_in),
+                    (ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
+PENALTIES, MIN_P, TOP_K_TOP_P, PIVOT = (name for name, _ in GRADED["ch10_ex1"].groups)
+PART_GROUP = dict(zip(PIECES, (PENALTIES, MIN_P, TOP_K_TOP_P, PIVOT)))
 # exercise -> [(owner, attribute, stand-in)] (the format tests/stand_ins.py reads for editions of several chapters)
-STAND_INS = {"ch10_ex1": [(ops, "apply_penalties", _penalties_stand_in)],
-             "ch10_ex2": [(ops, "apply_min_p", _min_p_stand_in)],
-             "ch10_ex3": [(ops, "apply_top_k_top_p", _top_k_top_p_stand_in)],
-             "ch10_ex4": [(ops, "ranked_before", _ranked_before_stand_in),
-                          (ops, "mass_ranked_before", _mass_ranked_before_stand_in)]}
+STAND_INS = {"ch10_ex1": [patch for patches in PIECES.values() for patch in patches]}
 
 
 @contextmanager
-def graded(ex: str | None):
-    """The package's (the student's) piece for `ex`, the grader's stand-ins for chapter 10's other
-    graded pieces, in `sample.ops` and wherever the sampler imported them (None: stand-ins for all)."""
+def graded(part: str | None):
+    """The package's (the student's) piece for `part` (a key of `PIECES`), the grader's stand-ins for
+    the build's other pieces, in `sample.ops` and wherever the sampler imported them (None: stand-ins for all)."""
     with ExitStack() as stack:
         mp = stack.enter_context(pytest.MonkeyPatch.context())
-        for other, patches in STAND_INS.items():
-            for owner, name, fn in patches if other != ex else ():
+        for other, patches in PIECES.items():
+            for owner, name, fn in patches if other != part else ():
                 for module in {owner, sampler_module}:
                     if hasattr(module, name):
                         mp.setattr(module, name, fn)
@@ -200,8 +208,9 @@ _penalty = st.one_of(st.just(None), st.floats(-2.0, 2.0))
 
 @pytest.mark.ch10
 @pytest.mark.ch10_ex1
+@pytest.mark.group(PENALTIES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 40), data=st.data())
 def test_ch10_ex1_penalties_equal_transformers(dtype, seed, vocab, data):
     """Random rows, token lists and penalties (each sometimes off) against transformers'
@@ -245,12 +254,13 @@ def test_ch10_ex1_penalties_equal_transformers(dtype, seed, vocab, data):
                     f"{_where_largest(got[i], logits[i])}")
 
 
-# --- ch10_ex2: min-p ------------------------------------------------------------------------------
+# --- ch10_ex1, min-p ------------------------------------------------------------------------------
 @pytest.mark.ch10
-@pytest.mark.ch10_ex2
-@settings(max_examples=25, deadline=None)
+@pytest.mark.ch10_ex1
+@pytest.mark.group(MIN_P)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex2_min_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex1_min_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows and `min_p` (some 0: off, some 1: only the likeliest): the same tokens kept as
     transformers' `MinPLogitsWarper`, kept logits unchanged, the rest -inf, an off row exactly as it was."""
     from transformers import MinPLogitsWarper
@@ -259,7 +269,7 @@ def test_ch10_ex2_min_p_equals_transformers(seed, vocab, rows, data):
              for i in range(rows)]
     logits = _random_logits(seed, rows, vocab)
     got = ops.apply_min_p(logits, torch.tensor(min_p, dtype=torch.float64))
-    at = f"ch10_ex2 (torch.float64): apply_min_p on {rows} row(s) of {vocab} logits (seed {seed}), min_p {min_p}"
+    at = f"ch10_ex1 (torch.float64): apply_min_p on {rows} row(s) of {vocab} logits (seed {seed}), min_p {min_p}"
     _tensor_of(got, logits.shape, torch.float64, at)
     for i in range(rows):
         want = logits[i:i + 1].clone() if min_p[i] == 0 else MinPLogitsWarper(min_p[i])(None, logits[i:i + 1].clone())
@@ -271,11 +281,12 @@ def test_ch10_ex2_min_p_equals_transformers(seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex2
+@pytest.mark.ch10_ex1
+@pytest.mark.group(MIN_P)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 60), min_p=st.floats(0.001, 0.9))
-def test_ch10_ex2_min_p_in_lower_precision(dtype, seed, vocab, min_p):
+def test_ch10_ex1_min_p_in_lower_precision(dtype, seed, vocab, min_p):
     """float32 and bfloat16: the kept set is the rule's (probability >= min_p times the largest) on the same
     rounded values, computed in float64, except for tokens within the dtype's rounding of the threshold (4
     units, relative to 1 + the log-probability gap: softmax rounds each probability by about that much);
@@ -283,7 +294,7 @@ def test_ch10_ex2_min_p_in_lower_precision(dtype, seed, vocab, min_p):
     logits = _random_logits(seed, 3, vocab).to(dtype)
     mp = torch.tensor([min_p, 0.0, 1.0], dtype=dtype)
     got = ops.apply_min_p(logits, mp)
-    at = f"ch10_ex2 ({dtype}): apply_min_p on 3 rows of {vocab} logits (seed {seed}), min_p {mp.tolist()}"
+    at = f"ch10_ex1 ({dtype}): apply_min_p on 3 rows of {vocab} logits (seed {seed}), min_p {mp.tolist()}"
     _tensor_of(got, logits.shape, dtype, at)
     for i in range(3):
         kept = got[i] > INF
@@ -296,7 +307,7 @@ def test_ch10_ex2_min_p_in_lower_precision(dtype, seed, vocab, min_p):
         _expect(torch.equal(got[i][kept], logits[i][kept]), f"{at}: row {i}: a kept logit changed")
 
 
-# --- ch10_ex3: top-k and top-p --------------------------------------------------------------------
+# --- ch10_ex1, top-k and top-p --------------------------------------------------------------------
 def _draw_filters(data, rows: int, vocab: int):
     top_k = [data.draw(st.one_of(st.just(vocab), st.integers(1, vocab)), label=f"top_k {i}") for i in range(rows)]
     top_p = [data.draw(st.one_of(st.just(1.0), st.floats(0.05, 0.99)), label=f"top_p {i}") for i in range(rows)]
@@ -340,10 +351,11 @@ def _transformers_top_k_top_p(row, k, p):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex3
-@settings(max_examples=25, deadline=None)
+@pytest.mark.ch10_ex1
+@pytest.mark.group(TOP_K_TOP_P)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 60), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex3_top_k_top_p_equals_transformers(seed, vocab, rows, data):
+def test_ch10_ex1_top_k_top_p_equals_transformers(seed, vocab, rows, data):
     """float64, random rows (no ties) with random `top_k` and `top_p` (some off: k = vocab_size, p = 1;
     or the whole tensor None): the same tokens kept as transformers' `TopKLogitsWarper` then
     `TopPLogitsWarper` (top-p measured on what top-k left), kept logits unchanged, the rest -inf."""
@@ -351,17 +363,18 @@ def test_ch10_ex3_top_k_top_p_equals_transformers(seed, vocab, rows, data):
     logits = _random_logits(seed, rows, vocab)
     got = ops.apply_top_k_top_p(logits, None if top_k is None else torch.tensor(top_k),
                                 None if top_p is None else torch.tensor(top_p, dtype=torch.float64))
-    at = (f"ch10_ex3 (torch.float64): apply_top_k_top_p on {rows} row(s) of {vocab} logits (seed {seed}), "
+    at = (f"ch10_ex1 (torch.float64): apply_top_k_top_p on {rows} row(s) of {vocab} logits (seed {seed}), "
           f"top_k {top_k}, top_p {top_p}")
     _check_top_k_top_p(got, logits, top_k, top_p, torch.float64, at, 0.0, oracle=_transformers_top_k_top_p)
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex3
+@pytest.mark.ch10_ex1
+@pytest.mark.group(TOP_K_TOP_P)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 4), data=st.data())
-def test_ch10_ex3_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
+def test_ch10_ex1_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
     """Rows full of ties (logits rounded to integers; in bfloat16 also by the dtype): the kept set is the
     rule's on the same values, in float64: rank by a stable sort (equal logits: the smaller id first, so
     `top_k=1` is the argmax), keep the first `top_k`, then each token whose higher-ranked tokens hold less
@@ -372,7 +385,7 @@ def test_ch10_ex3_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
                             ties=True).to(dtype)
     got = ops.apply_top_k_top_p(logits, None if top_k is None else torch.tensor(top_k),
                                 None if top_p is None else torch.tensor(top_p, dtype=torch.float64).to(dtype))
-    at = (f"ch10_ex3 ({dtype}): apply_top_k_top_p on {rows} row(s) of {vocab} tied logits {logits.tolist()}, "
+    at = (f"ch10_ex1 ({dtype}): apply_top_k_top_p on {rows} row(s) of {vocab} tied logits {logits.tolist()}, "
           f"top_k {top_k}, top_p {top_p}")
     tol = 1e-12 if dtype == torch.float64 else vocab * torch.finfo(dtype).eps
     rounded_p = None if top_p is None else torch.tensor(top_p, dtype=torch.float64).to(dtype).double().tolist()
@@ -380,12 +393,13 @@ def test_ch10_ex3_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex3
-def test_ch10_ex3_rows_alone_and_known_cases():
+@pytest.mark.ch10_ex1
+@pytest.mark.group(TOP_K_TOP_P)
+def test_ch10_ex1_rows_alone_and_known_cases():
     """A row's result does not depend on its batch mates; the cases from public bug reports: top_p=0.6
     over probabilities 0.1, 0.2, 0.3, 0.4 keeps exactly 0.3 and 0.4; top_k=1 with tied maxima keeps the
     smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); both filters None return the logits as they are."""
-    at = "ch10_ex3: apply_top_k_top_p"
+    at = "ch10_ex1: apply_top_k_top_p"
     logits = _random_logits(5, 6, 30)
     top_k, top_p = torch.tensor([30, 3, 30, 10, 1, 30]), torch.tensor([1.0, 0.5, 0.3, 1.0, 0.9, 0.8], dtype=torch.float64)
     batch = ops.apply_top_k_top_p(logits, top_k, top_p)
@@ -411,14 +425,15 @@ def test_ch10_ex3_rows_alone_and_known_cases():
             "the logits must come back unchanged")
 
 
-# --- ch10_ex4: the pivot draw's ranking and keep test -------------------------------------------------
+# --- ch10_ex1: the pivot draw's ranking and keep test -------------------------------------------------
 @pytest.mark.ch10
-@pytest.mark.ch10_ex4
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PIVOT)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
        data=st.data())
-def test_ch10_ex4_ranked_before(dtype, seed, vocab, rows, ties, data):
+def test_ch10_ex1_ranked_before(dtype, seed, vocab, rows, ties, data):
     """Random rows (half of them full of ties; bfloat16 adds its own), any token asked about: 1.0 exactly on
     the tokens ranked before it by a stable sort (a larger logit, or an equal logit and a smaller id; never
     the token itself), 0.0 elsewhere, in the logits' dtype; the input is not modified."""
@@ -426,7 +441,7 @@ def test_ch10_ex4_ranked_before(dtype, seed, vocab, rows, ties, data):
     token_ids = torch.tensor([data.draw(st.integers(0, vocab - 1), label=f"token {i}") for i in range(rows)])
     before = logits.clone()
     got = ops.ranked_before(logits, token_ids)
-    at = (f"ch10_ex4 ({dtype}): ranked_before on {rows} row(s) of {vocab} logits {logits.tolist()}, "
+    at = (f"ch10_ex1 ({dtype}): ranked_before on {rows} row(s) of {vocab} logits {logits.tolist()}, "
           f"token_ids {token_ids.tolist()}")
     _tensor_of(got, (rows, vocab), dtype, at)
     _expect(torch.equal(logits, before), f"{at}: the input logits were modified")
@@ -439,12 +454,13 @@ def test_ch10_ex4_ranked_before(dtype, seed, vocab, rows, ties, data):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex4
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PIVOT)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 40), rows=st.integers(1, 6), ties=st.booleans(),
        data=st.data())
-def test_ch10_ex4_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
+def test_ch10_ex1_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
     """Random rows (half of them full of ties), probabilities zero on a random filtered-out set, any token
     asked about (kept or not): the probability of the tokens ranked before it (a larger logit, or an
     equal logit and a smaller id), summed here in rank order in float64. float64 to 1e-12, float32 within
@@ -456,7 +472,7 @@ def test_ch10_ex4_mass_ranked_before(dtype, seed, vocab, rows, ties, data):
     probs = logits.double().masked_fill(dropped, INF).softmax(-1).to(dtype)
     token_ids = torch.tensor([data.draw(st.integers(0, vocab - 1), label=f"token {i}") for i in range(rows)])
     got = ops.mass_ranked_before(logits, probs, token_ids)
-    at = (f"ch10_ex4 ({dtype}): mass_ranked_before on {rows} row(s) of {vocab} logits (seed {seed}, "
+    at = (f"ch10_ex1 ({dtype}): mass_ranked_before on {rows} row(s) of {vocab} logits (seed {seed}, "
           f"{'with' if ties else 'without'} ties), token_ids {token_ids.tolist()}")
     _tensor_of(got, (rows,), dtype, at)
     want = torch.stack([_mass_before(logits[i].double(), probs[i])[token_ids[i]] for i in range(rows)])
@@ -480,7 +496,7 @@ class _Budget:
 
     def random(self) -> float:
         if self.inner.counter >= self.budget:
-            raise AssertionError(f"ch10_ex4: the pivot draw rejected {self.budget} draws of one row in a row; "
+            raise AssertionError(f"ch10_ex1: the pivot draw rejected {self.budget} draws of one row in a row; "
                                  "the keep test never accepts (is the mass before a token too large?)")
         return self.inner.random()
 
@@ -496,9 +512,10 @@ DRAWS = 3000  # seeded draws per row: 3,000 gives each expected count >= 5 at th
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex4
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PIVOT)
 @pytest.mark.parametrize("top_k, top_p", [(None, 0.7), (8, 0.9), (None, 0.95)], ids=str)
-def test_ch10_ex4_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
+def test_ch10_ex1_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
     """`sample_top_k_top_p` with your keep test on a fixed 12-token row (float64; seeds 0 to 2,999): every
     draw lands on a token transformers' `TopKLogitsWarper` and `TopPLogitsWarper` keep, and the counts pass
     a chi-square test against the filtered softmax (p > 0.001; the seeds are fixed, so the test gives the
@@ -508,7 +525,7 @@ def test_ch10_ex4_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
     kept = _transformers_top_k_top_p(row[0], top_k, top_p)
     expected = row[0].masked_fill(~kept, INF).softmax(-1)
     tokens = _draws(row, top_k, top_p, DRAWS)
-    at = f"ch10_ex4: {DRAWS} seeded pivot draws over logits {row[0].tolist()} with top_k={top_k}, top_p={top_p}"
+    at = f"ch10_ex1: {DRAWS} seeded pivot draws over logits {row[0].tolist()} with top_k={top_k}, top_p={top_p}"
     _tensor_of(tokens, (DRAWS,), torch.int64, at)
     counts = torch.bincount(tokens, minlength=12).double()
     outside = _ids((counts > 0) & ~kept)
@@ -523,8 +540,9 @@ def test_ch10_ex4_pivot_draws_follow_the_filtered_softmax(top_k, top_p):
 
 
 @pytest.mark.ch10
-@pytest.mark.ch10_ex4
-def test_ch10_ex4_pivot_draws_on_tied_rows_in_float32():
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PIVOT)
+def test_ch10_ex1_pivot_draws_on_tied_rows_in_float32():
     """float32 rows full of ties (rounded logits), top_k and top_p: each of 300 seeded draws per row lands on
     a token the rule keeps (rank by the stable sort's order, then less than top_p before it)."""
     logits = _random_logits(11, 4, 24, scale=2.0, ties=True).float()
@@ -532,7 +550,7 @@ def test_ch10_ex4_pivot_draws_on_tied_rows_in_float32():
         kept, margin = _top_k_top_p_rule(logits[i], k, p)
         tokens = _draws(logits[i:i + 1], k, p, 300)
         outside = sorted({t for t in tokens.tolist() if not kept[t] and margin[t] > 1e-5})
-        _expect(not outside, f"ch10_ex4 (torch.float32): pivot draws over tied logits {logits[i].tolist()} with "
+        _expect(not outside, f"ch10_ex1 (torch.float32): pivot draws over tied logits {logits[i].tolist()} with "
                 f"top_k={k}, top_p={p} landed on tokens {outside}; the rule keeps {_ids(kept)} (equal logits: the "
                 "smaller id ranks first)")
 
@@ -555,9 +573,10 @@ def _batch(vocab: int):
 
 
 @pytest.mark.ch10
-@pytest.mark.parametrize("ex", [pytest.param(e, marks=getattr(pytest.mark, e), id=e)
-                                for e in ("ch10_ex1", "ch10_ex2", "ch10_ex4")])
-def test_ch10_piece_in_the_sampler(ex):
+@pytest.mark.ch10_ex1
+@pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.group(PART_GROUP[part]), id=part)
+                                  for part in ("penalties", "min_p", "pivot")])
+def test_ch10_piece_in_the_sampler(part):
     """The engine's `Sampler` on a float32 batch of greedy and random rows with penalties, min-p, top-k and
     top-p, with your piece and the grader's others, 40 seeded steps: greedy rows take the argmax of the
     penalized logits (transformers' and OpenAI's penalties), random rows land only on tokens the filtered
@@ -567,7 +586,8 @@ def test_ch10_piece_in_the_sampler(ex):
     prompts = [s.prompt_token_ids for s in seqs]
     outputs = [s.completion_token_ids for s in seqs]
     sp = [s.sampling_params for s in seqs]
-    with graded(ex):
+    ex = "ch10_ex1"
+    with graded(part):
         for step in range(40):
             logits = _random_logits(100 + step, len(seqs), vocab).float()
             gens = {s.seq_id: make_generator(1000 * step + i) for i, s in enumerate(seqs)}
@@ -589,3 +609,58 @@ def test_ch10_piece_in_the_sampler(ex):
                 margin = torch.minimum(margin, k_margin)
                 _expect(0 <= t < vocab and (bool(kept[t] and k_kept[t]) or float(margin[t]) < 1e-4),
                         f"{at}: drew token {t}, which the filters drop; they keep {_ids(kept & k_kept)}")
+
+
+# --- plausible wrong answers lose their own part's points (not graded: they check the graders) ------
+def _min_p_absolute(logits, min_p):
+    """min-p read as an absolute floor on the probability, not relative to the likeliest token's."""
+    return logits.masked_fill(logits.softmax(-1) < min_p[:, None], INF)
+
+
+def _top_p_drops_the_crossing_token(logits, top_k, top_p):
+    """top-p that keeps tokens while the mass *including* them stays within p (drops the token that crosses p)."""
+    out = _top_k_top_p_stand_in(logits, top_k, None)
+    if top_p is None:
+        return out
+    for i in range(len(out)):
+        order = torch.sort(out[i], descending=True, stable=True).indices
+        cum = out[i][order].softmax(-1).cumsum(-1)
+        drop = order[cum > top_p[i]]
+        out[i, drop] = INF
+    return out
+
+
+def _penalties_on_outputs_only(logits, prompt_token_ids, output_token_ids, presence_penalties, frequency_penalties,
+                               repetition_penalties):
+    """The repetition penalty on generated tokens only (it also covers the prompt's)."""
+    empty = torch.full_like(prompt_token_ids[:, :0], 0)
+    return _penalties_stand_in(logits, empty, output_token_ids, presence_penalties, frequency_penalties,
+                               repetition_penalties)
+
+
+def _ranked_before_ties_by_larger_id(logits, token_ids):
+    """Ties broken the wrong way: equal logits rank the larger id first."""
+    own = logits[torch.arange(len(logits)), token_ids][:, None]
+    ids = torch.arange(logits.shape[1])[None, :]
+    return torch.where(logits == own, ids > token_ids[:, None], logits > own).to(logits.dtype)
+
+
+@pytest.mark.parametrize("name, wrong, checks", [
+    ("apply_min_p", _min_p_absolute, [lambda: test_ch10_ex1_min_p_equals_transformers()]),
+    ("apply_top_k_top_p", _top_p_drops_the_crossing_token,
+     [lambda: test_ch10_ex1_top_k_top_p_equals_transformers(), test_ch10_ex1_rows_alone_and_known_cases]),
+    ("apply_penalties", _penalties_on_outputs_only,
+     [lambda: test_ch10_ex1_penalties_equal_transformers(dtype=torch.float64)]),
+    ("ranked_before", _ranked_before_ties_by_larger_id,
+     [lambda: test_ch10_ex1_ranked_before(dtype=torch.float32)]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_ch10_ex1_wrong_answers_lose_their_part(name, wrong, checks, monkeypatch):
+    """Each wrong piece, put in the package's place, fails at least one check of its own part."""
+    monkeypatch.setattr(ops, name, wrong)
+    failures = []
+    for check in checks:
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(str(e))
+    assert failures, f"a wrong {name} passed every check of its part"

@@ -200,13 +200,13 @@ def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
 
 
 def test_the_chapters_detokenizer_trips_from_the_exercise_file():
-    """ch10_ex6 asks for the offset detokenizer: the package's `IncrementalDetokenizer`, used from the
+    """ch10_ex3 asks for the offset detokenizer: the package's `IncrementalDetokenizer`, used from the
     exercise's file, fails the test; the grader may still build one."""
     from minivllm.engine.detokenizer import IncrementalDetokenizer
 
     src = "IncrementalDetokenizer(None, [1], None)"
-    with stand_ins.tripwires(["ch10_ex6"]) as tripped:
-        with pytest.raises(stand_ins.GradersAnswerCalled, match="ch10_ex6: your ch10_sampling.py called the "
+    with stand_ins.tripwires(["ch10_ex3"]) as tripped:
+        with pytest.raises(stand_ins.GradersAnswerCalled, match="ch10_ex3: your ch10_sampling.py called the "
                                                                 "chapter's other implementation"):
             exec(compile(src, str(ROOT / "exercises" / "ch10_sampling.py"), "exec"),
                  {"IncrementalDetokenizer": IncrementalDetokenizer})

@@ -161,17 +161,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              ("tests/test_grading_ch09_regions.py",)),
     Exercise("ch09_ex4", 2, "rebuild", "the least time of any schedule (workload_bound)", "notebooks/09_benchmark.ipynb",
              ("tests/test_grading_ch09_regions.py",)),
-    Exercise("ch10_ex1", 3, "rebuild", "the penalties (apply_penalties)", "notebooks/10_sampling.ipynb",
-             ("tests/test_grading_ch10_regions.py",)),
-    Exercise("ch10_ex2", 2, "rebuild", "min-p (apply_min_p)", "notebooks/10_sampling.ipynb",
-             ("tests/test_grading_ch10_regions.py",)),
-    Exercise("ch10_ex3", 3, "rebuild", "top-k and top-p (apply_top_k_top_p)", "notebooks/10_sampling.ipynb",
-             ("tests/test_grading_ch10_regions.py",)),
-    Exercise("ch10_ex4", 3, "rebuild", "the pivot draw's ranking and keep test (ranked_before, mass_ranked_before)",
-             "notebooks/10_sampling.ipynb", ("tests/test_grading_ch10_regions.py",)),
-    Exercise("ch10_ex5", 3, "extend", "typical-p sampling", "exercises/ch10_sampling.py", _T10),
-    Exercise("ch10_ex6", 3, "extend", "the offset detokenizer", "exercises/ch10_sampling.py", _T10),
-    Exercise("ch10_ex7", 3, "extend", "no-repeat n-grams", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex1", 11, "rebuild", "build the sampler's filters: apply_penalties, apply_min_p, apply_top_k_top_p, "
+             "the pivot draw's ranking and keep test (ranked_before, mass_ranked_before)", "notebooks/10_sampling.ipynb",
+             ("tests/test_grading_ch10_regions.py",),
+             groups=(("the penalties equal transformers' and OpenAI's", 3),
+                     ("min-p equals transformers'", 2),
+                     ("top-k and top-p equal transformers'", 3),
+                     ("the pivot draw ranks ties and keeps only filtered tokens", 3))),
+    Exercise("ch10_ex2", 3, "extend", "typical-p sampling", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex3", 3, "extend", "the offset detokenizer", "exercises/ch10_sampling.py", _T10),
+    Exercise("ch10_ex4", 3, "extend", "no-repeat n-grams", "exercises/ch10_sampling.py", _T10),
     Exercise("ch11_ex1", 10, "rebuild", "the token-budget scheduler (ChunkedPrefillScheduler.schedule)",
              "notebooks/11_chunked_prefill.ipynb", ("tests/test_grading_ch11_regions.py",)),
     Exercise("ch11_ex2", 5, "rebuild", "the mixed batch's layout (prepare_mixed_batch)", "notebooks/11_chunked_prefill.ipynb",
@@ -693,8 +692,8 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
                 private_tests: str | Path | None = None, tests_from: str | Path | None = None,
                 reports: str | Path | None = None, verbose: bool = True) -> list[dict]:
     """Grade every subfolder of `submissions` (one student edition each) into one CSV: a row per
-    subfolder with its points per exercise and the total (a folder that cannot be graded gets an
-    `error` column).
+    subfolder with its points per exercise (and per part, `chNN_exK: part`, for an exercise graded in
+    parts) and the total (a folder that cannot be graded gets an `error` column).
 
     Each submission is graded in a fresh copy of the instructor's edition (`tests_from`: the edition,
     or the book, the command runs from), into which only the student's work is copied: the chapters
@@ -748,6 +747,8 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
                                                       junit_path=Path(reports) / f"{folder.name}.xml")
                 rep = grade(wanted, work, private_tests=private_tests, export=False, verbose=False, **out)
                 row.update({ex: r["points"] for ex, r in rep["exercises"].items()})
+                row.update({f"{ex}: {name}": g["points"] for ex, r in rep["exercises"].items()
+                            for name, g in r.get("groups", {}).items()})
                 row.update(total=rep["total"], max_total=rep["max_total"], error=rep.get("error", "")[:200])
                 if rep.get("graders_code_used"):
                     row["error"] = f"uses the graders' code: {rep['graders_code_used'][0]}"[:300]
@@ -756,7 +757,8 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
             rows.append(row)
             if verbose:
                 print(f"{folder.name}: {row.get('total', '-')}/{row.get('max_total', '-')} {row.get('error', '')}".rstrip())
-    columns = ["submission", *wanted, "total", "max_total", "error"]
+    columns = ["submission", *[c for ex in wanted for c in [ex, *(f"{ex}: {g}" for g, _ in EXERCISES[ex].groups)]],
+               "total", "max_total", "error"]
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
         writer.writeheader()

@@ -31,7 +31,7 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     Args: the token ids `[num_seqs, len]` int64 padded with `vocab_size`; the penalties `[num_seqs]`
         in the logits' dtype (1.0, 0.0 and 0.0 leave a row exactly as it was).
     """
-    # EXERCISE ch10_ex1 (3 points): repetition on tokens seen in prompt or output, then frequency and presence
+    # EXERCISE ch10_ex1 (11 points): repetition on tokens seen in prompt or output, then frequency and presence
     ### BEGIN SOLUTION
     vocab_size = logits.shape[1]
     output_counts = bin_counts(output_token_ids, vocab_size, logits.dtype)
@@ -50,7 +50,7 @@ __all__ = ['bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens less likely than `min_p` times the likeliest one (Nguyen et al., 2024): -inf.
     Args: logits `[num_seqs, vocab_size]`; min_p `[num_seqs]` in [0, 1] (0: the row is unchanged)."""
-    # EXERCISE ch10_ex2 (2 points): -inf on tokens less likely than min_p times the row's likeliest
+    # EXERCISE ch10_ex1 (11 points): -inf on tokens less likely than min_p times the row's likeliest
     ### BEGIN SOLUTION
     probs = logits.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -69,7 +69,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         top_p `[num_seqs]` in (0, 1] (1: off) or None. Sources: Fan et al. 2018 (top-k),
         Holtzman et al. 2020 (top-p); vLLM's `apply_top_k_top_p`.
     """
-    # EXERCISE ch10_ex3 (3 points): stable sort; keep the top_k first, then those with < top_p before them
+    # EXERCISE ch10_ex1 (11 points): stable sort; keep the top_k first, then those with < top_p before them
     ### BEGIN SOLUTION
     if top_k is None and top_p is None:
         return logits
@@ -111,7 +111,7 @@ def ranked_before(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor
     """1.0 where a token ranks before the row's `token_ids` (a larger logit, or an equal logit and a
     smaller id: a stable sort's order), else 0.0: `[rows, vocab_size]` in the logits' dtype.
     Args: logits `[rows, vocab_size]`; token_ids `[rows]` int64."""
-    # EXERCISE ch10_ex4 (3 points): 1.0 where a token ranks before the row's token (larger logit; equal: smaller id)
+    # EXERCISE ch10_ex1 (11 points): 1.0 where a token ranks before the row's token (larger logit; equal: smaller id)
     ### BEGIN SOLUTION
     pivot = logits.gather(1, token_ids[:, None])
     smaller_id = torch.arange(logits.shape[1], device=logits.device) < token_ids[:, None]
@@ -122,7 +122,7 @@ def ranked_before(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor
 def mass_ranked_before(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """The probability of the tokens ranked before each row's `token_ids` (see `ranked_before`):
     `[rows]`. Args: logits, probs `[rows, vocab_size]` (probs zero where a token is filtered out)."""
-    # EXERCISE ch10_ex4 (3 points): the probability of the tokens ranked before each row's token
+    # EXERCISE ch10_ex1 (11 points): the probability of the tokens ranked before each row's token
     ### BEGIN SOLUTION
     order = (logits - logits.gather(1, token_ids[:, None])).sign_()  # +1 ranked above, 0 tied, -1 below
     num_tied = logits.shape[1] - order.abs().sum(dim=-1)  # the token itself and any of equal logit
