@@ -116,3 +116,62 @@ def test_prefix_cache_explorer_recomputes_on_every_control():
     box.controls["prompts"].value = ""  # no prompt: an empty state, no error
     assert box.state["prompts"] == [] and len(box.state["free_empty"]) == 9
 
+
+# --- chapter 08: the capture-size explorer ------------------------------------------------------
+
+def rule_sizes(max_num_seqs: int, max_capture_size: int) -> list[int]:
+    """The capture sizes as the chapter states the rule: 1, 2, 4, 8, the multiples of 16, then the top."""
+    top = min(max_num_seqs, max_capture_size)
+    return sorted({s for s in (1, 2, 4, 8) if s < top} | set(range(16, top, 16)) | {top})
+
+
+def check_capture_state(state: dict, max_num_seqs: int, max_capture_size: int, batch_size: int) -> None:
+    sizes = rule_sizes(max_num_seqs, max_capture_size)
+    assert state["capture_sizes"] == sizes
+    smallest_holding = [min((s for s in sizes if s >= n), default=None) for n in range(1, max_num_seqs + 1)]
+    assert state["batch_sizes"] == list(range(1, max_num_seqs + 1))
+    assert state["padded_sizes"] == smallest_holding
+    assert state["padded"] == smallest_holding[batch_size - 1]
+    assert state["padded_rows"] == (0 if state["padded"] is None else state["padded"] - batch_size)
+    waste = [0.0 if p is None else 1 - n / p for n, p in zip(range(1, max_num_seqs + 1), smallest_holding)]
+    assert state["waste"] == pytest.approx(waste)
+    assert state["mean_waste"] == pytest.approx(sum(waste) / max_num_seqs)
+    assert state["max_waste"] == pytest.approx(max(waste))
+
+
+@pytest.mark.parametrize("max_num_seqs, max_capture_size, batch_size", [
+    (256, 512, 100), (20, 512, 20), (1, 512, 1), (600, 300, 450), (600, 300, 300), (17, 512, 9), (1024, 1, 2)])
+def test_capture_state_is_the_smallest_size_that_holds_the_batch(max_num_seqs, max_capture_size, batch_size):
+    from minivllm.course.widgets.cuda_graph import capture_size_state
+
+    check_capture_state(capture_size_state(max_num_seqs, batch_size, max_capture_size),
+                        max_num_seqs, max_capture_size, batch_size)
+
+
+def test_capture_state_refuses_a_batch_above_max_num_seqs():
+    from minivllm.course.widgets.cuda_graph import capture_size_state
+
+    with pytest.raises(ValueError, match="batch_size"):
+        capture_size_state(8, 9)
+    with pytest.raises(ValueError, match="batch_size"):
+        capture_size_state(8, 0)
+
+
+def test_capture_size_explorer_recomputes_on_every_control():
+    pytest.importorskip("ipywidgets")
+    from minivllm.course.widgets.cuda_graph import capture_size_explorer
+
+    box = capture_size_explorer()
+    assert set(box.controls) == {"max_num_seqs", "max_capture_size", "batch_size"}
+    check_capture_state(box.state, 256, 512, 100)
+    c = box.controls
+    for name, value in (("batch_size", 17), ("batch_size", 256), ("max_capture_size", 200), ("batch_size", 201),
+                        ("max_num_seqs", 40), ("max_capture_size", 1), ("max_num_seqs", 1)):
+        c[name].value = value
+        check_capture_state(box.state, c["max_num_seqs"].value, c["max_capture_size"].value, c["batch_size"].value)
+    # shrinking max_num_seqs clamped the batch: never a batch the scheduler could not form
+    assert c["batch_size"].value == 1 and box.state["batch_size"] == 1 and box.state["padded"] == 1
+    c["max_num_seqs"].value = 1024  # the batch slider reaches the new limit
+    c["batch_size"].value = 1024
+    assert box.state["batch_size"] == 1024 and box.state["padded"] is None  # max capture size 1: eager
+
