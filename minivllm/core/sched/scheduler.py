@@ -19,7 +19,8 @@ class _QueueMoves:
     `running`, `block_manager`, `max_num_seqs` and `num_preemptions` they use."""
 
     def preempt(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption)."""
+        """Free `seq`'s blocks and put it back at the front of `waiting` (recompute preemption); the caller
+        has already taken it out of `running`."""
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
@@ -128,7 +129,7 @@ class Scheduler(SchedulerBase):
     """Continuous batching, prefill first, first come first served (nano-vllm's, vLLM V0's); args as `SchedulerBase`."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """This step's `(seqs, is_prefill)`: a prefill of those `schedule_prefill` admits, else a decode."""
+        """This step's `(seqs, is_prefill)`: those `schedule_prefill` admits, else a decode; [] if none is left."""
         # EXERCISE ch04_ex3 (10 points): a prefill if anyone is admitted, else a decode
         ### BEGIN SOLUTION
         admitted = self.schedule_prefill()
@@ -162,10 +163,10 @@ class Scheduler(SchedulerBase):
     def schedule_decode(self) -> list[Sequence]:
         """Room for one more token for each running sequence, oldest first; return those that got it.
 
-        A sequence has room when `block_manager.can_append(seq)`, and `may_append(seq)` claims it. While
-        it has none, preempt the newest running sequence (`preempt`: it frees the blocks and goes to the
-        front of `waiting`), the sequence itself if it is the newest. Afterwards `running` is exactly the
-        returned sequences and the preempted wait at the front in admission order."""
+        A sequence has room when `block_manager.can_append(seq)`; `may_append(seq)` claims it. While it has
+        none, preempt the newest running sequence, the sequence itself if it is the newest (take it out of
+        `running`, then `preempt` frees its blocks and queues it at the front of `waiting`). Afterwards
+        `running` is exactly the returned sequences; the preempted wait at the front in admission order."""
         # EXERCISE ch04_ex3 (10 points): room for one more token per running sequence; preempt the newest when full
         ### BEGIN SOLUTION
         scheduled = []

@@ -32,7 +32,7 @@ def render_snapshot(state: dict) -> str:
                                 for i in state["running"]) or "—"),
             ("waiting", "".join(chip(i, KIND_COLOURS["waiting"]) for i in state["waiting"]) or "—"),
             ("blocks", f"{state['num_blocks'] - state['free_blocks']} of {state['num_blocks']} used; "
-                       f"{state['num_preemptions']} preemptions" + ("; all finished" if state["finished"] else ""))]
+                       f"preemptions: {state['num_preemptions']}" + ("; all finished" if state["finished"] else ""))]
     return "<table>" + "".join(f"<tr><td><b>{k}</b></td><td style='text-align:left'>{v}</td></tr>" for k, v in rows) + "</table>"
 
 # %% auto #0
