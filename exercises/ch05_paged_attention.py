@@ -1,17 +1,17 @@
 # GENERATED from solutions/ch05_paged_attention.py by scripts/make_exercises.py: your work goes here.
 """Chapter 05's extend exercises. Your answers go between the TODO lines; see the chapter notebook
-(the rebuild exercises ch05_ex1-ex4 are in the chapter's export cells).
+(the rebuild exercise ch05_ex1, the build of the paged KV cache, is in the chapter's export cells).
 
-Exercise 5 (ch05_ex5) — a block manager of your own, with vLLM's admission watermark: the block-manager
+Exercise 2 (ch05_ex2) — a block manager of your own, with vLLM's admission watermark: the block-manager
 interface (`can_allocate`, `allocate`, `deallocate`, `can_append`, `may_append`) written from scratch
 in this file (an inherited method, the package's `BlockManager`'s say, does not count: the grader
 checks where each is written), in any free order you like. Graded by its contract: invariants under random operation sequences
 (hypothesis), the watermark rule, and the engine's outputs with your class equal to transformers':
-`python -m minivllm.course.grade ch05_ex5`.
+`python -m minivllm.course.grade ch05_ex2`.
 
-Exercise 6 (ch05_ex6) — sliding-window decode attention over the paged cache: each sequence's query
+Exercise 3 (ch05_ex3) — sliding-window decode attention over the paged cache: each sequence's query
 sees only its last `window` tokens. Graded against `attention_reference` on random block tables:
-`python -m minivllm.course.grade ch05_ex6`.
+`python -m minivllm.course.grade ch05_ex3`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Write a student edition: the book without the answers to the chosen exercises.
 
     python scripts/release.py ch05 --out ../ch05-student          # all of chapter 05's exercises
-    python scripts/release.py ch05_ex1 ch05_ex4 --out DIR          # some exercises
+    python scripts/release.py ch05_ex1 ch05_ex3 --out DIR          # some exercises
     make release ASSIGNMENT=ch05 OUT=DIR
 
 What it does:

@@ -64,11 +64,9 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
     if ch == "ch05":
         from minivllm.attention import paged_attention
         from minivllm.core.block_manager import BlockManager
-        scaffold = importlib.import_module("test_grading_ch04_06")._Scaffold
-        return {"ch05_ex1": [(BlockManager, "allocate", scaffold.allocate)],
-                "ch05_ex2": [(BlockManager, "deallocate", scaffold.deallocate)],
-                "ch05_ex3": [(BlockManager, "may_append", scaffold.may_append)],
-                "ch05_ex4": [(paged_attention, "paged_decode_attention", _paged_decode_stand_in)]}.get(ex, [])
+        t = importlib.import_module("test_grading_ch04_06")
+        return {"ch05_ex1": [(BlockManager, name, getattr(t._Scaffold, name)) for name in t.CH05_BUILD_METHODS]
+                + [(paged_attention, "paged_decode_attention", _paged_decode_stand_in)]}.get(ex, [])
     if ch == "ch06":
         t, pc = importlib.import_module("test_grading_ch06_regions"), importlib.import_module("minivllm.core.prefix_caching")
         return {"ch06_ex2": [(pc, "compute_hash", t._grader_hash)],
@@ -156,7 +154,7 @@ OTHER_IMPLEMENTATIONS = {
     "ch10_ex3": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer.decode_next"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer._step")]),
-    "ch05_ex4": (("minivllm.attention.paged_attention", "paged_decode_attention"),
+    "ch05_ex1": (("minivllm.attention.paged_attention", "paged_decode_attention"),
                  [("minivllm.attention.decode_planner", "paged_decode_attention_planned"),
                   ("minivllm.attention.decode_planner", "plan_decode"),
                   ("minivllm.attention.backends.cpu_attn", "paged_decode_attention_cpu"),

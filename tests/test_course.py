@@ -26,6 +26,7 @@ import pytest
 
 from minivllm.course import grade as grading
 from minivllm.course.grade import EXERCISES, find_regions, resolve
+from test_grading_tripwires import build_answers, fill_build
 
 ROOT = Path(__file__).resolve().parent.parent
 CH05 = "notebooks/05_paged_attention.ipynb"
@@ -41,14 +42,14 @@ def _script(name: str):
     return module
 
 
-def _regions(nb_path: Path) -> dict[str, str]:
-    """exercise id -> its answer's text, in the chapter at `nb_path`."""
-    out = {}
+def _regions(nb_path: Path) -> dict[str, list[str]]:
+    """exercise id -> its regions' answers' texts (a build has several), in the chapter at `nb_path`."""
+    out: dict[str, list[str]] = {}
     for cell in nbformat.read(nb_path, as_version=4).cells:
         if cell.cell_type == "code":
             lines = cell.source.split("\n")
             for r in find_regions(cell.source):
-                out[r.id] = "\n".join(lines[r.begin + 1:r.end])
+                out.setdefault(r.id, []).append("\n".join(lines[r.begin + 1:r.end]))
     return out
 
 
@@ -68,7 +69,8 @@ def test_markers_agree_with_the_table():
             found[ex] = nb.name
     assert all(EXERCISES[e].kind == "rebuild" for e in found), found
     assert sorted(found) == sorted(e for e in EXERCISES if EXERCISES[e].kind == "rebuild")
-    assert len(REBUILD) >= 3
+    assert len(resolve(["ch05"])) >= 3  # at least three graded exercises; the build has a region per method
+    assert len(_regions(ROOT / CH05)["ch05_ex1"]) >= 7
     # the chapter's Exercises section states every exercise of the chapter with the table's points
     text = "\n".join(c.source for c in nbformat.read(ROOT / CH05, as_version=4).cells if c.cell_type == "markdown")
     stated = {m[1]: int(m[2]) for m in re.finditer(r"\(`(ch05_ex\d+)`, (\d+) points?\)", text)}
@@ -97,9 +99,12 @@ def test_edition_has_no_answers(edition):
     assert sorted(answers) == REBUILD
     package = "\n".join(p.read_text() for p in (edition / "minivllm").rglob("*.py"))
     chapter = "\n".join(c.source for c in nbformat.read(edition / CH05, as_version=4).cells)
-    for ex, answer in answers.items():
-        assert answer not in package and answer not in chapter, ex
-        assert f'NotImplementedError("{ex}: ' in package or f"NotImplementedError('{ex}: " in package, ex
+    for ex, texts in answers.items():
+        for answer in texts:
+            assert answer not in package and answer not in chapter, ex
+        exported = "\n".join(p.read_text() for p in (edition / "minivllm").rglob("*.py") if "course" not in p.parts)
+        stubs = exported.count(f'NotImplementedError("{ex}: ') + exported.count(f"NotImplementedError('{ex}: ")
+        assert stubs == len(texts), (ex, stubs, len(texts))  # one stub per region (course/ quotes one in a docstring)
     assert _regions(edition / CH05) == {}  # the delimiters are gone with the answers
     assert json.loads((edition / "EDITION.json").read_text())["exercises"] == RELEASED
     # earlier chapters keep their code
@@ -115,23 +120,12 @@ def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
             assert "NotImplementedError" in f["message"], (ex, f["test"], f["message"])
             if ex in REBUILD + ELSEWHERE:  # its own stub, never another chapter's
                 assert ex in f["message"], (ex, f["message"])
+    build = rep["exercises"]["ch05_ex1"]["groups"]  # the build: every part 0, each with a stub's message
+    assert list(build) == [g for g, _ in EXERCISES["ch05_ex1"].groups] and all(
+        g["tests"] > 0 and g["points"] == 0 and "NotImplementedError: ch05_ex1: " in g["message"] for g in build.values()), build
     assert json.loads((tmp_path / "r.json").read_text())["max_total"] == sum(EXERCISES[e].points for e in RELEASED)
     suite = ET.parse(tmp_path / "r.xml").getroot()
     assert suite.get("tests") == str(len(RELEASED)) and suite.get("failures") == suite.get("tests")
-
-
-def _fill(edition: Path, bodies: dict[str, str], chapter: str = CH05) -> None:
-    """Replace the stubs of `bodies`' exercises in the edition's `chapter` (05), as a student would."""
-    nb = nbformat.read(edition / chapter, as_version=4)
-    for cell in nb.cells:
-        for ex, body in bodies.items():
-            lines = cell.source.split("\n")
-            hits = [i for i, line in enumerate(lines) if "raise NotImplementedError(" in line and f"{ex}: " in line]
-            for i in hits:
-                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-                lines[i] = "\n".join(indent + b for b in body.split("\n"))
-            cell.source = "\n".join(lines)
-    nbformat.write(nb, edition / chapter)
 
 
 def _dedent(text: str) -> str:
@@ -141,15 +135,15 @@ def _dedent(text: str) -> str:
 
 
 def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
-    """ch05_ex1 gets the book's answer; ch05_ex2 leaks the tail block; ch05_ex3 delegates to super();
-    ch05_ex4 is an empty stub. Only ch05_ex1 passes (chapters 01 and 02's released regions still
-    stubs), each failure says why; an instructor's private test counts towards its exercise."""
-    edition = shutil.copytree(edition, tmp_path / "submission")  # other tests see the untouched edition
-    answers = {ex: _dedent(a) for ex, a in _regions(ROOT / CH05).items()}
-    leaky = answers["ch05_ex2"].replace("if block.ref_count == 0:", "if block.ref_count == 0 and block_id != seq.block_table[-1]:")
-    assert leaky != answers["ch05_ex2"]
-    _fill(edition, {"ch05_ex1": answers["ch05_ex1"], "ch05_ex2": leaky, "ch05_ex3": "return super().may_append(seq)",
-                    "ch05_ex4": "pass"})
+    """The build ch05_ex1, filled part by part (chapters 01 and 02's released regions still stubs):
+    first the book's block manager and an empty paged decode (`pass`): the block manager's three parts
+    score, the decode's part and the engine's (it decodes through it) do not, and not with the stub's
+    NotImplementedError; an instructor's private test (in no part) counts towards the exercise. Then
+    the book's decode with a deallocate that leaks the tail block and a may_append that delegates to
+    super(): the decode's part scores, the block manager's parts fail, each failure saying why."""
+    untouched, edition = edition, shutil.copytree(edition, tmp_path / "submission")  # other tests see the untouched one
+    book = build_answers(ROOT / CH05, "ch05_ex1")
+    fill_build(edition, "ch05_ex1", {**book, "paged_decode_attention": "pass"})
     private = tmp_path / "private"
     private.mkdir()
     (private / "test_private_ch05.py").write_text(
@@ -157,18 +151,28 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
         "@pytest.mark.ch05_ex1\ndef test_three_tokens_take_two_blocks():\n"
         "    bm, seq = BlockManager(4, 2), Sequence([1, 2, 3], block_size=2)\n"
         "    bm.allocate(seq)\n    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2\n")
-    rep = grading.grade(REBUILD, edition, private_tests=private, verbose=False)
-    passed = [ex for ex, r in rep["exercises"].items() if r["passed"]]
-    assert passed == ["ch05_ex1"], {ex: r["failed"][:1] for ex, r in rep["exercises"].items()}
-    assert rep["total"] == EXERCISES["ch05_ex1"].points
-    assert rep["exercises"]["ch05_ex1"]["tests"] == 4  # the contract, the engine (tiny, default model), the private test
-    ex2 = " ".join(f["message"] for f in rep["exercises"]["ch05_ex2"]["failed"])
-    assert "ch05_ex2" in ex2 and "never freed" in ex2, ex2
-    ex2_details = " ".join(f["details"] for f in rep["exercises"]["ch05_ex2"]["failed"])
-    assert "ops=[" in ex2_details  # hypothesis' smallest failing input is reported
-    assert any("AttributeError" in f["message"] for f in rep["exercises"]["ch05_ex3"]["failed"])
-    assert rep["exercises"]["ch05_ex4"]["failed"] and all(
-        "NotImplementedError" not in f["message"] for f in rep["exercises"]["ch05_ex4"]["failed"])
+    rep = grading.grade(REBUILD, edition, private_tests=private, verbose=False)["exercises"]["ch05_ex1"]
+    allocs, appends, preempts, decodes, engine = (g for g, _ in EXERCISES["ch05_ex1"].groups)
+    points = {g: r["points"] for g, r in rep["groups"].items()}
+    full = dict(EXERCISES["ch05_ex1"].groups)
+    assert points == {**full, decodes: 0, engine: 0}, rep["groups"]
+    assert rep["points"] == sum(points.values()) and not rep["passed"]
+    assert rep["tests"] - sum(g["tests"] for g in rep["groups"].values()) == 1  # the private test, in no part
+    assert rep["failed"] and all("NotImplementedError" not in f["message"] for f in rep["failed"]), rep["failed"]
+    assert "ch05_ex1: paged_decode_attention should return a tensor" in rep["groups"][decodes]["message"], rep["groups"]
+
+    leaky = book["deallocate"].replace("if block.ref_count == 0:", "if block.ref_count == 0 and block_id != seq.block_table[-1]:")
+    assert leaky != book["deallocate"]
+    second = shutil.copytree(untouched, tmp_path / "second")
+    fill_build(second, "ch05_ex1", {**book, "deallocate": leaky, "may_append": "return super().may_append(seq)"})
+    rep = grading.grade(REBUILD, second, verbose=False)["exercises"]["ch05_ex1"]
+    points = {g: r["points"] for g, r in rep["groups"].items()}
+    assert points == {**{g: 0 for g in full}, decodes: full[decodes]}, rep["groups"]
+    messages = " ".join(f["message"] for f in rep["failed"])
+    assert "ch05_ex1: " in rep["groups"][allocs]["message"] and "never freed" in messages, (rep["groups"], messages)
+    details = " ".join(f["details"] for f in rep["failed"])
+    assert "ops=[" in details  # hypothesis' smallest failing input is reported
+    assert "AttributeError" in rep["groups"][appends]["message"], rep["groups"][appends]  # no parent to call
 
 
 def test_a_build_scores_by_its_parts(tmp_path):
@@ -231,9 +235,9 @@ def test_grade_a_class_into_one_csv(edition, tmp_path):
     emptied graders change nothing; bob's untouched chapter scores 0 despite a forged conftest.py, a
     pytest.py and an EDITION.json that lists one exercise; carol's folder has no chapter (an error
     row). The submissions are left as they were, and each gets a report."""
-    subs, answers = tmp_path / "subs", {ex: _dedent(a) for ex, a in _regions(ROOT / CH05).items()}
+    subs = tmp_path / "subs"
     alice = shutil.copytree(edition, subs / "alice")
-    _fill(alice, {"ch05_ex1": answers["ch05_ex1"]})
+    fill_build(alice, "ch05_ex1", build_answers(ROOT / CH05, "ch05_ex1"))
     (alice / "conftest.py").write_text(FORGED_CONFTEST)
     (alice / "tests" / "test_grading_ch04_06.py").write_text("# graders edited away\n")
     bob = shutil.copytree(edition, subs / "bob")
@@ -245,9 +249,11 @@ def test_grade_a_class_into_one_csv(edition, tmp_path):
     grading.grade_class(subs, tmp_path / "scores.csv", ["ch05_ex1", "ch05_ex2"], tests_from=edition,
                         reports=tmp_path / "reports", verbose=False)
     rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "scores.csv"))}
-    assert (rows["alice"]["ch05_ex1"], rows["alice"]["ch05_ex2"], rows["alice"]["total"]) == ("3", "0", "3"), rows
-    assert rows["bob"]["total"] == "0" and rows["bob"]["max_total"] == "6", rows["bob"]
-    assert "missing notebooks/05_paged_attention.ipynb" in rows["carol"]["error"] and rows["carol"]["total"] == ""
+    build, extend = EXERCISES["ch05_ex1"].points, EXERCISES["ch05_ex2"].points
+    assert (rows["alice"]["ch05_ex1"], rows["alice"]["ch05_ex2"], rows["alice"]["total"]) == (str(build), "0", str(build)), rows
+    assert rows["bob"]["total"] == "0" and rows["bob"]["max_total"] == str(build + extend), rows["bob"]
+    assert "missing " in rows["carol"]["error"] and "notebooks/05_paged_attention.ipynb" in rows["carol"]["error"] \
+        and rows["carol"]["total"] == "", rows["carol"]
     assert (alice / "tests" / "test_grading_ch04_06.py").read_text() == "# graders edited away\n"  # left as it was
     report = json.loads((tmp_path / "reports" / "alice.json").read_text())
     assert "NotImplementedError" in report["exercises"]["ch05_ex2"]["failed"][0]["message"]
@@ -304,7 +310,8 @@ def test_every_chapter_at_once_holds_no_answer_line(every_chapter):
     release = _script("release")
     record = json.loads((every_chapter / "EDITION.json").read_text())
     assert record["stubbed_regions"] == sorted(e for e in EXERCISES if EXERCISES[e].kind == "rebuild")
-    answers = [(ex, a) for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) for ex, a in _regions(nb).items()]
+    answers = [(ex, a) for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+               for ex, texts in _regions(nb).items() for a in texts]
     release.check_edition(every_chapter, answers)  # as the release did: no error
     line = sorted(release.answer_lines(answers)["ch06_ex3"])[0]  # a line of the chapter's allocate
     given = every_chapter / "exercises" / "ch06_prefix_caching.py"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +25,11 @@ from minivllm.model_executor.models.llama import attention_reference
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.core.sched.scheduler import Scheduler
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.sequence import Sequence
 from test_grading_ch04_regions import _GraderScheduler, run_graded, stand_ins, your_code
 from test_grading_ch04_regions import _named_invariants as _invariants
+from stand_ins import _paged_decode_stand_in
 from test_prefix_caching import check_cache  # the prefix cache's invariants
 
 
@@ -270,14 +273,27 @@ def _same_tokens(ex: str, who: str, prompts, outs, refs) -> None:
 
 
 # --- chapter 05 ----------------------------------------------------------------------------------
-# ch05_ex1-ex4 (rebuild) grade the package's own `BlockManager` methods and `paged_decode_attention`:
-# in a student edition these are the student's code, exported from the chapter (stubs until filled),
-# and there is no reference to compare with. Each is graded alone: `_Scaffold` is the grader's own
-# allocate/deallocate/may_append, written on the pool's primitives, and stands in for the methods
-# the exercise is not about, so a filled region passes whatever state the others are in.
+# ch05_ex1 (rebuild: the build of the paged KV cache) grades the package's own `BlockManager` methods
+# (can_allocate, allocate, deallocate, needs_new_block, can_append, may_append) and
+# `paged_decode_attention`: in a student edition these are the student's code, exported from the
+# chapter (stubs until filled), and there is no reference to compare with. It scores by parts
+# (`@pytest.mark.group`, the groups of `EXERCISES["ch05_ex1"]`), each on its own: `_Scaffold` is the
+# grader's own block manager, every method of the build written on the pool's primitives, and stands
+# in for the methods a part is not about (`_graded`); the engine's decode goes through the package's
+# `paged_decode_attention` (`_ReferenceDecode`). Random workloads are derandomized (the same answer
+# always scores the same points). The tests after the parts check that plausible wrong answers lose
+# their part's points.
+ALLOCS, APPENDS, PREEMPTS, DECODES, ENGINE = (name for name, _ in GRADED["ch05_ex1"].groups)
+CH05_PARTS = {"alloc": ("can_allocate", "allocate", "deallocate"),
+              "append": ("needs_new_block", "can_append", "may_append")}
+CH05_BUILD_METHODS = [m for methods in CH05_PARTS.values() for m in methods]
+
 
 class _Scaffold(BlockManager):
-    """The grader's stand-ins for the three graded methods (freeing head first, unlike the book)."""
+    """The grader's block manager: every method of ch05_ex1 (freeing head first, unlike the book)."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return seq.num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         seq.num_cached_tokens = 0
@@ -291,25 +307,31 @@ class _Scaffold(BlockManager):
                 self._free_block(block)
         seq.block_table, seq.num_cached_tokens = [], 0
 
+    def needs_new_block(self, seq: Sequence) -> bool:
+        return (seq.num_tokens - 1) // self.block_size >= len(seq.block_table)
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_free_blocks > 0 or len(seq.block_table) * self.block_size >= seq.num_tokens
+
     def may_append(self, seq: Sequence) -> None:
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_block().block_id)
 
 
-CH05_METHODS = {"ch05_ex1": "allocate", "ch05_ex2": "deallocate", "ch05_ex3": "may_append"}
+def _graded(part: str) -> type[BlockManager]:
+    """The block manager that grades `part`: "alloc" or "append" the package's (the student's) methods
+    of that part and the grader's others; "whole" the package's `BlockManager` as it is."""
+    if part == "whole":
+        return BlockManager
+    return type(f"Graded_{part}", (_Scaffold,), {m: inspect.getattr_static(BlockManager, m) for m in CH05_PARTS[part]})
 
 
-def _graded(ex: str) -> type[BlockManager]:
-    """A block manager with the package's (the student's) method for `ex` and the grader's others."""
-    method = CH05_METHODS[ex]
-    return type(f"Graded_{method}", (_Scaffold,), {method: BlockManager.__dict__[method]})
-
-
-def _ch05_check(ex: str, bm: BlockManager, live: list[Sequence], after: str) -> None:
-    """The pool's state against the live block tables; a failure names `ex` and what was expected."""
+def _ch05_check(ex: str, bm: BlockManager, live: list[Sequence], after: str, covering=None) -> None:
+    """The pool's state against the live block tables, each of `covering` (default: all live) covering
+    its sequence; a failure names `ex` and what was expected."""
     at = f"{ex}: after {after}: "
     held = Counter(b for s in live for b in s.block_table)
-    for s in live:
+    for s in live if covering is None else covering:
         _expect(len(s.block_table) == s.num_blocks, f"{at}a sequence of {s.num_tokens} tokens needs {s.num_blocks} "
                 f"blocks of {bm.block_size} slots, its block_table is {s.block_table}")
         _expect(len(set(s.block_table)) == len(s.block_table), f"{at}block_table {s.block_table} holds a block twice")
@@ -335,37 +357,84 @@ CH05_OPS = st.lists(st.one_of(st.tuples(st.just("add"), st.integers(1, 12)), st.
                     max_size=40)
 
 
-def _ch05_drive(ex: str, ops: list[tuple], block_size: int, num_blocks: int) -> None:
+def _ch05_add(ex: str, bm: BlockManager, live: list[Sequence], n: int) -> None:
+    """Admit a sequence of `n` tokens if `can_allocate` says it fits (checked against the free count)."""
+    seq, bs = Sequence([7] * n, block_size=bm.block_size), bm.block_size
+    fits, before = bm.num_free_blocks >= seq.num_blocks, bm.num_free_blocks
+    with your_code(ex, f"can_allocate of a {n}-token sequence"):
+        said = bm.can_allocate(seq)
+    _expect(said == fits, f"{ex}: can_allocate of a {n}-token sequence (it needs {seq.num_blocks} blocks of {bs} "
+            f"slots) with {before} free blocks should be {fits}, got {said!r}")
+    if not fits:
+        return
+    seq.num_cached_tokens, first = 3, list(bm.free_block_ids)[:seq.num_blocks]
+    with your_code(ex, f"allocate of a {n}-token sequence"):
+        bm.allocate(seq)
+    _expect(seq.num_cached_tokens == 0, f"{ex}: allocate must set num_cached_tokens to 0 (nothing is cached)")
+    _expect(bm.num_free_blocks == before - seq.num_blocks, f"{ex}: allocate of a {n}-token sequence should take "
+            f"{seq.num_blocks} blocks of {bs} slots, took {before - bm.num_free_blocks}")
+    _expect(seq.block_table == first, f"{ex}: allocate of a {n}-token sequence should take the free queue's first "
+            f"{seq.num_blocks} blocks in order (self._allocate_block() each), {first}; its block_table is {seq.block_table}")
+    live.append(seq)
+
+
+def _ch05_grow(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -> None:
+    """Append a token to `seq`, then room for it: exactly one block at a block boundary, none otherwise;
+    without room (`can_append` false) the sequence is preempted, as the scheduler would."""
+    old, n_table, bs = list(seq.block_table), len(seq.block_table), bm.block_size
+    seq.append_token(7)
+    need, before = (seq.num_tokens - 1) % bs == 0, bm.num_free_blocks
+    at = (f"{ex}: a sequence of {seq.num_tokens} tokens (its newest at position {seq.num_tokens - 1}) holding "
+          f"{n_table} block(s) of {bs}, {before} free")
+    with your_code(ex, f"needs_new_block and can_append of a sequence of {seq.num_tokens} tokens"):
+        needs, room = bm.needs_new_block(seq), bm.can_append(seq)
+    _expect(needs == need, f"{at}: needs_new_block should be {need} (the newest token "
+            f"{'starts block ' + str(n_table) if need else 'fits block ' + str(n_table - 1)}), got {needs!r}")
+    _expect(room == (before >= need), f"{at}: can_append should be {before >= need} (it needs {int(need)} block), "
+            f"got {room!r}")
+    if not room:
+        bm.deallocate(seq)
+        live.remove(seq)
+        return
+    front = next(iter(bm.free_block_ids), None)
+    with your_code(ex, f"may_append of a sequence of {seq.num_tokens} tokens"):
+        bm.may_append(seq)
+    _expect(bm.num_free_blocks == before - need, f"{at}: may_append should take {int(need)} block(s), took "
+            f"{before - bm.num_free_blocks}")
+    _expect(seq.block_table[:n_table] == old and len(seq.block_table) == n_table + need, f"{at}: after may_append "
+            f"its block_table should be {old} with {int(need)} block(s) appended, it is {seq.block_table}")
+    if need:
+        _expect(seq.block_table[-1] == front, f"{at}: may_append should append the free queue's first block, {front} "
+                f"(self._allocate_block()), got block_table {seq.block_table}")
+
+
+def _ch05_free(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -> None:
+    """Deallocate `seq` (no longer in `live`): its blocks nobody else holds must be free, the others not."""
+    table = list(seq.block_table)
+    with your_code(ex, f"deallocate of block_table {table}"):
+        bm.deallocate(seq)
+    _expect(seq.block_table == [] and seq.num_cached_tokens == 0, f"{ex}: after deallocate the block_table must "
+            f"be [] and num_cached_tokens 0, got {seq.block_table} and {seq.num_cached_tokens}")
+    others, free = {b for s in live for b in s.block_table}, set(bm.free_block_ids)
+    for b in table:
+        _expect(b in others or b in free, f"{ex}: block {b} of the deallocated block_table {table} is held by no "
+                f"other sequence but was never freed (ref_count {bm.blocks[b].ref_count}, not in free_block_ids)")
+        _expect(b not in others or b not in free, f"{ex}: block {b} of the deallocated block_table {table} was "
+                "freed although another sequence still holds it")
+
+
+def _ch05_drive(ex: str, cls: type[BlockManager], ops: list[tuple], block_size: int, num_blocks: int) -> None:
     """Admit, grow (preempting when no block is free), fork (share every block, as chapter 06 and
     parallel sampling do) and free sequences; check the pool after every operation."""
-    bm = _graded(ex)(num_blocks, block_size)
+    bm = cls(num_blocks, block_size)
     live: list[Sequence] = []
     for op, arg in ops:
         if op == "add":
-            seq = Sequence([7] * arg, block_size=block_size)
-            if bm.num_free_blocks < seq.num_blocks:
-                continue
-            seq.num_cached_tokens, before = 3, bm.num_free_blocks
-            bm.allocate(seq)
-            _expect(seq.num_cached_tokens == 0, f"{ex}: allocate must set num_cached_tokens to 0 (nothing is cached)")
-            _expect(bm.num_free_blocks == before - seq.num_blocks, f"{ex}: allocate of a {arg}-token sequence "
-                    f"should take {seq.num_blocks} blocks of {block_size} slots, took {before - bm.num_free_blocks}")
-            live.append(seq)
+            _ch05_add(ex, bm, live, arg)
         elif not live:
             continue
         elif op == "grow":
-            seq = live[arg % len(live)]
-            seq.append_token(7)
-            need = int(len(seq.block_table) < seq.num_blocks)
-            if bm.num_free_blocks >= need:
-                before, n_table = bm.num_free_blocks, len(seq.block_table)
-                bm.may_append(seq)
-                _expect(bm.num_free_blocks == before - need, f"{ex}: may_append on a sequence of {seq.num_tokens} "
-                        f"tokens holding {n_table} blocks of {block_size} should take {need} block(s), took "
-                        f"{before - bm.num_free_blocks}")
-            else:  # no block free: preempted, as the scheduler would
-                bm.deallocate(seq)
-                live.remove(seq)
+            _ch05_grow(ex, bm, live, live[arg % len(live)])
         elif op == "fork":
             seq = live[arg % len(live)]
             child = Sequence(list(seq.token_ids), block_size=block_size)
@@ -381,29 +450,115 @@ def _ch05_drive(ex: str, ops: list[tuple], block_size: int, num_blocks: int) -> 
     _ch05_check(ex, bm, [], "freeing every sequence")
 
 
-def _ch05_free(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -> None:
-    """Deallocate `seq` (no longer in `live`): its blocks nobody else holds must be free, the others not."""
-    table = list(seq.block_table)
-    bm.deallocate(seq)
-    _expect(seq.block_table == [] and seq.num_cached_tokens == 0, f"{ex}: after deallocate the block_table must "
-            f"be [] and num_cached_tokens 0, got {seq.block_table} and {seq.num_cached_tokens}")
-    others, free = {b for s in live for b in s.block_table}, set(bm.free_block_ids)
-    for b in table:
-        _expect(b in others or b in free, f"{ex}: block {b} of the deallocated block_table {table} is held by no "
-                f"other sequence but was never freed (ref_count {bm.blocks[b].ref_count}, not in free_block_ids)")
-        _expect(b not in others or b not in free, f"{ex}: block {b} of the deallocated block_table {table} was "
-                "freed although another sequence still holds it")
+def check_manager_contract(cls: type[BlockManager], ex: str = "ch05_ex1", max_examples: int = 150) -> None:
+    """Random admissions, growth, forks and frees on `cls`: `can_allocate` and `can_append` say exactly
+    when there is room; tables cover their sequences with the free queue's first blocks, one more
+    exactly at each block boundary; reference counts equal the tables holding each block, every other
+    block is free. Any order of freeing passes."""
+    @settings(max_examples=max_examples, deadline=None, report_multiple_bugs=False, database=None,
+              derandomize=True)
+    @given(ops=CH05_OPS, block_size=st.integers(1, 4), num_blocks=st.integers(1, 12))
+    def run(ops, block_size, num_blocks):
+        _ch05_drive(ex, cls, ops, block_size, num_blocks)
+    run()
+
+
+def check_block_boundaries(cls: type[BlockManager], ex: str = "ch05_ex1") -> None:
+    """Two sequences of 4 tokens in 3 blocks of 4, the first grown to 9 tokens: its 5th token takes the
+    last free block; its 6th to 8th fit that block (room even with none free); its 9th has no room.
+    Then blocks of 1: every token takes a block."""
+    bm, got = cls(3, 4), []
+    a, b = (Sequence([1, 2, 3, 4], block_size=4) for _ in range(2))
+    for seq in (a, b):
+        bm.allocate(seq)
+    for _ in range(5):
+        a.append_token(5)
+        with your_code(ex, f"needs_new_block and can_append of a sequence of {a.num_tokens} tokens (blocks of 4)"):
+            needs, room = bm.needs_new_block(a), bm.can_append(a)
+            if room:
+                bm.may_append(a)
+        got.append((a.num_tokens, needs, room, len(a.block_table)))
+    want = [(5, True, True, 2), (6, False, True, 2), (7, False, True, 2), (8, False, True, 2), (9, True, False, 2)]
+    _expect(got == want, f"{ex}: blocks of 4, 3 blocks, two sequences of 4 tokens; the first grows a token at a time "
+            f"(needs_new_block, can_append, then may_append when there is room): expected (tokens, needs_new_block, "
+            f"can_append, blocks held) {want}, got {got}")
+    bm, c = cls(4, 1), Sequence([1], block_size=1)
+    bm.allocate(c)
+    for n in range(2, 5):
+        c.append_token(5)
+        with your_code(ex, f"may_append of a sequence of {n} tokens (blocks of 1)"):
+            bm.may_append(c)
+        _expect(len(c.block_table) == n and bm.num_free_blocks == 4 - n, f"{ex}: blocks of 1 token: a sequence of {n} "
+                f"tokens holds {n} blocks after may_append, got block_table {c.block_table}")
+
+
+def check_survives_preemption(cls: type[BlockManager], ex: str = "ch05_ex1", max_examples: int = 60) -> None:
+    """The grader's scheduler on a `cls` cache with `spare` blocks beyond the prompts, every prompt
+    admitted, then decoded to the end: preemption after preemption; after every `schedule()` each
+    running sequence's table covers it, preempted ones hold nothing and the pool adds up; all free at
+    the end."""
+    def drive(lens, block_size, spare, max_tokens) -> int:
+        need = sum(-(-n // block_size) for n in lens)
+        budget = max(24, sum(lens))
+        sched = _GraderScheduler(cls(need + spare, block_size), len(lens), budget, budget, set())
+        bm = sched.block_manager
+        for i, n in enumerate(lens):
+            sched.add(Sequence([1] * n, SamplingParams(max_tokens=max_tokens), block_size=block_size, seq_id=i))
+        where = f"{len(lens)} prompts of {lens} tokens, {need + spare} blocks of {block_size}, max_tokens={max_tokens}"
+        for step in range(1, 500):
+            if sched.is_finished():
+                break
+            with your_code(ex, f"step {step} of the grader's scheduler ({where})"):
+                batch, _ = sched.schedule()
+            # the step's batch has room for its tokens; a running sequence left out of a prefill step
+            # waits with its newest token not yet given a slot
+            _ch05_check(ex, bm, list(sched.running), f"scheduling step {step} ({where})", covering=batch)
+            held = [s.seq_id for s in sched.waiting if s.block_table]
+            _expect(not held, f"{ex}: after scheduling step {step} ({where}): waiting sequences {held} still hold "
+                    "blocks (a preempted sequence gives all of them back: deallocate)")
+            with your_code(ex, f"step {step}: the finished sequences' deallocate ({where})"):
+                sched.postprocess(batch, [1] * len(batch))
+        _expect(sched.is_finished(), f"{ex}: {where}: requests never finished")
+        _expect(bm.num_free_blocks == bm.num_blocks, f"{ex}: {where}: {bm.num_blocks - bm.num_free_blocks} blocks "
+                "still held after every request finished")
+        return sched.num_preemptions
+
+    assert drive([4, 4, 4], 2, 0, 6) > 0, "grader setup: the cache should have been tight enough to preempt"
+
+    @settings(max_examples=max_examples, deadline=None, report_multiple_bugs=False, database=None,
+              derandomize=True)
+    @given(lens=st.lists(st.integers(1, 6), min_size=2, max_size=5), block_size=st.integers(1, 3),
+           spare=st.integers(0, 2), max_tokens=st.integers(2, 8))
+    def run(lens, block_size, spare, max_tokens):
+        drive(lens, block_size, spare, max_tokens)
+    run()
+
+
+PARTS_CH05 = [pytest.param(part, marks=pytest.mark.group(group), id=part)
+              for part, group in {"alloc": ALLOCS, "append": APPENDS}.items()]
 
 
 @pytest.mark.ch05
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex) for ex in CH05_METHODS])
-@settings(max_examples=120, deadline=None)
-@given(ops=CH05_OPS, block_size=st.integers(1, 4), num_blocks=st.integers(1, 12))
-def test_ch05_block_manager_contract(ex, ops, block_size, num_blocks):
-    """Random admissions, growth, forks and frees: tables cover their sequences with valid, unshared
-    ids, reference counts equal the tables holding each block, every other block is free. Any order
-    of free blocks passes."""
-    _ch05_drive(ex, ops, block_size, num_blocks)
+@pytest.mark.ch05_ex1
+@pytest.mark.parametrize("part", PARTS_CH05)
+def test_ch05_ex1_block_manager_contract(part):
+    """One part of the block manager (admission and release, or growth) with the grader's others:
+    random admissions, growth, forks and frees (see `check_manager_contract`)."""
+    check_manager_contract(_graded(part))
+
+
+@pytest.mark.ch05
+@pytest.mark.ch05_ex1
+@pytest.mark.group(APPENDS)
+def test_ch05_ex1_appends_at_each_block_boundary():
+    check_block_boundaries(_graded("append"))
+
+
+@pytest.mark.ch05
+@pytest.mark.ch05_ex1
+@pytest.mark.group(PREEMPTS)
+def test_ch05_ex1_survives_preemption():
+    check_survives_preemption(_graded("whole"))
 
 
 def _paged_case(lens, block_size, groups, seed, dtype):
@@ -430,24 +585,27 @@ CH05_TOL = {torch.float64: (1e-12, 0.0), torch.float32: (1e-5, 1e-5), torch.bflo
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex4
+@pytest.mark.ch05_ex1
+@pytest.mark.group(DECODES)
 @pytest.mark.parametrize("dtype", list(CH05_TOL), ids=str)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, report_multiple_bugs=False, database=None, derandomize=True)
 @given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=5), block_size=st.integers(1, 6),
        groups=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
-def test_ch05_ex4_paged_decode_equals_attention(dtype, lens, block_size, groups, seed):
+def test_ch05_ex1_paged_decode_equals_attention(dtype, lens, block_size, groups, seed):
     """Each sequence's query over its keys read through a shuffled block table equals
     `attention_reference` on its contiguous K/V (computed in float64 from the same rounded inputs)."""
     _check_paged_decode(lens, block_size, groups, seed, dtype)
 
 
-def _check_paged_decode(lens, block_size, groups, seed, dtype, what: str = "context_lens") -> None:
-    """The student's decode over `_paged_case(...)` against `attention_reference`, sequence by sequence."""
+def _check_paged_decode(lens, block_size, groups, seed, dtype, what: str = "context_lens", decode=None) -> None:
+    """`decode` (default: the package's, the student's) over `_paged_case(...)` against
+    `attention_reference`, sequence by sequence."""
     q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
-    got = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
+    with your_code("ch05_ex1", f"paged_decode_attention ({dtype}, {what} {lens}, block_size {block_size})"):
+        got = (decode or paged_decode_attention)(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35)
     _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
-            f"ch05_ex4: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}, got "
-            f"{got.shape if isinstance(got, torch.Tensor) else type(got).__name__}"
+            f"ch05_ex1: paged_decode_attention should return a tensor of shape {tuple(q.shape)} and dtype {q.dtype}, "
+            f"got {got.shape if isinstance(got, torch.Tensor) else type(got).__name__}"
             f"{' ' + str(got.dtype) if isinstance(got, torch.Tensor) else ''}")
     atol, rtol = CH05_TOL[dtype]
     for i, n in enumerate(lens):
@@ -455,8 +613,8 @@ def _check_paged_decode(lens, block_size, groups, seed, dtype, what: str = "cont
         v = v_cache[tables[i]].flatten(0, 1)[:n].double()
         want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
         torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
-            f"ch05_ex4 ({dtype}): sequence {i} ({n} keys over {len(tables[i])} blocks) of {what} {lens}, "
-            f"block_size {block_size}, block table {tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
+            f"ch05_ex1 ({dtype}): paged decode of sequence {i} ({n} keys over {len(tables[i])} blocks) of {what} "
+            f"{lens}, block_size {block_size}, block table {tables[i]}, {q.shape[1]} query heads over 2 K/V heads: {m}"))
 
 
 # Long contexts (hundreds of keys, ragged, block tables shuffled over a large cache): an answer that
@@ -466,14 +624,23 @@ CH05_LONG = [([300, 517, 1, 129, 452], 16, 2, 11), ([640, 33, 401], 7, 3, 12), (
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex4
+@pytest.mark.ch05_ex1
+@pytest.mark.group(DECODES)
 @pytest.mark.parametrize("dtype", list(CH05_TOL), ids=str)
 @pytest.mark.parametrize("lens,block_size,groups,seed", CH05_LONG, ids=lambda p: None)
-def test_ch05_ex4_long_contexts(dtype, lens, block_size, groups, seed):
+def test_ch05_ex1_long_contexts(dtype, lens, block_size, groups, seed):
     """Contexts of several hundred tokens, as above: each sequence equals `attention_reference` on its
     contiguous K/V (float64 from the same rounded inputs; the tolerances above: the softmax's sum over
     more keys adds rounding of the same relative size)."""
     _check_paged_decode(lens, block_size, groups, seed, dtype, what="long contexts")
+
+
+def check_paged_decode(decode) -> None:
+    """`decode` on a few fixed batches (float64): ragged lengths ending inside blocks, one to three query
+    heads per K/V head, a long context."""
+    for lens, block_size, groups, seed in [([5, 1, 13], 4, 1, 1), ([7, 3], 3, 2, 2), ([9, 16, 2], 4, 3, 3),
+                                           CH05_LONG[1]]:
+        _check_paged_decode(lens, block_size, groups, seed, torch.float64, decode=decode)
 
 
 class _ReferenceDecode(PagedAttention):
@@ -484,21 +651,91 @@ class _ReferenceDecode(PagedAttention):
 
 
 @pytest.mark.ch05
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex)
-                                for ex in [*CH05_METHODS, "ch05_ex4"]])
-def test_ch05_engine_equals_transformers(ex, ch05_engine_case):
-    """The engine with the exercise's code plugged in, on a cache small enough to preempt: greedy
-    tokens equal transformers', every block free at the end."""
+@pytest.mark.ch05_ex1
+@pytest.mark.group(ENGINE)
+def test_ch05_ex1_engine_equals_transformers(ch05_engine_case):
+    """The engine on the package's (the student's) block manager, decoding through its
+    `paged_decode_attention`, on a cache small enough to preempt: greedy tokens equal transformers',
+    every block free at the end."""
     folder, prompts, ref = ch05_engine_case
-    kv, backend = (_Scaffold, _ReferenceDecode) if ex == "ch05_ex4" else (_graded(ex), PagedAttention)
-    engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
-                       block_manager_cls=kv, attention_backend=backend)
-    outs = run_graded(ex, engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    _same_tokens(ex, "the engine", prompts, outs, ref)
-    assert engine.scheduler.num_preemptions > 0, "the cache should have been tight enough to preempt"
+    with your_code("ch05_ex1", "building the engine"):
+        engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
+                           block_manager_cls=BlockManager, attention_backend=_ReferenceDecode)
+    outs = run_graded("ch05_ex1", engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    _same_tokens("ch05_ex1", "the engine on your block manager and paged decode", prompts, outs, ref)
+    assert engine.scheduler.num_preemptions > 0, "grader setup: the cache should have been tight enough to preempt"
     _expect(engine.block_manager.num_free_blocks == engine.block_manager.num_blocks,
-            f"{ex}: {engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} blocks still held "
+            f"ch05_ex1: {engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} blocks still held "
             "after every request finished")
+
+
+# --- plausible wrong answers lose their part's points (not graded: they check the graders) ---------
+class _FreesShared(_Scaffold):
+    """deallocate that frees every block of the table, shared ones too (reference counts ignored)."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in seq.block_table:
+            block = self.blocks[block_id]
+            block.ref_count = 0
+            self._free_block(block)
+        seq.block_table, seq.num_cached_tokens = [], 0
+
+
+class _RefusesAnExactFit(_Scaffold):
+    """can_allocate that wants a block to spare (`>` for `>=`)."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free_blocks > seq.num_blocks
+
+
+class _AppendsOneTooLate(_Scaffold):
+    """Growth that takes the new block one token after the boundary (the newest token has no slot)."""
+
+    def needs_new_block(self, seq: Sequence) -> bool:
+        return len(seq.block_table) * self.block_size < seq.num_tokens - 1
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= int(self.needs_new_block(seq))
+
+    def may_append(self, seq: Sequence) -> None:
+        if self.needs_new_block(seq):
+            seq.block_table.append(self._allocate_block().block_id)
+
+
+def _decode_without_the_mask(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Paged decode over every slot of the table's blocks: the context length mask forgotten."""
+    k = k_cache[block_tables.clamp(min=0)].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_tables.clamp(min=0)].flatten(1, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
+
+
+def _decode_heads_interleaved(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Paged decode that gives query head h the K/V head h % num_kv_heads (`repeat`, not `repeat_interleave`)."""
+    group = q.shape[1] // k_cache.shape[2]
+    k = k_cache[block_tables.clamp(min=0)].flatten(1, 2).repeat(1, 1, group, 1).transpose(1, 2)
+    v = v_cache[block_tables.clamp(min=0)].flatten(1, 2).repeat(1, 1, group, 1).transpose(1, 2)
+    valid = torch.arange(k.shape[2])[None, :] < context_lens[:, None]
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None], scale=scale)[:, :, 0]
+
+
+@pytest.mark.parametrize("wrong, fails", [
+    (_FreesShared, ALLOCS), (_RefusesAnExactFit, ALLOCS), (_AppendsOneTooLate, APPENDS),
+    (_decode_without_the_mask, DECODES), (_decode_heads_interleaved, DECODES)], ids=lambda p: getattr(p, "__name__", None))
+def test_ch05_ex1_wrong_answers_lose_their_part(wrong, fails):
+    """Each wrong answer fails the checks of the part it gets wrong, so it loses that part's points (the
+    other parts run the grader's code in place of the wrong piece); the grader's own pieces pass them."""
+    checks = {ALLOCS: [check_manager_contract], APPENDS: [check_manager_contract, check_block_boundaries],
+              DECODES: [check_paged_decode]}[fails]
+    for check in checks:  # the checks themselves pass on the grader's pieces
+        check(_Scaffold if fails != DECODES else _paged_decode_stand_in)
+    failures = []
+    for check in checks:
+        try:
+            check(wrong)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert failures, f"{wrong.__name__}: a wrong answer passed every check of its part ({fails})"
+    assert all("ch05_ex1" in f for f in failures), failures
 
 
 def _ch05_manager_ops(rng, n=60) -> list[tuple]:
@@ -521,17 +758,17 @@ def _ch05_check_tables(bm, live, num_blocks) -> None:
 
 
 # "From scratch": the block-manager interface is written in the exercise's file, not inherited (`_written_here`).
-CH05_EX5_METHODS = ["can_allocate", "allocate", "deallocate", "can_append", "may_append"]
+CH05_EX2_METHODS = ["can_allocate", "allocate", "deallocate", "can_append", "may_append"]
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex5
+@pytest.mark.ch05_ex2
 @settings(max_examples=150, deadline=None)
 @given(ops=st.randoms(use_true_random=False).map(_ch05_manager_ops), block_size=st.integers(1, 4),
        num_blocks=st.integers(1, 12), watermark=st.integers(0, 3))
-def test_ch05_ex5_invariants_and_watermark(ch05, ops, block_size, num_blocks, watermark):
+def test_ch05_ex2_invariants_and_watermark(ch05, ops, block_size, num_blocks, watermark):
     """Contract only: any free order passes. Admission keeps `watermark_blocks` free; decode may use them."""
-    _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
+    _written_here("ch05_ex2", ch05, ch05.MyBlockManager, CH05_EX2_METHODS)
     bm = ch05.MyBlockManager(num_blocks, block_size, watermark_blocks=watermark)
     assert bm.num_free_blocks == num_blocks
     live: list[Sequence] = []
@@ -539,40 +776,40 @@ def test_ch05_ex5_invariants_and_watermark(ch05, ops, block_size, num_blocks, wa
         if op[0] == "add":
             seq = Sequence([7] * op[1], block_size=block_size)
             ok = bm.num_free_blocks - seq.num_blocks >= watermark
-            _expect(bm.can_allocate(seq) == ok, f"ch05_ex5: can_allocate with {bm.num_free_blocks} free blocks, a "
+            _expect(bm.can_allocate(seq) == ok, f"ch05_ex2: can_allocate with {bm.num_free_blocks} free blocks, a "
                     f"sequence needing {seq.num_blocks} and watermark_blocks={watermark} should be {ok}")
             if ok:
                 seq.num_cached_tokens = 3  # allocate must reset it
                 bm.allocate(seq)
-                _expect(seq.num_cached_tokens == 0, "ch05_ex5: allocate must set num_cached_tokens to 0")
+                _expect(seq.num_cached_tokens == 0, "ch05_ex2: allocate must set num_cached_tokens to 0")
                 live.append(seq)
         elif live:
             seq = live[op[1] % len(live)]
             if op[0] == "grow":
                 seq.append_token(7)
                 needs = len(seq.block_table) < seq.num_blocks
-                _expect(bm.can_append(seq) == (bm.num_free_blocks >= needs), f"ch05_ex5: can_append with "
+                _expect(bm.can_append(seq) == (bm.num_free_blocks >= needs), f"ch05_ex2: can_append with "
                         f"{bm.num_free_blocks} free blocks for a sequence that needs {int(needs)} more should be "
                         f"{bm.num_free_blocks >= needs} (the watermark does not apply to decode)")
                 if bm.can_append(seq):
                     bm.may_append(seq)
                 else:  # preempted, as the scheduler would
                     bm.deallocate(seq)
-                    _expect(seq.block_table == [], "ch05_ex5: deallocate must empty the block_table")
+                    _expect(seq.block_table == [], "ch05_ex2: deallocate must empty the block_table")
                     live.remove(seq)
             else:
                 bm.deallocate(seq)
                 _expect(seq.block_table == [] and seq.num_cached_tokens == 0,
-                        "ch05_ex5: deallocate must empty the block_table and set num_cached_tokens to 0")
+                        "ch05_ex2: deallocate must empty the block_table and set num_cached_tokens to 0")
                 live.remove(seq)
         try:
             _ch05_check_tables(bm, live, num_blocks)
         except AssertionError as e:
-            raise AssertionError(f"ch05_ex5: after {op[0]}: every table covers its sequence with valid ids, no "
+            raise AssertionError(f"ch05_ex2: after {op[0]}: every table covers its sequence with valid ids, no "
                                  f"block is in two tables, the free count adds up: {e}") from e
     for seq in live:
         bm.deallocate(seq)
-    _expect(bm.num_free_blocks == num_blocks, f"ch05_ex5: {num_blocks - bm.num_free_blocks} blocks still held after "
+    _expect(bm.num_free_blocks == num_blocks, f"ch05_ex2: {num_blocks - bm.num_free_blocks} blocks still held after "
             "every sequence was deallocated")
 
 
@@ -587,38 +824,38 @@ def ch05_engine_case(tmp_path_factory):
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex5
-def test_ch05_ex5_engine_equals_transformers(ch05, ch05_engine_case):
-    _written_here("ch05_ex5", ch05, ch05.MyBlockManager, CH05_EX5_METHODS)
+@pytest.mark.ch05_ex2
+def test_ch05_ex2_engine_equals_transformers(ch05, ch05_engine_case):
+    _written_here("ch05_ex2", ch05, ch05.MyBlockManager, CH05_EX2_METHODS)
     folder, prompts, ref = ch05_engine_case
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=120, block_size=4, num_kvcache_blocks=30,
                        block_manager_cls=ch05.MyBlockManager, attention_backend=PagedAttention)
     ids = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
            for p in prompts]
     done = {}
-    with your_code("ch05_ex5", "the engine with MyBlockManager"):
+    with your_code("ch05_ex2", "the engine with MyBlockManager"):
         while engine.has_unfinished_requests():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
     got = [done[i].outputs[0].token_ids for i in ids]
     for i, (g, r) in enumerate(zip(got, ref)):
-        _expect(g == r, f"ch05_ex5: prompt {i} ({len(prompts[i])} tokens): the engine with MyBlockManager generated "
+        _expect(g == r, f"ch05_ex2: prompt {i} ({len(prompts[i])} tokens): the engine with MyBlockManager generated "
                 f"{g}, transformers {r}")
     assert engine.scheduler.num_preemptions > 0, "the cache should have been tight enough to preempt"
     _expect(engine.block_manager.num_free_blocks == engine.block_manager.num_blocks,
-            "ch05_ex5: blocks still held after every request finished")
+            "ch05_ex2: blocks still held after every request finished")
 
 
 @pytest.mark.ch05
-@pytest.mark.ch05_ex6
+@pytest.mark.ch05_ex3
 @pytest.mark.parametrize("dtype", list(CH05_TOL), ids=str)
 @settings(max_examples=30, deadline=None)
 @given(lens=st.lists(st.integers(1, 20), min_size=1, max_size=5), block_size=st.integers(1, 6),
        groups=st.sampled_from([1, 2, 3]), window=st.integers(1, 24), seed=st.integers(0, 2**16))
-def test_ch05_ex6_window_decode_matches_reference(ch05, dtype, lens, block_size, groups, window, seed):
+def test_ch05_ex3_window_decode_matches_reference(ch05, dtype, lens, block_size, groups, window, seed):
     q, k_cache, v_cache, bt, tables = _paged_case(lens, block_size, groups, seed, dtype)
     got = ch05.paged_decode_attention_window(q, k_cache, v_cache, bt, torch.tensor(lens), 0.35, window)
     _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
-            f"ch05_ex6: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}")
+            f"ch05_ex3: expected a tensor of shape {tuple(q.shape)} and dtype {q.dtype}")
     atol, rtol = CH05_TOL[dtype]
     for i, n in enumerate(lens):
         first = max(0, n - window)
@@ -626,7 +863,7 @@ def test_ch05_ex6_window_decode_matches_reference(ch05, dtype, lens, block_size,
         v = v_cache[tables[i]].flatten(0, 1)[first:n].double()
         want = attention_reference(q[i:i + 1].double(), k, v, 0.35)[0]
         torch.testing.assert_close(got[i].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
-            f"ch05_ex6 ({dtype}): sequence {i} of context_lens {lens}, window {window} (keys {first}..{n - 1}), "
+            f"ch05_ex3 ({dtype}): sequence {i} of context_lens {lens}, window {window} (keys {first}..{n - 1}), "
             f"block_size {block_size}, block table {tables[i]}: {m}"))
 
 

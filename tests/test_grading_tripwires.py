@@ -1,10 +1,12 @@
 """Answers that pass without being the student's own, each shown to score 0 with a message saying why.
 
-In a student edition of chapter 05 (`scripts/release.py`, written once per module): answers that call
-the grader's own stand-ins for their exercise at run time (`tests/stand_ins.py`'s tripwires), a decode
-that calls the chapter's other implementation, a "from scratch" block manager that inherits the
-package's methods (the grader checks where each is written). In-process (fast): the tripwires
-themselves, the C++ kernel's entry, and a decode that reads at most 72 keys (the long-context cases).
+In a student edition of chapter 05 (`scripts/release.py`, written once per module), in the build
+ch05_ex1 (the book's answers in its other stubs, so that each part fails by its cheat alone): an
+allocate and a may_append that call the grader's own stand-ins at run time (`tests/stand_ins.py`'s
+tripwires), a decode that calls the chapter's other implementation; and a "from scratch" block
+manager (ch05_ex2) that inherits the package's methods (the grader checks where each is written).
+In-process (fast): the tripwires themselves, the C++ kernel's entry, and a decode that reads at most
+72 keys (the long-context cases).
 An answer that pastes a stand-in's text is the student's code to the grader and passes (README's
 course section says so): no test here.
 """
@@ -25,14 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CH05 = "notebooks/05_paged_attention.ipynb"
 TRIPPED = "the grader's own answer was called"
 
-# The cheating answers (a tester's), as a student would put them in the chapter's stubs.
-ANSWERS = {
-    "ch05_ex1": "import importlib\nreturn getattr(importlib.import_module('test_grading_ch04' + '_06'), "
+# The cheating answers (a tester's), as a student would put them in the build's stubs: the function
+# whose stub they replace -> the answer. The build's other stubs get the book's answers.
+CHEATS = {
+    "allocate": "import importlib\nreturn getattr(importlib.import_module('test_grading_ch04' + '_06'), "
                 "'_Sca' + 'ffold').allocate(self, seq)",
-    "ch05_ex3": "import sys\nm = sys.modules['test_grading_ch04_06']\n"
-                "return getattr(m, '_Scaf' + 'fold').may_append(self, seq)",
-    "ch05_ex4": "return paged_decode_attention_planned(q, k_cache, v_cache, "
-                "plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype), scale)",
+    "may_append": "import sys\nm = sys.modules['test_grading_ch04_06']\n"
+                  "return getattr(m, '_Scaf' + 'fold').may_append(self, seq)",
+    "paged_decode_attention": "return paged_decode_attention_planned(q, k_cache, v_cache, "
+                              "plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype), scale)",
 }
 INHERITING = '''from minivllm.core.block_manager import BlockManager
 
@@ -62,21 +65,38 @@ def _release():
     return module.release
 
 
-def _fill(edition: Path, bodies: dict[str, str]) -> None:
-    """Replace the stubs of `bodies`' exercises in the edition's chapter 05, as a student would."""
-    nb = nbformat.read(edition / CH05, as_version=4)
-    done = set()
+def build_answers(nb_path: Path, ex: str) -> dict[str, str]:
+    """The function or method that holds each region of `ex` in the chapter at `nb_path` -> its answer
+    (dedented), in the chapter's order."""
+    out = {}
+    for cell in nbformat.read(nb_path, as_version=4).cells:
+        lines = cell.source.split("\n")
+        for r in grading.find_regions(cell.source):
+            if r.id == ex:
+                name = next(line.split("def ")[1].split("(")[0] for line in reversed(lines[:r.marker])
+                            if line.lstrip().startswith("def "))
+                body = lines[r.begin + 1:r.end]
+                cut = min(len(b) - len(b.lstrip()) for b in body if b.strip())
+                out[name] = "\n".join(b[cut:] for b in body)
+    return out
+
+
+def fill_build(edition: Path, ex: str, bodies: dict[str, str], chapter: str = CH05) -> None:
+    """Replace the stubs of `ex` in the edition's `chapter` by `bodies` (function name -> code; every
+    stub must get one), as a student would."""
+    nb = nbformat.read(edition / chapter, as_version=4)
+    done = []
     for cell in nb.cells:
         lines = cell.source.split("\n")
-        for ex, body in bodies.items():
-            for i, line in enumerate(lines):
-                if "raise NotImplementedError(" in line and f"{ex}: " in line:
-                    indent = line[:len(line) - len(line.lstrip())]
-                    lines[i] = "\n".join(indent + b for b in body.split("\n"))
-                    done.add(ex)
+        for i, line in enumerate(lines):
+            if "raise NotImplementedError(" in line and f"{ex}: " in line:
+                name = next(x.split("def ")[1].split("(")[0] for x in reversed(lines[:i]) if x.lstrip().startswith("def "))
+                indent = line[:len(line) - len(line.lstrip())]
+                lines[i] = "\n".join(indent + b for b in bodies[name].split("\n"))
+                done.append(name)
         cell.source = "\n".join(lines)
-    assert done == set(bodies), done
-    nbformat.write(nb, edition / CH05)
+    assert sorted(done) == sorted(bodies), (done, sorted(bodies))
+    nbformat.write(nb, edition / chapter)
 
 
 @pytest.fixture(scope="module")
@@ -84,36 +104,37 @@ def report(tmp_path_factory) -> dict:
     """Chapter 05's edition with the cheating answers in it, graded once (two pytest runs)."""
     edition = tmp_path_factory.mktemp("tripwires") / "ch05-student"
     _release()(["ch05"], edition)
-    _fill(edition, ANSWERS)
+    fill_build(edition, "ch05_ex1", {**build_answers(ROOT / CH05, "ch05_ex1"), **CHEATS})
     path = edition / "exercises" / "ch05_paged_attention.py"
     text = path.read_text()
     start, end = text.index("class MyBlockManager"), text.index("def paged_decode_attention_window(")
     path.write_text(text[:start] + INHERITING + text[end + len("def paged_decode_attention_window("):])
-    return grading.grade(["ch05_ex1", "ch05_ex3", "ch05_ex4", "ch05_ex5"], edition, verbose=False)
+    return grading.grade(["ch05_ex1", "ch05_ex2"], edition, verbose=False)
 
 
 def _messages(report: dict, ex: str) -> str:
     return "\n".join(f["message"] for f in report["exercises"][ex]["failed"])
 
 
-@pytest.mark.parametrize("ex", ["ch05_ex1", "ch05_ex3"])
-def test_calling_the_graders_answer_at_run_time_scores_0(report, ex):
-    r = report["exercises"][ex]
-    assert r["points"] == 0 and r["tests"] > 0, r
-    assert f"{ex}: {TRIPPED}" in _messages(report, ex), _messages(report, ex)
+@pytest.mark.parametrize("group", ["allocates and frees", "appends across block boundaries"])
+def test_calling_the_graders_answer_at_run_time_scores_0(report, group):
+    """allocate (the first part) and may_append (the second) call the grader's `_Scaffold` at run time."""
+    r = report["exercises"]["ch05_ex1"]
+    assert r["points"] == 0 and r["tests"] > 0 and r["groups"][group]["points"] == 0, r["groups"]
+    assert f"ch05_ex1: {TRIPPED}" in r["groups"][group]["message"], r["groups"][group]
     assert "graders_code_used" not in report  # no name to find: the tripwires caught it at run time
 
 
 def test_the_chapters_other_decode_scores_0(report):
-    assert report["exercises"]["ch05_ex4"]["points"] == 0
-    assert "ch05_ex4: your paged_decode_attention called the chapter's other implementation" in \
-        _messages(report, "ch05_ex4"), _messages(report, "ch05_ex4")
+    g = report["exercises"]["ch05_ex1"]["groups"]["paged decode equals the reference"]
+    assert g["points"] == 0, g
+    assert "ch05_ex1: your paged_decode_attention called the chapter's other implementation" in g["message"], g
 
 
 def test_an_inherited_block_manager_is_not_from_scratch(report):
-    assert report["exercises"]["ch05_ex5"]["points"] == 0
-    assert "ch05_ex5: MyBlockManager.allocate is not written in exercises/ch05_paged_attention.py" in \
-        _messages(report, "ch05_ex5"), _messages(report, "ch05_ex5")
+    assert report["exercises"]["ch05_ex2"]["points"] == 0
+    assert "ch05_ex2: MyBlockManager.allocate is not written in exercises/ch05_paged_attention.py" in \
+        _messages(report, "ch05_ex2"), _messages(report, "ch05_ex2")
 
 
 # --- in-process: the tripwires themselves ------------------------------------------------------------
@@ -169,15 +190,15 @@ def test_a_decode_that_reads_72_keys_fails_the_long_contexts(monkeypatch):
     def truncating(q, k_cache, v_cache, block_tables, context_lens, scale):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens.clamp(max=72), scale)
 
-    t.test_ch05_ex4_long_contexts(torch.float64, lens, block_size, groups, seed)  # the book's answer passes
+    t.test_ch05_ex1_long_contexts(torch.float64, lens, block_size, groups, seed)  # the book's answer passes
     monkeypatch.setattr(t, "paged_decode_attention", truncating)
-    with pytest.raises(AssertionError, match="ch05_ex4 .*long contexts"):
-        t.test_ch05_ex4_long_contexts(torch.float64, lens, block_size, groups, seed)
+    with pytest.raises(AssertionError, match="ch05_ex1 .*long contexts"):
+        t.test_ch05_ex1_long_contexts(torch.float64, lens, block_size, groups, seed)
 
 
 @pytest.mark.parametrize("entry", ["paged_decode_attention_cpu", "cpu_decode_kernel", "plan_decode"])
 def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
-    """ch05_ex4's answer calling the C++ kernel's entry (or the planner) fails; the same function
+    """ch05_ex1's decode calling the C++ kernel's entry (or the planner) fails; the same function
     called from elsewhere in the test (the engine's backend) works."""
     from minivllm.attention import paged_attention
     from minivllm.attention.backends import cpu_attn
@@ -188,9 +209,9 @@ def test_the_other_decodes_trip_only_from_the_answer(monkeypatch, entry):
         return getattr(module, entry)  # looked up at call time, as an answer's import in its body would
 
     monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a: answer()(*a))
-    with stand_ins.tripwires(["ch05_ex4"]):
+    with stand_ins.tripwires(["ch05_ex1"]):
         wire = getattr(module, entry)
-        with pytest.raises(stand_ins.GradersAnswerCalled, match=f"ch05_ex4: your paged_decode_attention called "
+        with pytest.raises(stand_ins.GradersAnswerCalled, match=f"ch05_ex1: your paged_decode_attention called "
                                                                 f"the chapter's other implementation .*{entry}"):
             paged_attention.paged_decode_attention(None, None, None, None, None, None)
         if entry == "plan_decode":  # from elsewhere (not the answer): the real planner

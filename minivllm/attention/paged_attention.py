@@ -16,33 +16,36 @@ from ..model_executor.models.llama import attention_reference
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One sequence's cached K (or V) through its block table.
-
-    Args:
-        cache: one layer's `[num_blocks, block_size, num_kv_heads, head_dim]`.
-        block_table: `[>= ceil(context_len / block_size)]` int64 block ids (padding -1 after them is ignored).
-        context_len: tokens to read.
-    Returns:
-        `[context_len, num_kv_heads, head_dim]`, a copy.
-    """
+    """One sequence's cached K (or V), `[context_len, num_kv_heads, head_dim]` (a copy), from one layer's
+    `cache` `[num_blocks, block_size, num_kv_heads, head_dim]` through its `block_table` (int64 ids, at
+    least `ceil(context_len / block_size)` of them; -1 padding after them is ignored)."""
     n_blocks = -(-context_len // cache.shape[1])
     return cache[block_table[:n_blocks]].flatten(0, 1)[:context_len]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention for a batch: one query per sequence over its cached keys (the reference).
+    """Decode attention for a batch: one query per sequence over its cached keys (the reference, with
+    the contract of vLLM's PagedAttention kernels: Kwon et al., SOSP 2023).
+
+    Token `t` of sequence `i` lies at offset `t % block_size` of block `block_tables[i, t // block_size]`.
+    Sequence `i` attends to its tokens `0 .. context_lens[i] - 1` and to nothing else: the slots after
+    them in its last block and the -1 padding of its table hold other sequences' or stale K/V. Query
+    head `h` reads K/V head `h // (num_heads // num_kv_heads)` (grouped-query attention). `out[i, h]`
+    is `softmax(scale * K q[i, h]) V` over those keys: chapter 02's `attention_reference` on the
+    sequence's contiguous K/V, up to rounding in `q`'s dtype.
 
     Args:
-        q: `[num_seqs, num_heads, head_dim]`.
-        k_cache, v_cache: one layer's `[num_blocks, block_size, num_kv_heads, head_dim]`.
-        block_tables: `[num_seqs, max_blocks]` int64, padded with -1.
-        context_lens: `[num_seqs]` int64, >= 1.
+        q: `[num_seqs, num_heads, head_dim]`, float64, float32 or bfloat16.
+        k_cache, v_cache: one layer's `[num_blocks, block_size, num_kv_heads, head_dim]`, `q`'s dtype;
+            `num_heads` a multiple of `num_kv_heads`. Read only.
+        block_tables: `[num_seqs, max_blocks]` int64 block ids, padded with -1.
+        context_lens: `[num_seqs]` int64, `1 <= context_lens[i] <= max_blocks * block_size`.
         scale: multiplies q·k.
     Returns:
-        `[num_seqs, num_heads, head_dim]`, dtype of `q`.
+        `[num_seqs, num_heads, head_dim]`, `q`'s dtype and device. Raises nothing on the engine's inputs.
     """
-    # EXERCISE ch05_ex4 (4 points): attend each query over its context_lens[i] keys, read through its block table
+    # EXERCISE ch05_ex1 (16 points): attend each query over its context_lens[i] keys, read through its block table
     ### BEGIN SOLUTION
     tables = block_tables.clamp(min=0)  # padding reads block 0; it is masked below
     k = k_cache[tables].flatten(1, 2)  # [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]

@@ -167,27 +167,83 @@ class _Fork:
         child.num_cached_tokens = child.num_tokens - 1
         return copies
 
+# %% ../../notebooks/05_paged_attention.ipynb #dd21b70d
+class _Append:
+    """A decode step's room: one more token per running sequence; mixed into `BlockManager`, whose
+    `block_size`, `num_free_blocks` and `_allocate_block` it uses."""
+
+    def needs_new_block(self, seq: Sequence) -> bool:
+        """Whether `seq`'s newest token falls in a block its table does not have yet.
+
+        The scheduler appends the token sampled last (`seq.append_token`) before asking: that token,
+        at position `num_tokens - 1`, is the one this decode step writes. Its block is
+        `(num_tokens - 1) // block_size`; the table covers the blocks before it, so exactly when the
+        token starts a block (`(num_tokens - 1) % block_size == 0`) one block is missing:
+        `len(seq.block_table) < seq.num_blocks`. With blocks of 4, a sequence of 4 tokens holds one
+        block; its 5th token needs a second, its 6th to 8th do not, its 9th needs a third. Changes
+        nothing (nano-vllm's `may_append` tests `len(seq) % block_size == 1`)."""
+        # EXERCISE ch05_ex1 (16 points): whether seq's newest token starts a block its table lacks
+        ### BEGIN SOLUTION
+        return len(seq.block_table) < seq.num_blocks
+        ### END SOLUTION
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether `may_append(seq)` finds what it needs: a free block when `needs_new_block(seq)`,
+        nothing otherwise (True even with no block free when the token fits the last block's free
+        slot). No watermark: a running sequence may take the last free block. Changes nothing (nano-vllm's)."""
+        # EXERCISE ch05_ex1 (16 points): True when seq needs no block, or one is free
+        ### BEGIN SOLUTION
+        return self.num_free_blocks >= int(self.needs_new_block(seq))
+        ### END SOLUTION
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: room in `seq`'s table for its newest token (see `needs_new_block`).
+
+        When the token starts a block, take one with `self._allocate_block()` (the front of the free
+        queue, one reference) and append its id to `seq.block_table`; otherwise change nothing, so a
+        block is taken exactly at each block boundary, never a step early or late. Afterwards
+        `len(seq.block_table) == seq.num_blocks`. `num_cached_tokens` is not touched. Call it when
+        `can_append(seq)` (the scheduler does; else it preempts): with no block free the pool's
+        `IndexError("no free block")` propagates. After nano-vllm's `may_append`, vLLM's `append_slots`.
+        """
+        # EXERCISE ch05_ex1 (16 points): append one fresh block exactly when seq's newest token starts one
+        ### BEGIN SOLUTION
+        if self.needs_new_block(seq):
+            seq.block_table.append(self._allocate_block().block_id)
+        assert len(seq.block_table) == seq.num_blocks
+        ### END SOLUTION
+
 # %% ../../notebooks/05_paged_attention.ipynb #bd2b8010
-class BlockManager(_Fork, BlockPool):
+class BlockManager(_Append, _Fork, BlockPool):
     """Allocates KV-cache blocks to sequences and keeps their block tables (`seq.block_table`).
 
-    Args and attributes: as `BlockPool`. `fork`: see `_Fork`. After nano-vllm's `BlockManager`.
-    """
+    Args and attributes: as `BlockPool`. `needs_new_block`, `can_append`, `may_append`: see `_Append`;
+    `fork`: see `_Fork`. After nano-vllm's `BlockManager` (Kwon et al., SOSP 2023)."""
 
     @classmethod
     def from_cache_size(cls, num_tokens: int, block_size: int, max_model_len: int) -> BlockManager:
-        """A manager for a cache of `num_tokens` token slots: `num_tokens // block_size` blocks
-        (`max_model_len` is not needed: a sequence takes blocks as it grows)."""
+        """A manager for `num_tokens` token slots: `num_tokens // block_size` blocks (`max_model_len` unused)."""
         return cls(num_tokens // block_size, block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the blocks for all of `seq`'s tokens are free."""
+        """Whether the free blocks cover all of `seq`'s tokens: `seq.num_blocks`
+        (`ceil(num_tokens / block_size)`) of them, an exact fit included. Changes nothing (nano-vllm's)."""
+        # EXERCISE ch05_ex1 (16 points): True when seq.num_blocks blocks are free
+        ### BEGIN SOLUTION
         return self.num_free_blocks >= seq.num_blocks
+        ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` a block table covering its tokens (before its prefill)."""
+        """Give `seq`, which holds no blocks, a block table covering its tokens (before its prefill).
+
+        Take `seq.num_blocks` blocks, each with `self._allocate_block()` (the front of the free queue,
+        least recently freed first, with one reference), and append their ids to `seq.block_table` in
+        that order: block `i` of the table holds tokens `i * block_size ...`. Set `num_cached_tokens`
+        to 0: none of its K/V is cached yet, the prefill computes every token. Call it when
+        `can_allocate(seq)`; otherwise the pool's `IndexError("no free block")` propagates. After
+        nano-vllm's `allocate`, without its prefix hashing (chapter 06 adds it)."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        # EXERCISE ch05_ex1 (3 points): give seq a fresh block (self._allocate_block()) per block it needs; none cached
+        # EXERCISE ch05_ex1 (16 points): give seq one fresh block (self._allocate_block()) per block it needs; none cached
         ### BEGIN SOLUTION
         seq.num_cached_tokens = 0
         for _ in range(seq.num_blocks):
@@ -195,8 +251,15 @@ class BlockManager(_Fork, BlockPool):
         ### END SOLUTION
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop `seq`'s reference to each of its blocks; blocks nobody holds become free."""
-        # EXERCISE ch05_ex2 (3 points): drop seq's reference to each block, free those nobody holds, empty the table
+        """Drop `seq`'s blocks: at a finish, an abort or a preemption (nano-vllm's; recompute: all its K/V goes).
+
+        Each block of `seq.block_table` loses one reference (`ref_count`); one that no table holds
+        any more (`ref_count` 0) goes back with `self._free_block(block)` (the back of the free queue);
+        one still held by another table (`fork`, chapter 06's shared prefixes) stays in use. Then
+        `block_table` is `[]` and `num_cached_tokens` 0. The order of freeing is yours (this chapter's
+        engine takes any free block); the book frees the tail first, because chapter 06 keeps a freed
+        block's content until it is taken again: a prefix, most likely to be asked for again, stays longest."""
+        # EXERCISE ch05_ex1 (16 points): drop seq's reference to each block, free those nobody holds, empty the table
         ### BEGIN SOLUTION
         for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
             block = self.blocks[block_id]
@@ -206,23 +269,6 @@ class BlockManager(_Fork, BlockPool):
         seq.block_table = []
         seq.num_cached_tokens = 0
         ### END SOLUTION
-
-    def needs_new_block(self, seq: Sequence) -> bool:
-        """True when `seq`'s newest token (the one this decode step writes) starts a new block."""
-        return len(seq.block_table) < seq.num_blocks
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `seq` can take one more decode step (a free block if its newest token needs one)."""
-        return self.num_free_blocks >= int(self.needs_new_block(seq))
-
-    def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: add a block to `seq`'s table if its newest token starts one."""
-        # EXERCISE ch05_ex3 (2 points): append a fresh block when seq's newest token starts one
-        ### BEGIN SOLUTION
-        if self.needs_new_block(seq):
-            seq.block_table.append(self._allocate_block().block_id)
-        ### END SOLUTION
-        assert len(seq.block_table) == seq.num_blocks
 
     def discard_unwritten(self, seqs: list[Sequence]) -> None:
         """A step failed before writing its K/V: nothing to undo (no block's content is recorded)."""

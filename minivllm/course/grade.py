@@ -16,7 +16,7 @@ each group's points when that group's tests pass, so a student sees which part o
 Graded regions (rebuild exercises) sit in the chapters' export cells, between nbgrader's markers,
 under one line that names the exercise, its points and the task (`REGION_MARKER`):
 
-    # EXERCISE ch05_ex1 (3 points): give `seq` one fresh block per block it needs
+    # EXERCISE ch05_ex1 (16 points): give `seq` one fresh block per block it needs
     ### BEGIN SOLUTION
     ...the book's answer...
     ### END SOLUTION
@@ -124,12 +124,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("equals transformers under memory pressure", 2))),
     Exercise("ch04_ex4", 3, "rebuild", "prepare_batch's flat layout", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex1", 3, "rebuild", "BlockManager.allocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex2", 3, "rebuild", "BlockManager.deallocate", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex3", 2, "rebuild", "BlockManager.may_append", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex4", 4, "rebuild", "paged decode attention in torch", _CH05_NB, (*_T46, "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex5", 5, "extend", "a block manager with a watermark, from scratch", _CH05_EX, _T46),
-    Exercise("ch05_ex6", 3, "extend", "sliding-window paged decode", _CH05_EX, _T46),
+    Exercise("ch05_ex1", 16, "rebuild", "build the paged KV cache: BlockManager (can_allocate, allocate, deallocate, "
+             "needs_new_block, can_append, may_append) and paged_decode_attention", _CH05_NB,
+             (*_T46, "tests/test_grading_default_model.py"),
+             groups=(("allocates and frees", 4),
+                     ("appends across block boundaries", 3),
+                     ("survives preemption", 2),
+                     ("paged decode equals the reference", 4),
+                     ("the engine equals transformers", 3))),
+    Exercise("ch05_ex2", 5, "extend", "a block manager with a watermark, from scratch", _CH05_EX, _T46),
+    Exercise("ch05_ex3", 3, "extend", "sliding-window paged decode", _CH05_EX, _T46),
     Exercise("ch06_ex2", 2, "rebuild", "the chained block hash (compute_hash)", "notebooks/06_prefix_caching.ipynb",
              ("tests/test_grading_ch06_regions.py",)),
     Exercise("ch06_ex3", 4, "rebuild", "PrefixCachingBlockManager.allocate", "notebooks/06_prefix_caching.ipynb",
