@@ -175,3 +175,78 @@ def test_capture_size_explorer_recomputes_on_every_control():
     c["batch_size"].value = 1024
     assert box.state["batch_size"] == 1024 and box.state["padded"] is None  # max capture size 1: eager
 
+
+# --- chapter 07: the split-K explorer -----------------------------------------------------------
+
+def expected_num_splits(context_len, block_size, num_splits, block_n, num_seqs=1, num_kv_heads=8, num_sms=132):
+    """The count the wrapper launches, from its docstrings: `choose_num_splits`'s rule when none is
+    given (4 programs per SM, splits of 256 keys or more, at most 32), never more splits than tiles."""
+    max_len = -(-context_len // block_size) * block_size
+    if num_splits is None:
+        num_splits = max(1, min(-(-4 * num_sms // (num_seqs * num_kv_heads)), -(-max_len // 256), 32))
+    return min(num_splits, -(-max_len // block_n))
+
+
+def check_split_state(state, context_len, block_size, num_splits, block_n, **batch):
+    count = expected_num_splits(context_len, block_size, num_splits, block_n, **batch)
+    assert state["num_splits"] == count == len(state["splits"])
+    shortest = 256 if num_splits is None else block_n
+    # the shortest whole number of tiles, no shorter than the minimum, with which `count` splits hold the keys
+    split_len = next(n for n in range(block_n, 10 ** 6, block_n) if n >= shortest and count * n >= context_len)
+    assert state["split_len"] == split_len
+    owner = {}
+    for p, (s, e) in enumerate(state["splits"]):
+        assert s == p * split_len and e - s <= split_len
+        for t in range(s, e):
+            assert t not in owner
+            owner[t] = p
+        assert state["tiles"][p] == [t for t in range(s, e) if (t - s) % block_n == 0]
+        assert state["blocks"][p] == sorted({t // block_size for t in range(s, e)})
+    assert sorted(owner) == list(range(context_len))  # every key in exactly one split
+    assert state["merged"] == [p for p, (s, e) in enumerate(state["splits"]) if e > s]
+    assert state["reduction"] == (count > 1)
+    assert all(e - s == split_len for s, e in state["splits"][:len(state["merged"]) - 1])
+
+
+@pytest.mark.parametrize("context_len, block_size, num_splits, block_n", [
+    (1000, 16, 4, 64), (37, 4, 3, 8), (130, 4, 8, 16), (1, 16, 4, 64), (1, 1, 1, 16), (100, 256, 32, 16),
+    (257, 3, 5, 32), (8192, 16, None, 64), (300, 16, None, 64), (1, 16, None, 64), (4096, 1, 32, 16)])
+def test_split_k_state_covers_the_context_once(context_len, block_size, num_splits, block_n):
+    from minivllm.course.widgets.split_k import split_k_state
+
+    check_split_state(split_k_state(context_len, block_size, num_splits, block_n),
+                      context_len, block_size, num_splits, block_n)
+
+
+def test_split_k_state_edges():
+    from minivllm.course.widgets.split_k import split_k_state
+
+    state = split_k_state(130, 4, num_splits=8, block_n=16)  # 5 splits hold keys, 3 are empty and weigh 0
+    assert state["merged"] == [0, 1, 2, 3, 4] and state["splits"][5:] == [(160, 160), (192, 192), (224, 224)]
+    assert split_k_state(10, 16, num_splits=32, block_n=16)["num_splits"] == 1  # one tile: one split
+    state = split_k_state(5000, 16, None, 64, num_seqs=128, num_kv_heads=8)  # 1,024 programs already: no split
+    assert state["num_splits"] == 1 and not state["reduction"]
+    for bad in (dict(num_splits=0), dict(num_splits=33), dict(block_size=0), dict(context_len=0)):
+        with pytest.raises(ValueError):
+            split_k_state(**{"context_len": 100, "block_size": 16, **bad})
+
+
+def test_split_k_explorer_recomputes_on_every_control():
+    pytest.importorskip("ipywidgets")
+    from minivllm.course.widgets.split_k import split_k_explorer
+
+    box = split_k_explorer()
+    c = box.controls
+    assert set(c) == {"context_len", "block_size", "block_n", "num_splits", "auto", "num_seqs", "num_kv_heads"}
+    check_split_state(box.state, 1000, 16, 4, 64)
+    for name, value in (("context_len", 130), ("block_n", 16), ("num_splits", 8), ("block_size", 256),
+                        ("context_len", 1), ("num_splits", 32), ("context_len", 8192), ("block_n", 256)):
+        c[name].value = value
+        check_split_state(box.state, c["context_len"].value, c["block_size"].value, c["num_splits"].value,
+                          c["block_n"].value)
+    c["auto"].value = True
+    assert c["num_splits"].disabled and not c["num_seqs"].disabled
+    for name, value in (("num_seqs", 4), ("num_kv_heads", 2), ("context_len", 3000), ("num_seqs", 200)):
+        c[name].value = value
+        check_split_state(box.state, c["context_len"].value, c["block_size"].value, None, c["block_n"].value,
+                          num_seqs=c["num_seqs"].value, num_kv_heads=c["num_kv_heads"].value)
