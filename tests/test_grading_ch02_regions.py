@@ -206,7 +206,8 @@ def check_rms_norm(dtype: torch.dtype, max_examples: int = 12) -> None:
                 f"{at}: RMSNorm's cast is in the wrong place: your result is weight * normalised x rounded once "
                 f"to {dtype} (the weight multiplied before casting back). Llama, and transformers, cast the "
                 f"normalised x back to x's dtype first, then multiply by the weight (two roundings); "
-                f"{int(differ.sum())} of {differ.numel()} elements differ from LlamaRMSNorm, {_where_largest(got, want)}")
+                f"{int(differ.sum())} of {differ.numel()} elements differ from LlamaRMSNorm, "
+                f"{_where_largest(got, want)}")
         raise AssertionError(f"{at}: {int(differ.sum())} of {differ.numel()} elements differ from transformers' "
                              f"LlamaRMSNorm ({'all' if within else 'some by more than'} one unit in the last place; "
                              f"at most {MAX_DIFFERING:.0%} may differ by one unit); {_where_largest(got, want)}. "
@@ -370,7 +371,8 @@ class _GraderBackend:
         groups = layer.num_heads // layer.num_kv_heads
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v)]
         want_q, want_kv = (n, layer.num_heads, layer.head_dim), (n, layer.num_kv_heads, layer.head_dim)
-        _expect(shapes[0] == want_q, f"{at}: attn takes q as [N, num_heads, head_dim] = {list(want_q)}, got {shapes[0]}")
+        _expect(shapes[0] == want_q, f"{at}: attn takes q as [N, num_heads, head_dim] = {list(want_q)}, got "
+                f"{shapes[0]}")
         _expect(shapes[1] == shapes[2] == want_kv, f"{at}: attn takes k and v as [N, num_kv_heads, head_dim] = "
                 f"{list(want_kv)}, got k {shapes[1]} and v {shapes[2]}. Grouped-query attention: the KV cache "
                 f"stores num_kv_heads heads, and the backend lets query head h read K/V head h // {groups}; do not "
@@ -573,7 +575,8 @@ WRONG_ANSWERS = [("norm", RMSNorm, "forward", _norm_without_eps), ("norm", RMSNo
                  ("layer", DecoderLayer, "forward", _residual_after_the_norm)]
 
 
-@pytest.mark.parametrize("part, cls, name, wrong", [pytest.param(*w, id=w[3].__name__.strip("_")) for w in WRONG_ANSWERS])
+@pytest.mark.parametrize("part, cls, name, wrong",
+                         [pytest.param(*w, id=w[3].__name__.strip("_")) for w in WRONG_ANSWERS])
 def test_ch02_ex3_wrong_answers_lose_their_part(part, cls, name, wrong, ch02_models, monkeypatch):
     """Each wrong answer, put in place of the package's method, fails a check of the part it gets
     wrong (its unit check against transformers, or its part inside the tiny decoders), so it loses that

@@ -233,7 +233,7 @@ class DecoderLayer(nn.Module):
         """`hidden` `[N, hidden_size]` (the residual stream) -> the same, same dtype: `h = hidden +
         self_attn(positions, input_layernorm(hidden), attn)`, then `h + mlp(post_attention_layernorm(h))`.
         Only the branches see normalised inputs; the residual adds the un-normalised stream (pre-norm)."""
-        # EXERCISE ch02_ex3 (15 points): pre-norm residuals: hidden plus attention of its norm, then plus the MLP of the next norm
+        # EXERCISE ch02_ex3 (15 points): pre-norm residuals: hidden + attention(its norm), then + mlp(the next norm)
         ### BEGIN SOLUTION
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
