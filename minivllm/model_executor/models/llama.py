@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         """`x` `[..., hidden_size]` (any float dtype) -> the same shape and dtype: `h = x` in float32
         (`STATS_DTYPE`), `h * rsqrt(mean(h**2 over the last dim) + self.eps)`, cast back to `x`'s
         dtype, then times `self.weight` (transformers' `LlamaRMSNorm`, the same roundings)."""
-        # EXERCISE ch02_ex3 (15 points): x over its root mean square (float32 statistics, + eps), cast back, times weight
+        # EXERCISE ch02_ex3 (15 points): x over its root mean square (float32 stats, + eps), cast back, times weight
         ### BEGIN SOLUTION
         dtype = x.dtype
         h = x.to(STATS_DTYPE)
@@ -182,7 +182,7 @@ class Attention(nn.Module):
     def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query, key and value heads of `hidden` `[N, hidden_size]`: `q_proj`, `k_proj`, `v_proj`
         viewed as `[N, self.num_heads, self.head_dim]`, then `[N, self.num_kv_heads, self.head_dim]` twice
-        (head h is columns `h * head_dim ..`; chapter 13 changes the counts per rank)."""
+        (head h is columns `h * head_dim ..`; chapter 13 changes the counts per rank), in `hidden`'s dtype."""
         # EXERCISE ch02_ex3 (15 points): project hidden into query, key and value heads
         ### BEGIN SOLUTION
         n = hidden.shape[0]
@@ -205,8 +205,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `[N, hidden_size]` -> `down_proj(silu(gate_proj(x)) * up_proj(x))`, same shape and dtype."""
-        # EXERCISE ch02_ex3 (15 points): SwiGLU: the gate projection through SiLU times the up projection, projected down
+        """`x` `[N, hidden_size]` -> `down_proj(silu(gate_proj(x)) * up_proj(x))`, same shape and dtype
+        (SiLU gates the gate projection, elementwise times the up projection: SwiGLU, Shazeer 2020)."""
+        # EXERCISE ch02_ex3 (15 points): SwiGLU: the gate projection through SiLU, times the up projection, down
         ### BEGIN SOLUTION
         # in place: the same arithmetic as `silu(gate) * up`, without two more [N, intermediate_size]
         # tensors (a long prefill's are tens of MB each, and fresh ones that big cost page faults)
