@@ -324,6 +324,22 @@ def test_every_chapter_at_once_holds_no_answer_line(every_chapter):
         given.write_text(text)
 
 
+def test_every_build_stub_scores_0_in_each_part_with_its_task(every_chapter):
+    """In the release of every chapter at once, each build assignment (an exercise graded in parts)
+    scores 0 in every part, and each part's first failure is the build's own NotImplementedError
+    (never another chapter's stub: the graders' stand-ins replace those)."""
+    builds = [e for e in EXERCISES if EXERCISES[e].groups]
+    assert len(builds) >= 4, builds
+    rep = grading.grade(builds, every_chapter, verbose=False)
+    assert rep["total"] == 0 and rep["max_total"] == sum(EXERCISES[e].points for e in builds)
+    for ex in builds:
+        groups = rep["exercises"][ex]["groups"]
+        assert list(groups) == [g for g, _ in EXERCISES[ex].groups], (ex, groups)
+        for name, g in groups.items():
+            assert g["tests"] > 0 and g["points"] == 0, (ex, name, g)
+            assert g["message"].startswith(f"NotImplementedError: {ex}: "), (ex, name, g["message"])
+
+
 LOWER_STUBS = """
 import json, sys
 import torch
