@@ -219,6 +219,46 @@ def test_a_build_scores_by_its_parts(tmp_path):
     assert "PART" in grading.format_report({"exercises": {ex: rep}, "total": rep["points"], "max_total": 10})
 
 
+def test_a_stopped_run_and_an_unknown_part_score_nothing_loudly(tmp_path):
+    """Graded in the book with an instructor's private test: one that ends the grading process
+    (`os._exit`, as a crash, the OOM killer or a student's exit would) leaves its part unscored, says
+    the run stopped, and the parts it did finish keep their points; one marked with a part the
+    exercise does not have fails every part with a message naming the parts there are."""
+    ex = "ch04_ex3"
+    admits = EXERCISES[ex].groups[0][0]
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    (exits / "test_private_exit.py").write_text(
+        f"import os\nimport pytest\n\n\n@pytest.mark.{ex}\n@pytest.mark.group({admits!r})\n"
+        "def test_zz_the_process_ends_here():\n    os._exit(0)\n")
+    rep = grading.grade([ex], ROOT, private_tests=exits, verbose=False)
+    r = rep["exercises"][ex]
+    assert r["groups"][admits]["points"] == 0 and "did not run" in r["groups"][admits]["message"], r["groups"]
+    assert r["points"] == EXERCISES[ex].points - EXERCISES[ex].groups[0][1] and not r["passed"]
+    assert "stopped before it finished" in rep["error"], rep.get("error")
+    assert f"{ex} PART" in grading.format_report(rep)
+    typo = tmp_path / "typo"
+    typo.mkdir()
+    (typo / "test_private_typo.py").write_text(
+        f"import pytest\n\n\n@pytest.mark.{ex}\n@pytest.mark.group('admits first come first served')\n"
+        "def test_passes():\n    pass\n")
+    r = grading.grade([ex], ROOT, private_tests=typo, verbose=False)["exercises"][ex]
+    assert r["points"] == 0 and all("does not have (its parts:" in g["message"] for g in r["groups"].values()), r
+
+
+def test_the_code_under_grading_may_not_reach_into_the_graders(tmp_path):
+    """A line of the package or of an exercise that reaches a grader module at run time (by name or
+    through `sys.modules`) is reported, as an import of one is."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_grading_ch10_regions.py").write_text("")
+    (tmp_path / "minivllm").mkdir()
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "minivllm" / "ops.py").write_text("import sys\n\ndef f(x):\n    return sys.modules['test_' + 'grading'].g(x)\n")
+    (tmp_path / "exercises" / "ch10.py").write_text("def g(x):\n    return rule(x)  # from test_grading_ch10_regions\n")
+    found = grading.graders_code_used(tmp_path)
+    assert [f.split(":")[0] for f in found] == ["exercises/ch10.py", "minivllm/ops.py"], found
+
+
 FORGED_CONFTEST = """import pytest
 
 

@@ -354,7 +354,7 @@ def check_contract(cls: type[Scheduler], ex: str = "ch04_ex3", max_examples: int
     @settings(max_examples=max_examples, deadline=None, report_multiple_bugs=False, database=None,
               derandomize=True)
     @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4),
-           budget=st.integers(10, 24))
+           budget=st.integers(5, 24))
     def run(ops, block_size, num_blocks, max_num_seqs, budget):
         _ch04_drive(ex, cls, ops, block_size, num_blocks, max_num_seqs, budget)
     run()
@@ -408,16 +408,30 @@ def check_preempts_the_newest(cls: type[Scheduler], ex: str = "ch04_ex3") -> Non
 
 
 def check_token_budget(cls: type[Scheduler], ex: str = "ch04_ex3") -> None:
-    """Seats and blocks for all, a budget of 10 tokens: prompts of 4, 4 and 4 tokens admit two (8 tokens;
-    the third would make 12); the next step admits the third."""
-    sched = cls(BlockManager(16, 4), 8, 10, 10, set())
-    for i in range(3):
-        sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=4), block_size=4, seq_id=i))
-    for step, want in [(1, [0, 1]), (2, [2])]:
-        batch = _ch04_step(ex, sched, step)
-        _expect([s.seq_id for s in batch] == want, f"{ex}: step {step}: with max_num_batched_tokens=10 and "
-                f"prompts of 4 tokens, the prefill should admit {want}, got {[s.seq_id for s in batch]}")
-        sched.postprocess(batch, [1] * len(batch))
+    """Seats and blocks for all, the budget deciding: prompts of 4 tokens under budgets of 10 to 13 admit
+    two (the third would pass the budget), then the third; under a budget of 12 all three (an exact fit);
+    and a preempted sequence that grew to 9 tokens is re-admitted only when its 9 fit what is left."""
+    for budget in (10, 11, 12, 13):
+        sched = cls(BlockManager(16, 4), 8, budget, budget, set())
+        for i in range(3):
+            sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=4), block_size=4, seq_id=i))
+        plan = [(1, [0, 1, 2])] if budget >= 12 else [(1, [0, 1]), (2, [2])]
+        for step, want in plan:
+            batch = _ch04_step(ex, sched, step)
+            _expect([s.seq_id for s in batch] == want, f"{ex}: step {step}: with max_num_batched_tokens={budget} "
+                    f"and prompts of 4 tokens, the prefill should admit {want}, got {[s.seq_id for s in batch]}")
+            sched.postprocess(batch, [1] * len(batch))
+    # behind a prompt of 4, a sequence that grew from 4 to 9 tokens before it was preempted: budget 12
+    sched = cls(BlockManager(16, 4), 8, 12, 12, set())
+    grown = Sequence([1, 2, 3, 4], SamplingParams(max_tokens=9), block_size=4, seq_id=1)
+    for _ in range(5):
+        grown.append_token(1)
+    sched.add(Sequence([1, 2, 3, 4], SamplingParams(max_tokens=4), block_size=4, seq_id=0))
+    sched.add(grown)
+    batch = _ch04_step(ex, sched, 1)
+    _expect([s.seq_id for s in batch] == [0], f"{ex}: a prompt of 4 tokens at the head and behind it a sequence of "
+            f"9 tokens (4 prompt + 5 generated, preempted, to be recomputed whole), budget 12: 4 + 9 = 13 tokens do not "
+            f"fit, so only the first is admitted; got {[s.seq_id for s in batch]}")
 
 
 PARTS = [pytest.param(part, marks=pytest.mark.group(group), id=part) for part, group in PART_GROUP.items()]
@@ -486,6 +500,35 @@ class _IgnoresTheBudget(_GraderScheduler):
         return batch
 
 
+def _admission_by(fits):
+    """An admission in order that admits the head while `fits(scheduler, head, tokens used so far)`."""
+    def schedule_prefill(self):
+        batch, used = [], 0
+        while self.waiting and len(self.running) < self.max_num_seqs and fits(self, self.waiting[0], used):
+            seq = self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            used += seq.num_tokens - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
+    return schedule_prefill
+
+
+class _BudgetOnPromptTokens(_GraderScheduler):
+    """The budget checked with the head's prompt only (a recomputed sequence brings its generated tokens too)."""
+
+    schedule_prefill = _admission_by(lambda s, head, used: used + head.num_prompt_tokens <= s.max_num_batched_tokens
+                                     and s.block_manager.can_allocate(head))
+
+
+class _BudgetOffByOne(_GraderScheduler):
+    """The budget compared with `<` (an exact fit refused)."""
+
+    schedule_prefill = _admission_by(lambda s, head, used: used + head.num_tokens < s.max_num_batched_tokens
+                                     and s.block_manager.can_allocate(head))
+
+
 class _PreemptsTheOldest(_GraderScheduler):
     """Decode that frees room by preempting the oldest running sequence instead of the newest."""
 
@@ -529,7 +572,8 @@ class _DecodeFirst(_GraderScheduler):
 
 
 @pytest.mark.parametrize("wrong, fails", [
-    (_Overtakes, "admission"), (_IgnoresTheBudget, "admission"), (_PreemptsTheOldest, "decode"),
+    (_Overtakes, "admission"), (_IgnoresTheBudget, "admission"), (_BudgetOnPromptTokens, "admission"),
+    (_BudgetOffByOne, "admission"), (_PreemptsTheOldest, "decode"),
     (_NeverClaims, "decode"), (_DecodeFirst, "whole")])
 def test_ch04_ex3_wrong_answers_lose_their_part(wrong, fails):
     """Each wrong answer fails the checks of the part it gets wrong, so it loses that part's points (the

@@ -29,10 +29,12 @@ TRIPPED = "the grader's own answer was called"
 
 # The cheating answers (a tester's), as a student would put them in the build's stubs: the function
 # whose stub they replace -> the answer. The build's other stubs get the book's answers.
+# Their names are built from pieces, so that no line names a grader module, `sys.modules` or a stand-in
+# (`graders_code_used` reports those from the text): only the tripwires can catch them, at run time.
 CHEATS = {
-    "allocate": "import importlib\nreturn getattr(importlib.import_module('test_grading_ch04' + '_06'), "
+    "allocate": "import importlib\nreturn getattr(importlib.import_module('test_' + 'grading_ch04' + '_06'), "
                 "'_Sca' + 'ffold').allocate(self, seq)",
-    "may_append": "import sys\nm = sys.modules['test_grading_ch04_06']\n"
+    "may_append": "import sys\nm = getattr(sys, 'mod' + 'ules')['test_' + 'grading_ch04_06']\n"
                   "return getattr(m, '_Scaf' + 'fold').may_append(self, seq)",
     "paged_decode_attention": "return paged_decode_attention_planned(q, k_cache, v_cache, "
                               "plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype), scale)",

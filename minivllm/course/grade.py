@@ -341,12 +341,24 @@ def _save_outcomes() -> None:
         Path(path).write_text(json.dumps(_outcomes, indent=1))
 
 
+NOT_RUN = ("did not run: the grading run stopped before this test finished (the process crashed or exited, "
+           "or the run's time limit passed; an endless loop or a memory blow-up in the code under grading?)")
+
+
 def pytest_collection_modifyitems(session, config, items):
+    """Every collected test starts as not run (it scores nothing unless its report says it passed); a
+    test marked with a part its exercise does not have fails at once, naming the parts there are."""
     for item in items:
         marks = sorted({m.name for m in item.iter_markers() if m.name in EXERCISES})
         group = item.get_closest_marker("group")
-        _outcomes[item.nodeid] = {"exercises": marks, "group": group.args[0] if group else None,
-                                  "outcome": "passed", "message": "", "details": ""}
+        rec = {"exercises": marks, "group": group.args[0] if group else None, "outcome": "notrun",
+               "message": NOT_RUN, "details": ""}
+        unknown = [e for e in marks if rec["group"] is not None and rec["group"] not in dict(EXERCISES[e].groups)]
+        if unknown:
+            parts = "; ".join(f"{e}: {', '.join(repr(g) for g, _ in EXERCISES[e].groups) or 'none'}" for e in unknown)
+            rec.update(outcome="failed", message=f"this test is marked with part {rec['group']!r}, which "
+                       f"{', '.join(unknown)} does not have (its parts: {parts})")
+        _outcomes[item.nodeid] = rec
 
 
 class GradeTimeout(BaseException):
@@ -416,14 +428,16 @@ def pytest_runtest_logreport(report):
     rec = _outcomes.get(report.nodeid)
     if rec is None or rec["outcome"] == "failed":
         return
-    if report.failed:
+    if report.passed and report.when == "call" and rec["outcome"] == "notrun":
+        rec.update(outcome="passed", message="")
+    elif report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = _as_kernel_stub(crash.message if crash else str(report.longrepr))
         rec.update(outcome="failed", message=message[:MESSAGE_CHARS], details=report.longreprtext[-MESSAGE_CHARS:])
     elif report.skipped and (why := _skipped_by_student_code(report)):
         rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
-    elif report.skipped and rec["outcome"] == "passed":
-        rec["outcome"] = "skipped"
+    elif report.skipped and rec["outcome"] in ("passed", "notrun"):
+        rec.update(outcome="skipped", message="")
     _save_outcomes()  # after every test: a run stopped later keeps what it had
 
 
@@ -540,7 +554,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
             raise ValueError(f"private tests folder {private_tests} does not exist")
     # an edition grades the student's exercises/, whatever else its folder holds
     impl = "solutions" if edition is None and (root / "solutions").is_dir() else "exercises"
-    outcomes, logs = {}, []
+    outcomes, logs, stopped = {}, [], []
     for group in dict.fromkeys((e[:4], EXERCISES[e].kind) for e in wanted):  # see tests/stand_ins.py
         ids_here = [e for e in wanted if (e[:4], EXERCISES[e].kind) == group]
         files = sorted({t for e in ids_here for t in EXERCISES[e].tests if (root / t).exists()})
@@ -549,6 +563,9 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         outcomes.update({n: o for n, o in found.items() if set(o["exercises"]) & set(ids_here)})
         if r.returncode or not found:
             logs.append(r)
+        if r.returncode not in (0, 1, 5) or any(o["outcome"] == "notrun" for o in found.values()):
+            stopped.append(f"the grading run of {', '.join(ids_here)} stopped before it finished (exit status "
+                           f"{r.returncode}): the tests it did not finish score nothing")
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
     borrowed = graders_code_used(root) if edition else []  # in the book, tests/ may be imported at will
     if borrowed:
@@ -556,7 +573,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     for ex in wanted:
         tests = {n: o for n, o in outcomes.items() if ex in o["exercises"]}
         failed = [{"test": n, "message": o["message"], "details": o["details"]}
-                  for n, o in tests.items() if o["outcome"] == "failed"]
+                  for n, o in tests.items() if o["outcome"] in ("failed", "notrun")]
         if borrowed:
             failed.insert(0, {"test": "(the code under grading)", "details": "\n".join(borrowed),
                               "message": f"{ex}: not graded: the code uses the graders' own code from tests/ "
@@ -568,11 +585,14 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         if EXERCISES[ex].groups:
             entry["groups"] = score_groups(EXERCISES[ex], tests, bool(borrowed))
             entry["points"] = sum(g["points"] for g in entry["groups"].values())
+            entry["passed"] = entry["points"] == pts
         report["exercises"][ex] = entry
         report["total"] += entry["points"]
         report["max_total"] += pts
     if not outcomes:  # pytest could not collect or start: say why
         report["error"] = "".join(r.stdout + r.stderr for r in logs)[-MESSAGE_CHARS:]
+    elif stopped:
+        report["error"] = "; ".join(stopped)
     if verbose:
         if note:
             print(note)
@@ -597,11 +617,11 @@ def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[s
     every group failed (nothing scores where the code uses the graders' own code: `borrowed`).
     Returns `{name: {"points", "max_points", "passed", "tests", "message"}}` (`message`: the first failure's)."""
     names = {g for g, _ in ex.groups}
-    gate = [o for o in tests.values() if o.get("group") not in names and o["outcome"] == "failed"]
+    gate = [o for o in tests.values() if o.get("group") not in names and o["outcome"] in ("failed", "notrun")]
     out = {}
     for name, pts in ex.groups:
         mine = [o for o in tests.values() if o.get("group") == name]
-        bad = [o for o in mine if o["outcome"] == "failed"] + gate
+        bad = [o for o in mine if o["outcome"] in ("failed", "notrun")] + gate
         ok = not borrowed and bool(mine) and not bad and any(o["outcome"] == "passed" for o in mine)
         message = bad[0]["message"].splitlines()[0][:150] if bad and bad[0]["message"] else \
             ("" if mine else "no test of this group ran")
@@ -614,17 +634,19 @@ GRADER_NAMES = re.compile(r"\b(_grader\w*|_Grader\w*|_Scaffold|STAND_INS)\b")
 
 def graders_code_used(root: Path) -> list[str]:
     """Places where the code under grading (the package but this module, and `exercises/`) imports a
-    module of `tests/` or uses a grader's stand-in by name: the stand-ins are working answers written
-    for the graders, not answers of the student's. Returns `path:line: text` for each."""
+    module of `tests/`, names a grader module or reaches into `sys.modules` (where a grader module is
+    found at run time), or uses a grader's stand-in by name: the graders' code is working answers
+    written for the graders, not answers of the student's. Returns `path:line: text` for each."""
     modules = "|".join(sorted(re.escape(p.stem) for p in (root / "tests").glob("*.py")))
     importing = re.compile(rf"\b({modules})\b") if modules else None
+    reaching = re.compile(r"\bsys\.modules\b|\btest_grading\w*")  # a grader module found at run time
     found = []
     files = [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]
     for f in sorted(files):
         if f == root / "minivllm" / "course" / "grade.py":  # this module names them to find them
             continue
         for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            if GRADER_NAMES.search(line) or ("import" in line and importing and importing.search(line)):
+            if GRADER_NAMES.search(line) or reaching.search(line) or ("import" in line and importing and importing.search(line)):
                 found.append(f"{f.relative_to(root)}:{i}: {line.strip()[:120]}")
     return found
 
