@@ -150,3 +150,40 @@ def require_cpu_kernel():
             pytest.fail("the C++ CPU decode kernel did not build, and MINIVLLM_REQUIRE_CPU_KERNEL=1")
         pytest.skip("the C++ CPU decode kernel cannot be built here (see its warning); plain torch is tested")
     return kernel
+
+
+def speed_ratio(student, reference, *, rounds: int = 9, calls: int = 3, warmup: int = 2) -> float:
+    """How many times the reference's time `student()` takes, measured side by side: `rounds` rounds,
+    each timing both (the best of `calls` calls each, the order alternating from round to round), and
+    the median of the rounds' ratios. A shared machine slows both in the same round, so the ratio
+    holds where the times do not (the grading's speed parts use it; `Exercise.speed` has the bands).
+
+    Args:
+        student, reference: callables without arguments (a CUDA caller synchronizes inside).
+        rounds, calls, warmup: rounds measured, calls per timing, untimed calls of each first.
+    Returns:
+        The student's time over the reference's (> 1: slower).
+    """
+    import statistics
+    import time
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for _ in range(warmup):
+        student(), reference()
+    ratios = []
+    for r in range(rounds):
+        if r % 2:
+            ref = best(reference)
+            mine = best(student)
+        else:
+            mine = best(student)
+            ref = best(reference)
+        ratios.append(mine / ref)
+    return statistics.median(ratios)

@@ -246,6 +246,48 @@ def test_a_stopped_run_and_an_unknown_part_score_nothing_loudly(tmp_path):
     assert r["points"] == 0 and all("does not have (its parts:" in g["message"] for g in r["groups"].values()), r
 
 
+def test_a_speed_part_scores_by_its_bands(tmp_path):
+    """A speed part scores the band of the worst ratio its passing tests record (through the grading
+    plugin: `record_property(SPEED_RATIO, r)` reaches the outcomes); a failed test, no ratio, or a
+    stub scores 0; a part whose tests all skipped (the hardware absent) leaves the run's maximum,
+    saying why."""
+    ex = grading.Exercise("ch99_ex1", 7, "rebuild", "t", "w", (), groups=(("right", 3), ("fast", 4)),
+                          speed=(("fast", ((1.5, 4), (3.0, 2))),))
+    tests_file = tmp_path / "test_speed_demo.py"
+    tests_file.write_text(
+        "import pytest\n\n\n@pytest.mark.parametrize('r', [1.2, 2.5])\n"
+        "def test_timed(r, record_property):\n    record_property('speed_ratio', r)\n\n\n"
+        "def test_no_gpu():\n    pytest.skip('needs a CUDA GPU')\n")
+    results = tmp_path / "outcomes.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                    "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, check=True, capture_output=True,
+                   env={**os.environ, grading.RESULTS_ENV: str(results)})
+    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    assert ran["test_timed[1.2]"]["speed_ratio"] == 1.2 and ran["test_timed[2.5]"]["speed_ratio"] == 2.5, ran
+    assert ran["test_no_gpu"]["outcome"] == "skipped" and ran["test_no_gpu"]["skip_reason"] == "needs a CUDA GPU"
+
+    def outcome(group, outcome="passed", **extra):
+        return {"group": group, "outcome": outcome, "message": "", **extra}
+
+    right = {"a": outcome("right")}
+    for ratios, want in [([1.2], 4), ([1.2, 2.5], 2), ([1.5], 4), ([3.0], 2), ([3.01], 0), ([40.0], 0)]:
+        fast = {f"t{i}": outcome("fast", speed_ratio=r) for i, r in enumerate(ratios)}
+        g = grading.score_groups(ex, {**right, **fast}, borrowed=False)["fast"]
+        assert (g["points"], g["max_points"], g["passed"]) == (want, 4, want == 4), (ratios, g)
+        assert f"{max(ratios):.2f}x the reference's time" in g["message"], g
+    for fast, why in [({"t": outcome("fast")}, "no speed was recorded"),
+                      ({"t": outcome("fast", "failed", speed_ratio=1.0)}, ""),
+                      ({"t": {**outcome("fast", "failed"), "message": "NotImplementedError: ch99_ex1: write it"}},
+                       "NotImplementedError: ch99_ex1")]:
+        g = grading.score_groups(ex, {**right, **fast}, borrowed=False)["fast"]
+        assert g["points"] == 0 and g["max_points"] == 4 and why in g["message"], g
+    g = grading.score_groups(ex, {**right, "t": outcome("fast", "skipped", skip_reason="needs a CUDA GPU")},
+                             borrowed=False)["fast"]
+    assert (g["points"], g["max_points"]) == (0, 0) and "not graded here (needs a CUDA GPU): 4 points" in g["message"]
+    with pytest.raises(ValueError, match="speed bands"):
+        grading.Exercise("ch99_ex2", 4, "rebuild", "t", "w", (), groups=(("fast", 4),), speed=(("fast", ((3.0, 4), (1.5, 2))),))
+
+
 def test_the_code_under_grading_may_not_reach_into_the_graders(tmp_path):
     """A line of the package or of an exercise that reaches a grader module at run time (by name or
     through `sys.modules`) is reported, as an import of one is."""

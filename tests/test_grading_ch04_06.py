@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters import load
-from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
+from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine, speed_ratio
 from minivllm.core.block_manager import BlockManager
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.attention.paged_attention import PagedAttention, paged_decode_attention
@@ -25,7 +25,8 @@ from minivllm.model_executor.models.llama import attention_reference
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.core.sched.scheduler import Scheduler
-from minivllm.course.grade import EXERCISES as GRADED
+from minivllm.course import grade as grading
+from minivllm.course.grade import EXERCISES as GRADED, SPEED_RATIO
 from minivllm.sequence import Sequence
 from test_grading_ch04_regions import _GraderScheduler, run_graded, stand_ins, your_code
 from test_grading_ch04_regions import _named_invariants as _invariants
@@ -283,7 +284,7 @@ def _same_tokens(ex: str, who: str, prompts, outs, refs) -> None:
 # `paged_decode_attention` (`_ReferenceDecode`). Random workloads are derandomized (the same answer
 # always scores the same points). The tests after the parts check that plausible wrong answers lose
 # their part's points.
-ALLOCS, APPENDS, PREEMPTS, DECODES, ENGINE = (name for name, _ in GRADED["ch05_ex1"].groups)
+ALLOCS, APPENDS, PREEMPTS, DECODES, ENGINE, SPEED = (name for name, _ in GRADED["ch05_ex1"].groups)
 CH05_PARTS = {"alloc": ("can_allocate", "allocate", "deallocate"),
               "append": ("needs_new_block", "can_append", "may_append")}
 CH05_BUILD_METHODS = [m for methods in CH05_PARTS.values() for m in methods]
@@ -643,6 +644,40 @@ def check_paged_decode(decode) -> None:
         _check_paged_decode(lens, block_size, groups, seed, torch.float64, decode=decode)
 
 
+def _speed_case(seed: int = 5, num_seqs: int = 48, block_size: int = 16, kv_heads: int = 3, groups: int = 3,
+                head_dim: int = 64):
+    """A decode batch shaped like the default model's (9 query heads over 3 K/V heads of 64), float32:
+    `num_seqs` contexts of 16-512 tokens in blocks shuffled over the cache."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(16, 513, (num_seqs,), generator=g)
+    need = [-(-n // block_size) for n in lens.tolist()]
+    num_blocks = sum(need) + 7
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(num_seqs)]
+    bt = torch.tensor([t + [-1] * (max(need) - len(t)) for t in tables])
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(num_seqs, kv_heads * groups, head_dim, generator=g)
+    return q, k_cache, v_cache, bt, lens, head_dim ** -0.5
+
+
+@pytest.mark.ch05
+@pytest.mark.ch05_ex1
+@pytest.mark.group(SPEED)
+def test_ch05_ex1_paged_decode_speed(record_property):
+    """The speed part: the package's (the student's) `paged_decode_attention` on a decode batch of the
+    default model's shape (48 sequences, 16-512 tokens, float32), first checked against the reference
+    (float32 tolerance as above), then timed side by side with the grader's stand-in
+    `_paged_decode_stand_in` (a batched gather and one attention call) on this machine's torch threads (`speed_ratio`: the median of 11 rounds' ratios). The ratio scores by
+    `EXERCISES["ch05_ex1"].speed`'s bands; a shared machine slows both alike."""
+    case = _speed_case()
+    with your_code("ch05_ex1", "paged_decode_attention (the speed part's batch: 48 sequences, float32)"):
+        got = paged_decode_attention(*case)
+    torch.testing.assert_close(got, _paged_decode_stand_in(*case), atol=1e-5, rtol=1e-5, msg=lambda m: (
+        f"ch05_ex1: paged decode of the speed part's batch differs from the reference (so it is not timed): {m}"))
+    ratio = speed_ratio(lambda: paged_decode_attention(*case), lambda: _paged_decode_stand_in(*case), rounds=11)
+    record_property(SPEED_RATIO, ratio)
+
+
 class _ReferenceDecode(PagedAttention):
     """The backend with decode through `paged_decode_attention` (the package's, the student's)."""
 
@@ -716,6 +751,30 @@ def _decode_heads_interleaved(q, k_cache, v_cache, block_tables, context_lens, s
     v = v_cache[block_tables.clamp(min=0)].flatten(1, 2).repeat(1, 1, group, 1).transpose(1, 2)
     valid = torch.arange(k.shape[2])[None, :] < context_lens[:, None]
     return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None], scale=scale)[:, :, 0]
+
+
+def _decode_token_by_token(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Correct paged decode that gathers each sequence's keys one token at a time in Python."""
+    out, block_size = torch.empty_like(q), k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    for i, n in enumerate(context_lens.tolist()):
+        slots = [(int(block_tables[i, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).repeat_interleave(group, 1)
+        v = torch.stack([v_cache[b, o] for b, o in slots]).repeat_interleave(group, 1)
+        out[i] = torch.einsum("ht,thd->hd", (torch.einsum("hd,thd->ht", q[i], k) * scale).softmax(-1), v)
+    return out
+
+
+def test_ch05_ex1_a_slow_answer_loses_the_speed_part():
+    """A correct decode that gathers keys token by token passes the decode checks but loses the speed
+    part: about 3-6 times the reference's time on the speed part's batch (measured on a 2-core AMD EPYC,
+    one thread), twice the full-points band's limit or more."""
+    check_paged_decode(_decode_token_by_token)
+    case = _speed_case()
+    ratio = speed_ratio(lambda: _decode_token_by_token(*case), lambda: _paged_decode_stand_in(*case),
+                        rounds=3, calls=1, warmup=0)
+    bands = dict(GRADED["ch05_ex1"].speed)[SPEED]
+    assert grading.speed_points(bands, ratio) < dict(GRADED["ch05_ex1"].groups)[SPEED], (ratio, bands)
 
 
 @pytest.mark.parametrize("wrong, fails", [

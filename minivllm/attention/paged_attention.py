@@ -45,7 +45,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns:
         `[num_seqs, num_heads, head_dim]`, `q`'s dtype and device. Raises nothing on the engine's inputs.
     """
-    # EXERCISE ch05_ex1 (16 points): attend each query over its context_lens[i] keys, read through its block table
+    # EXERCISE ch05_ex1 (20 points): attend each query over its context_lens[i] keys, read through its block table
     ### BEGIN SOLUTION
     tables = block_tables.clamp(min=0)  # padding reads block 0; it is masked below
     k = k_cache[tables].flatten(1, 2)  # [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]

@@ -182,7 +182,7 @@ class _Append:
         `len(seq.block_table) < seq.num_blocks`. With blocks of 4, a sequence of 4 tokens holds one
         block; its 5th token needs a second, its 6th to 8th do not, its 9th needs a third. Changes
         nothing (nano-vllm's `may_append` tests `len(seq) % block_size == 1`)."""
-        # EXERCISE ch05_ex1 (16 points): whether seq's newest token starts a block its table lacks
+        # EXERCISE ch05_ex1 (20 points): whether seq's newest token starts a block its table lacks
         ### BEGIN SOLUTION
         return len(seq.block_table) < seq.num_blocks
         ### END SOLUTION
@@ -191,7 +191,7 @@ class _Append:
         """Whether `may_append(seq)` finds what it needs: a free block when `needs_new_block(seq)`,
         nothing otherwise (True even with no block free when the token fits the last block's free
         slot). No watermark: a running sequence may take the last free block. Changes nothing (nano-vllm's)."""
-        # EXERCISE ch05_ex1 (16 points): True when seq needs no block, or one is free
+        # EXERCISE ch05_ex1 (20 points): True when seq needs no block, or one is free
         ### BEGIN SOLUTION
         return self.num_free_blocks >= int(self.needs_new_block(seq))
         ### END SOLUTION
@@ -206,7 +206,7 @@ class _Append:
         `can_append(seq)` (the scheduler does; else it preempts): with no block free the pool's
         `IndexError("no free block")` propagates. After nano-vllm's `may_append`, vLLM's `append_slots`.
         """
-        # EXERCISE ch05_ex1 (16 points): append one fresh block exactly when seq's newest token starts one
+        # EXERCISE ch05_ex1 (20 points): append one fresh block exactly when seq's newest token starts one
         ### BEGIN SOLUTION
         if self.needs_new_block(seq):
             seq.block_table.append(self._allocate_block().block_id)
@@ -228,7 +228,7 @@ class BlockManager(_Append, _Fork, BlockPool):
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether the free blocks cover all of `seq`'s tokens: `seq.num_blocks`
         (`ceil(num_tokens / block_size)`) of them, an exact fit included. Changes nothing (nano-vllm's)."""
-        # EXERCISE ch05_ex1 (16 points): True when seq.num_blocks blocks are free
+        # EXERCISE ch05_ex1 (20 points): True when seq.num_blocks blocks are free
         ### BEGIN SOLUTION
         return self.num_free_blocks >= seq.num_blocks
         ### END SOLUTION
@@ -243,7 +243,7 @@ class BlockManager(_Append, _Fork, BlockPool):
         `can_allocate(seq)`; otherwise the pool's `IndexError("no free block")` propagates. After
         nano-vllm's `allocate`, without its prefix hashing (chapter 06 adds it)."""
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        # EXERCISE ch05_ex1 (16 points): give seq one fresh block (self._allocate_block()) per block it needs; none cached
+        # EXERCISE ch05_ex1 (20 points): give seq one fresh block (self._allocate_block()) per block it needs; none cached
         ### BEGIN SOLUTION
         seq.num_cached_tokens = 0
         for _ in range(seq.num_blocks):
@@ -259,7 +259,7 @@ class BlockManager(_Append, _Fork, BlockPool):
         `block_table` is `[]` and `num_cached_tokens` 0. The order of freeing is yours (this chapter's
         engine takes any free block); the book frees the tail first, because chapter 06 keeps a freed
         block's content until it is taken again: a prefix, most likely to be asked for again, stays longest."""
-        # EXERCISE ch05_ex1 (16 points): drop seq's reference to each block, free those nobody holds, empty the table
+        # EXERCISE ch05_ex1 (20 points): drop seq's reference to each block, free those nobody holds, empty the table
         ### BEGIN SOLUTION
         for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
             block = self.blocks[block_id]

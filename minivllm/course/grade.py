@@ -16,7 +16,7 @@ each group's points when that group's tests pass, so a student sees which part o
 Graded regions (rebuild exercises) sit in the chapters' export cells, between nbgrader's markers,
 under one line that names the exercise, its points and the task (`REGION_MARKER`):
 
-    # EXERCISE ch05_ex1 (16 points): give `seq` one fresh block per block it needs
+    # EXERCISE ch05_ex1 (20 points): give `seq` one fresh block per block it needs
     ### BEGIN SOLUTION
     ...the book's answer...
     ### END SOLUTION
@@ -67,8 +67,16 @@ class Exercise:
             marked `@pytest.mark.group(name)` belongs to that group, and a group scores its points when
             every test in it passes; a test of the exercise in no group must pass for any points. Empty:
             all or nothing.
+        speed: for a performance part, `(group, bands)` pairs: `group` (one of `groups`) scores by
+            the speed its passing tests record (`record_property(SPEED_RATIO, ratio)`: the student's
+            time over the grader's reference's, measured side by side in the same run, so a noisy
+            machine changes both), the points of the first `(max_ratio, points)` band whose
+            `max_ratio` the worst recorded ratio does not exceed (bands in increasing ratio, the
+            first worth the group's points), 0 past the last. A speed group whose tests all skipped
+            (the hardware is absent) is not graded in that run: its points leave the run's maximum.
     Raises:
-        ValueError: groups whose points do not add up to `points`, or a group named twice.
+        ValueError: groups whose points do not add up to `points`, a group named twice, or speed bands
+            that name no group, do not start at the group's points or are not in increasing ratio.
     """
 
     id: str
@@ -78,11 +86,18 @@ class Exercise:
     where: str
     tests: tuple[str, ...]
     groups: tuple[tuple[str, int], ...] = ()
+    speed: tuple[tuple[str, tuple[tuple[float, int], ...]], ...] = ()
 
     def __post_init__(self):
         names = [g for g, _ in self.groups]
         if self.groups and (sum(p for _, p in self.groups) != self.points or len(set(names)) != len(names)):
             raise ValueError(f"{self.id}: groups {self.groups} should name each group once and add up to {self.points}")
+        for group, bands in self.speed:
+            ratios, pts = [r for r, _ in bands], [p for _, p in bands]
+            if group not in dict(self.groups) or not bands or pts[0] != dict(self.groups)[group] \
+                    or ratios != sorted(set(ratios)) or pts != sorted(pts, reverse=True):
+                raise ValueError(f"{self.id}: speed bands {bands} of {group!r} should name one of its groups, start "
+                                 "at that group's points and list increasing ratios with decreasing points")
 
 
 _CH05_NB, _CH05_EX = "notebooks/05_paged_attention.ipynb", "exercises/ch05_paged_attention.py"
@@ -124,14 +139,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("equals transformers under memory pressure", 2))),
     Exercise("ch04_ex4", 3, "rebuild", "prepare_batch's flat layout", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
-    Exercise("ch05_ex1", 16, "rebuild", "build the paged KV cache: BlockManager (can_allocate, allocate, deallocate, "
+    Exercise("ch05_ex1", 20, "rebuild", "build the paged KV cache: BlockManager (can_allocate, allocate, deallocate, "
              "needs_new_block, can_append, may_append) and paged_decode_attention", _CH05_NB,
              (*_T46, "tests/test_grading_default_model.py"),
              groups=(("allocates and frees", 4),
                      ("appends across block boundaries", 3),
                      ("survives preemption", 2),
                      ("paged decode equals the reference", 4),
-                     ("the engine equals transformers", 3))),
+                     ("the engine equals transformers", 3),
+                     ("paged decode keeps the reference's speed", 4)),
+             speed=(("paged decode keeps the reference's speed", ((1.5, 4), (3.0, 3), (6.0, 2), (12.0, 1))),)),
     Exercise("ch05_ex2", 5, "extend", "a block manager with a watermark, from scratch", _CH05_EX, _T46),
     Exercise("ch05_ex3", 3, "extend", "sliding-window paged decode", _CH05_EX, _T46),
     Exercise("ch06_ex2", 2, "rebuild", "the chained block hash (compute_hash)", "notebooks/06_prefix_caching.ipynb",
@@ -210,6 +227,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
 
 EDITION_FILE = "EDITION.json"  # written by scripts/release.py at a student edition's root
 RESULTS_ENV = "MINIVLLM_GRADE_RESULTS"  # where the pytest plugin below writes each test's outcome
+SPEED_RATIO = "speed_ratio"  # the user property a speed grader records: the student's time / the reference's
 REGION_MARKER = re.compile(r"^(?P<indent>\s*)# EXERCISE (?P<id>ch\d\d_ex\d+) \((?P<points>\d+) points?\): (?P<task>.+)$")
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 GRADE_TIMEOUT_S = 1800  # one grading run's limit, seconds
@@ -430,6 +448,9 @@ def pytest_runtest_logreport(report):
         return
     if report.passed and report.when == "call" and rec["outcome"] == "notrun":
         rec.update(outcome="passed", message="")
+        ratio = dict(report.user_properties).get(SPEED_RATIO)
+        if ratio is not None:
+            rec["speed_ratio"] = float(ratio)
     elif report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = _as_kernel_stub(crash.message if crash else str(report.longrepr))
@@ -437,7 +458,8 @@ def pytest_runtest_logreport(report):
     elif report.skipped and (why := _skipped_by_student_code(report)):
         rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
     elif report.skipped and rec["outcome"] in ("passed", "notrun"):
-        rec.update(outcome="skipped", message="")
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3 else ""
+        rec.update(outcome="skipped", message="", skip_reason=str(reason).removeprefix("Skipped: ")[:200])
     _save_outcomes()  # after every test: a run stopped later keeps what it had
 
 
@@ -585,6 +607,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         if EXERCISES[ex].groups:
             entry["groups"] = score_groups(EXERCISES[ex], tests, bool(borrowed))
             entry["points"] = sum(g["points"] for g in entry["groups"].values())
+            entry["max_points"] = pts = sum(g["max_points"] for g in entry["groups"].values())
             entry["passed"] = entry["points"] == pts
         report["exercises"][ex] = entry
         report["total"] += entry["points"]
@@ -611,12 +634,21 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     return report
 
 
+def speed_points(bands: tuple[tuple[float, int], ...], ratio: float) -> int:
+    """The points of the first band `(max_ratio, points)` whose `max_ratio` is at least `ratio`
+    (the student's time over the reference's), 0 past the last band."""
+    return next((pts for max_ratio, pts in bands if ratio <= max_ratio), 0)
+
+
 def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[str, dict]:
     """Partial credit: each of `ex.groups` scores its points when its tests (`tests`: outcomes by test
     id, each with its `group`) ran, at least one passed, and none failed, and no test of `ex` outside
-    every group failed (nothing scores where the code uses the graders' own code: `borrowed`).
-    Returns `{name: {"points", "max_points", "passed", "tests", "message"}}` (`message`: the first failure's)."""
-    names = {g for g, _ in ex.groups}
+    every group failed (nothing scores where the code uses the graders' own code: `borrowed`); a speed
+    group (`ex.speed`) scores by the band of the worst ratio its tests recorded, and one whose tests
+    all skipped is not graded (`max_points` 0, the skip's reason in `message`).
+    Returns `{name: {"points", "max_points", "passed", "tests", "message"}}` (`message`: the first
+    failure's, or the speed measured), with `"speed_ratio"` for a graded speed group."""
+    names, bands = {g for g, _ in ex.groups}, dict(ex.speed)
     gate = [o for o in tests.values() if o.get("group") not in names and o["outcome"] in ("failed", "notrun")]
     out = {}
     for name, pts in ex.groups:
@@ -625,7 +657,23 @@ def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[s
         ok = not borrowed and bool(mine) and not bad and any(o["outcome"] == "passed" for o in mine)
         message = bad[0]["message"].splitlines()[0][:150] if bad and bad[0]["message"] else \
             ("" if mine else "no test of this group ran")
-        out[name] = {"points": pts if ok else 0, "max_points": pts, "passed": ok, "tests": len(mine), "message": message}
+        entry = out[name] = {"points": pts if ok else 0, "max_points": pts, "passed": ok, "tests": len(mine),
+                             "message": message}
+        if name not in bands:
+            continue
+        if mine and not bad and all(o["outcome"] == "skipped" for o in mine):
+            why = next((o.get("skip_reason") for o in mine if o.get("skip_reason")), "its tests skipped")
+            entry.update(max_points=0, passed=True, message=f"not graded here ({why}): {pts} points where it can run")
+        elif ok:
+            ratios = [o["speed_ratio"] for o in mine if o.get("speed_ratio") is not None]
+            if not ratios:
+                entry.update(points=0, passed=False, message="no speed was recorded (a grader without record_property?)")
+                continue
+            ratio = max(ratios)
+            got = speed_points(bands[name], ratio)
+            entry.update(points=got, passed=got == pts, speed_ratio=round(ratio, 3), message=(
+                f"{ratio:.2f}x the reference's time; bands: "
+                + ", ".join(f"<= {r:g}x {p}" for r, p in bands[name]) + ", slower 0"))
     return out
 
 
