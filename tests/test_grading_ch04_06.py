@@ -412,6 +412,7 @@ def _ch05_grow(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -
 def _ch05_free(ex: str, bm: BlockManager, live: list[Sequence], seq: Sequence) -> None:
     """Deallocate `seq` (no longer in `live`): its blocks nobody else holds must be free, the others not."""
     table = list(seq.block_table)
+    seq.num_cached_tokens = min(seq.num_tokens - 1, bm.block_size)  # as chapter 06's prefix caching may leave it
     with your_code(ex, f"deallocate of block_table {table}"):
         bm.deallocate(seq)
     _expect(seq.block_table == [] and seq.num_cached_tokens == 0, f"{ex}: after deallocate the block_table must "
@@ -716,6 +717,16 @@ class _FreesShared(_Scaffold):
         seq.block_table, seq.num_cached_tokens = [], 0
 
 
+class _KeepsCachedTokens(_Scaffold):
+    """deallocate that empties the table but leaves `num_cached_tokens` as it was (harmless in chapter
+    05, where `allocate` resets it; wrong from chapter 06 on, where a prefix hit sets it)."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        cached = seq.num_cached_tokens
+        _Scaffold.deallocate(self, seq)
+        seq.num_cached_tokens = cached
+
+
 class _RefusesAnExactFit(_Scaffold):
     """can_allocate that wants a block to spare (`>` for `>=`)."""
 
@@ -778,7 +789,7 @@ def test_ch05_ex1_a_slow_answer_loses_the_speed_part():
 
 
 @pytest.mark.parametrize("wrong, fails", [
-    (_FreesShared, ALLOCS), (_RefusesAnExactFit, ALLOCS), (_AppendsOneTooLate, APPENDS),
+    (_FreesShared, ALLOCS), (_KeepsCachedTokens, ALLOCS), (_RefusesAnExactFit, ALLOCS), (_AppendsOneTooLate, APPENDS),
     (_decode_without_the_mask, DECODES), (_decode_heads_interleaved, DECODES)], ids=lambda p: getattr(p, "__name__", None))
 def test_ch05_ex1_wrong_answers_lose_their_part(wrong, fails):
     """Each wrong answer fails the checks of the part it gets wrong, so it loses that part's points (the

@@ -181,7 +181,9 @@ class _Append:
         token starts a block (`(num_tokens - 1) % block_size == 0`) one block is missing:
         `len(seq.block_table) < seq.num_blocks`. With blocks of 4, a sequence of 4 tokens holds one
         block; its 5th token needs a second, its 6th to 8th do not, its 9th needs a third. Changes
-        nothing (nano-vllm's `may_append` tests `len(seq) % block_size == 1`)."""
+        nothing. (nano-vllm's `may_append` tests `len(seq) % block_size == 1`, which never holds
+        with blocks of one token: here `block_size` may be 1, so count the table instead.)
+        `seq.block_size` is the manager's `block_size` (the engine gives both the same)."""
         # EXERCISE ch05_ex1 (20 points): whether seq's newest token starts a block its table lacks
         ### BEGIN SOLUTION
         return len(seq.block_table) < seq.num_blocks
