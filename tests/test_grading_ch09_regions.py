@@ -1,4 +1,5 @@
-"""Grading tests for chapter 09's build assignment (`python -m minivllm.course.grade ch09_ex1`, or `pytest -m ch09_ex1`).
+"""Grading tests for chapter 09's build assignment (`python -m minivllm.course.grade ch09_ex1`, or
+`pytest -m ch09_ex1`).
 
 ch09_ex1 builds the roofline from a model config whole: `model_cost`, `step_cost`, `roofline` and
 `workload_bound`. It scores in four parts (`@pytest.mark.group`, the groups of `EXERCISES["ch09_ex1"]`),
@@ -28,8 +29,9 @@ The evidence is independent of this chapter's code:
 * the roofline of a run: random costs, steps and rates (hypothesis) against the sum written here, each step
   at the longer of its two times; the totals and the memory-bound steps; three steps whose sides are known;
 * the least time of a workload: random workloads, costs and rates (hypothesis) against a closed form written
-  here (a request computing T = p + n - 1 tokens makes T (T + 1) / 2 pairs and reads the weights at most
-  max(n) times) and never above the roofline of two real schedules' steps (one request at a time; all at once).
+  here (a request computing T = p + n - 1 tokens makes T (T + 1) / 2 pairs; the weights are read max(n) times,
+  the fewest any schedule needs), and never above the roofline of two real schedules' steps (one request at a
+  time; all at once).
 The tests at the end show that plausible wrong answers lose their own part's points, and only those.
 """
 from __future__ import annotations
@@ -382,7 +384,8 @@ def test_ch09_ex1_step_cost_invariants(cost, first, second, k):
 
     def cost_of(c: ModelCost, step) -> tuple[int, int]:
         got = roofline_module.step_cost(c, list(step[0]), list(step[1]))
-        _expect(isinstance(got, tuple) and len(got) == 2, f"ch09_ex1 ({STEP}): expected (FLOPs, bytes), got {got!r}, {at}")
+        _expect(isinstance(got, tuple) and len(got) == 2,
+                f"ch09_ex1 ({STEP}): expected (FLOPs, bytes), got {got!r}, {at}")
         return got
 
     with graded("step_cost"):
@@ -477,7 +480,8 @@ def test_ch09_ex1_workload_bound_by_the_closed_form(cost, lens, peaks):
 def _schedules(prompt_lens: list[int], output_lens: list[int]) -> dict[str, list]:
     """Two real schedules' steps `(query_lens, context_lens)`: one request at a time (its prefill, then its
     decodes), and all at once (every prefill in one step, then one decode step of every unfinished request)."""
-    serial = [step for p, n in zip(prompt_lens, output_lens) for step in [([p], [p])] + [([1], [p + k]) for k in range(1, n)]]
+    serial = [step for p, n in zip(prompt_lens, output_lens)
+              for step in [([p], [p])] + [([1], [p + k]) for k in range(1, n)]]
     together = [(list(prompt_lens), list(prompt_lens))]
     for k in range(1, max(output_lens)):
         live = [p + k for p, n in zip(prompt_lens, output_lens) if k < n]
@@ -506,7 +510,8 @@ def test_ch09_ex1_workload_bound_is_below_every_schedule(cost, lens, peaks):
                                                 f"of the {name} schedule's steps: every schedule computes the same), "
                                                 f"got {got['flops']!r}, {at}")
         _expect(got["seconds"] <= bound["seconds"] * (1 + 1e-9), f"ch09_ex1 ({WORKLOAD}): seconds {got['seconds']!r} "
-                f"above the roofline of the {name} schedule's steps, {bound['seconds']!r}: no bound for any schedule, {at}")
+                f"above the roofline of the {name} schedule's steps, {bound['seconds']!r}: no bound for any "
+                f"schedule, {at}")
 
 
 # --- plausible wrong answers lose their own part's points, and only those (not graded: they check the graders)
@@ -556,7 +561,8 @@ def _group_checks(engine_folders) -> dict[str, list]:
             STEP: [lambda: test_ch09_ex1_step_cost_counts_a_real_forward(*CONFIGS[5]),
                    test_ch09_ex1_step_cost_by_the_rule, test_ch09_ex1_step_cost_invariants],
             ROOF: [test_ch09_ex1_roofline_sums_the_slower_side, test_ch09_ex1_roofline_of_known_steps],
-            WORKLOAD: [test_ch09_ex1_workload_bound_by_the_closed_form, test_ch09_ex1_workload_bound_is_below_every_schedule]}
+            WORKLOAD: [test_ch09_ex1_workload_bound_by_the_closed_form,
+                       test_ch09_ex1_workload_bound_is_below_every_schedule]}
 
 
 @pytest.mark.ch09
