@@ -18,17 +18,20 @@ from ..model_executor.models.llama import MODEL_REGISTRY
 
 @dataclass(frozen=True)
 class ModelCost:
-    """What a forward step of a decoder reads and computes, counted from its config.
+    """What a forward step of a decoder reads and computes, counted from its config (integers).
 
     Attributes:
-        num_params: all parameters (a tied LM head counted once).
-        weight_bytes: bytes a step reads from the weights: the decoder layers, the final norm and the LM
-            head's matrix (the embedding is gathered row by row: it counts only as a tied LM head).
-        matmul_params: weights of the layers' linear maps; each token multiplies each one (2 FLOPs).
-        lm_head_params: `hidden_size * vocab_size`, multiplied once per sequence (its last token's logits).
-        attention_flops_per_pair: `4 * num_layers * num_heads * head_dim`: q·k and p·v for one (query, key)
-            pair in every layer.
-        kv_bytes_per_token: bytes of K and V of one token in every layer.
+        num_params: every parameter of the model, the embedding included; a tied LM head is the embedding,
+            counted once.
+        weight_bytes: bytes a step reads from the weights: every parameter of the decoder layers, the final
+            norm and the LM head's matrix, in the run's dtype (the embedding is gathered a few rows at a time:
+            it counts only as a tied LM head).
+        matmul_params: the weights (not the biases) of the decoder layers' linear maps; each new token is
+            multiplied by each of them.
+        lm_head_params: the LM head's weights, multiplied once per sequence (by its last token).
+        attention_flops_per_pair: FLOPs of attention's two products, q·k and p·v, for one (query, key) pair,
+            over all layers and all query heads.
+        kv_bytes_per_token: bytes of one token's K and V in the cache, over all layers, in the run's dtype.
     """
 
     num_params: int
@@ -38,42 +41,54 @@ class ModelCost:
     attention_flops_per_pair: int
     kv_bytes_per_token: int
 
-
-def model_cost(config, dtype: torch.dtype) -> ModelCost:
-    """The `ModelCost` of the decoder a transformers `config` describes, with parameters and KV cache in
-    `dtype`. The decoder is built on the meta device (shapes only, nothing allocated)."""
-    # EXERCISE ch09_ex1 (3 points): count parameters, bytes a step reads, linear weights, LM head, FLOPs per pair, K/V bytes
-    ### BEGIN SOLUTION
-    with torch.device("meta"):
-        net = MODEL_REGISTRY[config.model_type](config)
-    layers, attn = net.model.layers, net.model.layers[0].self_attn
-    read = sum(p.numel() for p in layers.parameters()) + net.model.norm.weight.numel() + net.lm_head.weight.numel()
-    return ModelCost(num_params=sum(p.numel() for p in net.parameters()),
-                     weight_bytes=dtype.itemsize * read,
-                     matmul_params=sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear)),
-                     lm_head_params=net.lm_head.weight.numel(),
-                     attention_flops_per_pair=4 * len(layers) * attn.num_heads * attn.head_dim,
-                     kv_bytes_per_token=2 * len(layers) * attn.num_kv_heads * attn.head_dim * dtype.itemsize)
-    ### END SOLUTION
-
 # %% auto #0
 __all__ = ['PEAK_SIZES', 'PEAK_REPEATS', 'ModelCost', 'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline',
            'workload_bound', 'format_peaks']
 
+# %% ../../notebooks/09_benchmark.ipynb #8437c4ba
+def model_cost(config, dtype: torch.dtype) -> ModelCost:
+    """The `ModelCost` of the decoder a transformers `config` describes (`config.model_type` a key of
+    `MODEL_REGISTRY`: Llama, Qwen2, Qwen3), with its weights and KV cache in `dtype`. The counts equal
+    those of the model itself — tied or untied LM head, grouped-query attention, each architecture's biases
+    and q/k norms (chapter 02), a `head_dim` other than `hidden_size / num_attention_heads` — and nothing
+    is allocated: the config may describe a model far too big for this machine."""
+    # EXERCISE ch09_ex1 (11 points): count weights, linear maps, LM head, FLOPs per (query, key) pair, K/V bytes
+    ### BEGIN SOLUTION
+    arch, h, layers = MODEL_REGISTRY[config.model_type], config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q_width, kv_width, mlp_width = heads * head_dim, kv_heads * head_dim, config.intermediate_size
+    linear = h * q_width + 2 * h * kv_width + q_width * h + 3 * h * mlp_width  # q, k, v, o; gate, up, down
+    attention_bias = getattr(config, "attention_bias", None)
+    biases = ((q_width + 2 * kv_width) * bool(arch.qkv_bias_default if attention_bias is None else attention_bias)
+              + h * bool(arch.o_bias_follows_attention_bias and attention_bias)
+              + (2 * mlp_width + h) * bool(getattr(config, "mlp_bias", False)))
+    norms = 2 * h + (2 * head_dim if arch.qk_norm else 0)  # two RMSNorms; Qwen3's q and k norms
+    lm_head, read = h * config.vocab_size, layers * (linear + biases + norms) + h  # the layers, the final norm
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return ModelCost(num_params=read + lm_head * (1 if tied else 2), weight_bytes=dtype.itemsize * (read + lm_head),
+                     matmul_params=layers * linear, lm_head_params=lm_head,
+                     attention_flops_per_pair=4 * layers * heads * head_dim,
+                     kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype.itemsize)
+    ### END SOLUTION
+
 # %% ../../notebooks/09_benchmark.ipynb #d746a4cf
 def step_cost(cost: ModelCost, query_lens: list[int], context_lens: list[int]) -> tuple[int, int]:
-    """`(FLOPs, bytes)` that one forward step needs at least.
+    """`(FLOPs, bytes)` that one forward step needs at least (integers).
+
+    FLOPs: every new token through every linear map of the layers (a multiply and an add per weight), the
+    LM head for each sequence's last token only, and attention's two products for each (query, key) pair
+    the causal mask allows (a sequence's new tokens are the last of its context; each sees the keys up to
+    its own position). Bytes: the weights once, the K/V of every context token read and of every new
+    token written. Elementwise work and activations are left out: the bound stays a bound.
 
     Args:
         cost: from `model_cost`.
-        query_lens: per sequence, the new tokens it computes (a decode: 1).
-        context_lens: per sequence, the tokens it attends over (cached and new; causal).
-    Returns:
-        FLOPs: `2 * matmul_params * tokens + 2 * lm_head_params * sequences + attention_flops_per_pair *
-        pairs`; bytes: `weight_bytes + kv_bytes_per_token * (sum(context_lens) + tokens)` (K/V read, new
-        K/V written).
+        query_lens: per sequence, the new tokens it computes (a decode: 1; `1 <= q <= c`).
+        context_lens: per sequence, the tokens it attends over (cached and new).
     """
-    # EXERCISE ch09_ex2 (3 points): FLOPs (linears per token, LM head per sequence, causal pairs), bytes (weights, K/V)
+    # EXERCISE ch09_ex1 (11 points): FLOPs (linear maps per token, LM head per sequence, causal pairs); bytes
     ### BEGIN SOLUTION
     tokens = sum(query_lens)
     pairs = sum(q * c - q * (q - 1) // 2 for q, c in zip(query_lens, context_lens))
@@ -147,16 +162,17 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
 
 # %% ../../notebooks/09_benchmark.ipynb #5bad7733
 def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: DevicePeaks) -> dict:
-    """The roofline bound of a run: per step `max(FLOPs / peak matmul rate, bytes / copy bandwidth)`,
-    summed (Williams, Waterman & Patterson, CACM 2009).
+    """The roofline bound of a run (Williams, Waterman & Patterson, CACM 2009): each step takes at least
+    the longer of its FLOPs (`step_cost`) at the matmul rate and its bytes at the copy rate; the run,
+    the sum over its steps.
 
     Args:
         cost: from `model_cost`. steps: `(query_lens, context_lens)` per step (`StepLog`). peaks: measured.
     Returns:
-        A dict: `seconds` (the bound), `flops`, `bytes`, `steps`, `memory_bound_steps` (steps whose
-        bytes take longer than their arithmetic).
+        A dict: `seconds` (the bound), `flops` and `bytes` (the steps' totals), `steps` (how many),
+        `memory_bound_steps` (steps whose bytes take at least as long as their arithmetic).
     """
-    # EXERCISE ch09_ex3 (2 points): per step the slower of FLOPs / matmul rate and bytes / copy rate, summed; counters
+    # EXERCISE ch09_ex1 (11 points): per step the longer of its arithmetic and its traffic, summed; the totals
     ### BEGIN SOLUTION
     seconds, flops, num_bytes, memory_bound = 0.0, 0, 0, 0
     for query_lens, context_lens in steps:
@@ -169,14 +185,16 @@ def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: D
 
 # %% ../../notebooks/09_benchmark.ipynb #db270e63
 def workload_bound(cost: ModelCost, workload: Workload, peaks: DevicePeaks) -> dict:
-    """The least time any schedule needs for `workload`: `max(FLOPs / peak, bytes / bandwidth)` over the
-    whole run, with every request's prefill and decodes computed once, their K/V read and written once,
-    and the weights read `max(output_lens)` times (a request's steps follow one another).
+    """The least time any schedule needs for `workload`: each request's prompt computed once (its
+    prefill, which gives its first output token), then each of its other output tokens by one decode,
+    their FLOPs and K/V bytes counted once; the weights read as many times as the longest request has
+    steps (a request's steps follow one another); one roofline, the longer of all FLOPs at the matmul
+    rate and all bytes at the copy rate, over the whole run.
 
     Returns:
         A dict: `seconds`, `flops`, `bytes`, `tok_s` (the workload's output tokens over `seconds`).
     """
-    # EXERCISE ch09_ex4 (2 points): each request's prefill and output_len - 1 decodes once; weights max(output_lens) times
+    # EXERCISE ch09_ex1 (11 points): each request's prefill and decodes once; weights once per step of the longest
     ### BEGIN SOLUTION
     flops = kv_bytes = 0
     for prompt, n in zip(workload.prompts, workload.output_lens):

@@ -93,7 +93,7 @@ def roofline_explorer(configs: dict, devices: dict[str, DevicePeaks], batch_size
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    costs: dict[tuple[str, torch.dtype], ModelCost] = {}  # model_cost builds a decoder: once per model and dtype
+    costs: dict[tuple[str, torch.dtype], ModelCost] = {}  # counted once per model and dtype
     controls = dict(
         model=widgets.Dropdown(options=list(configs), description="model"),
         device=widgets.Dropdown(options=list(devices), description="device"),
