@@ -160,7 +160,7 @@ SENTINEL = -7.0  # every cache slot no row names must keep it
 @pytest.mark.ch07
 @pytest.mark.ch07_ex1
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@settings(max_examples=6, deadline=None, database=None, derandomize=True)
+@settings(max_examples=6, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(num_blocks=st.integers(1, 5), block_size=st.sampled_from([1, 3, 4]), num_kv_heads=st.integers(1, 3),
        head_dim=st.sampled_from([5, 8, 12]), num_tokens=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_ch07_ex1_store_writes_each_slot_and_skips_minus_one(dtype, num_blocks, block_size, num_kv_heads,
@@ -300,7 +300,7 @@ def _precision(dtype) -> str:
 @pytest.mark.ch07
 @pytest.mark.ch07_ex2
 @pytest.mark.group(STEP)
-@settings(max_examples=20, deadline=None, database=None, derandomize=True)
+@settings(max_examples=20, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(dtype=st.sampled_from(DOT_DTYPES), num_keys=st.integers(1, 48), head_dim=st.sampled_from([8, 12, 16]),
        seed=st.integers(0, 2**16))
 def test_ch07_ex2_online_softmax_step(dtype, num_keys, head_dim, seed):
@@ -375,7 +375,7 @@ DECODE_SHAPES = dict(lens=st.lists(st.integers(0, 40), min_size=1, max_size=3), 
 @pytest.mark.ch07
 @pytest.mark.ch07_ex2
 @pytest.mark.group(ONE_SPLIT)
-@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(dtype=st.sampled_from(DOT_DTYPES), **DECODE_SHAPES)
 def test_ch07_ex2_one_split_equals_attention(dtype, lens, block_size, num_kv_heads, group, head_dim, seed):
     """One split: each sequence's query heads over its keys (tiles of 16 through a shuffled block table;
@@ -386,7 +386,7 @@ def test_ch07_ex2_one_split_equals_attention(dtype, lens, block_size, num_kv_hea
 @pytest.mark.ch07
 @pytest.mark.ch07_ex2
 @pytest.mark.group(SPLIT_K)
-@settings(max_examples=25, deadline=None, database=None, derandomize=True)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(dtype=st.sampled_from(DOT_DTYPES), num_splits=st.integers(2, 4), **DECODE_SHAPES)
 def test_ch07_ex2_split_k_partials_merge_to_attention(dtype, num_splits, lens, block_size, num_kv_heads, group,
                                                       head_dim, seed):
@@ -445,7 +445,7 @@ def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, 
 @pytest.mark.ch07
 @pytest.mark.ch07_ex2
 @pytest.mark.group(REDUCE)
-@settings(max_examples=20, deadline=None, database=None, derandomize=True)
+@settings(max_examples=20, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(dtype=st.sampled_from(ALL_DTYPES), lens=st.lists(st.integers(0, 40), min_size=1, max_size=3),
        num_heads=st.integers(1, 3), head_dim=st.sampled_from([8, 12]), num_splits=st.integers(1, 5),
        split_len=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
