@@ -405,6 +405,8 @@ for name, kernel, args, kwargs in launches:
         tl_.lower(kernel, args, kwargs)
         errors[name] = None
     except Exception as e:
+        while type(e).__name__ == "CompilationError" and e.__cause__ is not None:  # at a call: the error inside
+            e = e.__cause__
         errors[name] = f"{type(e).__name__}: {e}"
 json.dump(errors, sys.stdout)
 """
