@@ -1,8 +1,8 @@
 # GENERATED from solutions/ch07_triton_kernels.py by scripts/make_exercises.py: your work goes here.
 """Chapter 07's extend exercise. Your answers go between the TODO lines; see the chapter notebook
-(the rebuild exercises ch07_ex1-ex3 are in the chapter's export cells).
+(the rebuild exercises ch07_ex1 and ch07_ex2 are in the chapter's export cells).
 
-Exercise 4 (ch07_ex4) — vLLM's `copy_blocks` as a Triton kernel: given (source, destination) block
+Exercise 3 (ch07_ex3) — vLLM's `copy_blocks` as a Triton kernel: given (source, destination) block
 pairs, copy each source block of every layer's K and V cache into its destination block. This is the
 copy behind copy-on-write: when two sequences forked from one share a partly filled last block, the
 one that writes next first gets a copy of that block. Write `copy_blocks_kernel` (one program copies
@@ -10,7 +10,7 @@ one block of one cache, tile by tile) and the launch in `copy_blocks`. Graded un
 interpreter on small CPU caches (on a GPU, compiled): every destination block equals its source,
 every other element of the cache is untouched and nothing outside it is written, in float32, float16
 and bfloat16, for blocks that take several tiles and for an empty pair list:
-`python -m minivllm.course.grade ch07_ex4`.
+`python -m minivllm.course.grade ch07_ex3`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Grading tests for chapter 07's extend exercise (`python -m minivllm.course.grade ch07_ex4`, or
-`pytest -m ch07_ex4 --impl=exercises`).
+"""Grading tests for chapter 07's extend exercise (`python -m minivllm.course.grade ch07_ex3`, or
+`pytest -m ch07_ex3 --impl=exercises`).
 
-ch07_ex4, `copy_blocks` as a Triton kernel, is graded by its contract, with nothing to compare
+ch07_ex3, `copy_blocks` as a Triton kernel, is graded by its contract, with nothing to compare
 against but `kv_cache[:, :, dst] = kv_cache[:, :, src]` written here: after random (source,
 destination) pairs (a source may be copied to several destinations, as when one sequence forks into
 many), every destination block of every layer's K and V cache equals its source as it was, every
@@ -59,7 +59,7 @@ def _check(before: torch.Tensor, buf: torch.Tensor, cache: torch.Tensor, pairs: 
     guards = torch.cat([buf[:GUARD], buf[-GUARD:]]).cpu()
     if not bool((guards == SENTINEL).all()):
         where = (guards != SENTINEL).nonzero().flatten().tolist()
-        raise AssertionError(f"ch07_ex4 ({what}): the kernel wrote outside the cache (guard elements {where[:8]} "
+        raise AssertionError(f"ch07_ex3 ({what}): the kernel wrote outside the cache (guard elements {where[:8]} "
                              f"changed; {len(where) // 2 or 1}+ of {GUARD} before, then after)")
     want = before.clone()
     for src, dst in pairs:
@@ -73,7 +73,7 @@ def _check(before: torch.Tensor, buf: torch.Tensor, cache: torch.Tensor, pairs: 
         wrong = [("KV"[k], l_, b) for k, l_, b in bad.nonzero().tolist()]
         role = ("a destination" if block in [d for _, d in pairs] else "not a destination: it must keep its values")
         raise AssertionError(
-            f"ch07_ex4 ({what}): blocks (cache, layer, block) {wrong[:10]} differ from the expected copy; "
+            f"ch07_ex3 ({what}): blocks (cache, layer, block) {wrong[:10]} differ from the expected copy; "
             f"the first, {'KV'[kv]} layer {layer} block {block}, is {role}; largest difference "
             f"{float(diff.max()):.4g} at index {tuple(int(i) for i in at)} (got {float(got[at])}, want {float(want[at])})")
 
@@ -91,17 +91,17 @@ def _cases(draw):
 
 
 @pytest.mark.ch07
-@pytest.mark.ch07_ex4
+@pytest.mark.ch07_ex3
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=6, deadline=None)
 @given(case=_cases())
-def test_ch07_ex4_copy_blocks_copies_each_pair_and_nothing_else(ch07, dtype, case):
+def test_ch07_ex3_copy_blocks_copies_each_pair_and_nothing_else(ch07, dtype, case):
     """Each destination block of every layer's K and V equals its source; nothing else changes."""
     shape = (2, case["num_layers"], case["num_blocks"], case["block_size"], case["num_kv_heads"], case["head_dim"])
     buf, cache = _guarded_cache(shape, dtype, case["seed"])
     before = cache.cpu().clone()
     mapping = torch.tensor(case["pairs"], dtype=torch.int64, device=DEVICE)
-    with _in_kernel("ch07_ex4"):
+    with _in_kernel("ch07_ex3"):
         ch07.copy_blocks(cache, mapping, tile=case["tile"])
     _check(before, buf, cache, case["pairs"],
            f"{dtype}, pairs (src, dst) {case['pairs']}, cache {list(shape)}, tile {case['tile']} elements "
@@ -109,27 +109,27 @@ def test_ch07_ex4_copy_blocks_copies_each_pair_and_nothing_else(ch07, dtype, cas
 
 
 @pytest.mark.ch07
-@pytest.mark.ch07_ex4
+@pytest.mark.ch07_ex3
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_ch07_ex4_copy_blocks_empty_pair_list_changes_nothing(ch07, dtype):
+def test_ch07_ex3_copy_blocks_empty_pair_list_changes_nothing(ch07, dtype):
     """No pairs: no error, and the cache keeps every value."""
     shape = (2, 2, 3, 4, 2, 8)
     buf, cache = _guarded_cache(shape, dtype, 0)
     before = cache.cpu().clone()
-    with _in_kernel("ch07_ex4"):
+    with _in_kernel("ch07_ex3"):
         ch07.copy_blocks(cache, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
     _check(before, buf, cache, [], f"{dtype}, an empty block_mapping [0, 2]")
 
 
 @pytest.mark.ch07
-@pytest.mark.ch07_ex4
-def test_ch07_ex4_copy_blocks_a_real_block_size(ch07):
+@pytest.mark.ch07_ex3
+def test_ch07_ex3_copy_blocks_a_real_block_size(ch07):
     """Blocks of 16 tokens, 2 KV heads of 64 (2,048 elements, two tiles of 1,024), three layers: a fork's
     last block copied twice, as when one sequence forks into three."""
     shape = (2, 3, 5, 16, 2, 64)
     buf, cache = _guarded_cache(shape, torch.bfloat16, 1)
     before = cache.cpu().clone()
     pairs = [(1, 3), (1, 0)]
-    with _in_kernel("ch07_ex4"):
+    with _in_kernel("ch07_ex3"):
         ch07.copy_blocks(cache, torch.tensor(pairs, dtype=torch.int64, device=DEVICE))
     _check(before, buf, cache, pairs, f"bfloat16, pairs (src, dst) {pairs}, cache {list(shape)}, the default tile")

@@ -1,34 +1,37 @@
-"""Grading tests for chapter 07's rebuild exercises (`python -m minivllm.course.grade ch07_ex2`, or `pytest -m ch07_ex2`).
+"""Grading tests for chapter 07's rebuild exercises (`python -m minivllm.course.grade ch07`, or `pytest -m ch07_ex2`).
 
-ch07_ex1 (the KV-store kernel), ch07_ex2 (the online-softmax step `_attend_tile`, and its calls
-with the keys each row sees in the decode and the prefill kernel) and ch07_ex3 (the split-K
-reduction kernel) are graded in the package itself: in a student edition they are the student's
+ch07_ex1 (the KV-store kernel) and ch07_ex2 (the build: paged decode attention with split-K, in three
+kernels: the online-softmax step `_attend_tile`, the per-split `paged_decode_kernel`, the reduction
+`reduce_splits_kernel`) are graded in the package itself: in a student edition they are the student's
 kernels, exported from the chapter (stubs until filled), and there is no reference to compare with.
-Each is graded alone, by its contract:
+Each is graded by its contract, against references written here (each sequence's keys gathered through
+its block table, softmax in float64):
 
 * ch07_ex1: the caches after `store_kvcache` equal `index_copy_` of the rows whose slot is not -1,
   every other slot keeps a sentinel (exact: a copy), for K/V given as strided views;
-* ch07_ex2: decode with one split, decode with several splits whose raw `(m, l, acc)` the grader
-  merges itself (a stand-in for ch07_ex3's kernel), and causal prefill over a cached prefix, each
-  against softmax attention written here in float64 over each sequence's gathered keys;
-* ch07_ex3: the reduction kernel fed partial results the grader computes from keys cut into splits
-  (some empty, some rows with no key at all), against attention over all the keys.
+* ch07_ex2, in five parts (`@pytest.mark.group`, the groups of `EXERCISES["ch07_ex2"]`), each kernel
+  with the grader's own version of the others where it can be (`_rebuilt`): the step, walked by the
+  grader's kernel (its m, l and acc / l); the per-split kernel with one split, and with several splits
+  whose partial results (in buffers that start as NaN) the grader merges; the reduction fed partial
+  results the grader computes; and the engine on all three against transformers' greedy tokens. The
+  tests at the end check that plausible wrong answers lose exactly their parts.
 
-Without CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set before the
-kernels' module is imported, as tests/test_triton_kernels.py does) on CPU tensors and tiny shapes;
-the interpreter reports an exception inside a kernel as `InterpreterError`, which `_in_kernel`
-unwraps, so an untouched stub fails with its `NotImplementedError`. With CUDA the same tests run the
-compiled kernels; the compiler reports an error in a `@triton.jit` function a kernel calls
-(ch07_ex2's `_attend_tile`, its stub say) at the call, and `_in_kernel` brings out the error inside
-it. The dtype is one of the drawn values in the attention graders (rather than a parameter), so
-that a failure is shrunk once — float32 first — since each example is slow to run.
+Hypothesis draws tiny shapes, derandomized (the same answer always scores the same points). Without
+CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set before the kernels' module
+is imported, as tests/test_triton_kernels.py does) on CPU tensors; the interpreter reports an exception
+inside a kernel as `InterpreterError`, which `_in_kernel` unwraps, so an untouched stub fails with its
+`NotImplementedError`. With CUDA the same tests run the compiled kernels; the compiler reports an error
+in a `@triton.jit` function a kernel calls (`_attend_tile`'s stub, say) at the call, and `_in_kernel`
+brings out the error inside it. The dtype is one of the drawn values in the attention graders (rather
+than a parameter), so that a failure is shrunk once, float32 first, since each example is slow to run.
 """
 from __future__ import annotations
 
 import importlib
 import math
 import os
-from contextlib import contextmanager
+import types
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import pytest
@@ -42,6 +45,7 @@ if INTERPRETED:
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton): chapter 07 is not graded")
 
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import minivllm.attention.ops.triton_attention as ta  # noqa: E402
@@ -50,6 +54,12 @@ if INTERPRETED and not isinstance(ta.paged_decode_kernel, InterpretedFunction):
     ta = importlib.reload(ta)  # imported before TRITON_INTERPRET was set: define the kernels again
 
 from engine_helpers import one_thread  # noqa: E402
+
+from minivllm.attention.backends.triton_attn import TritonPagedAttention  # noqa: E402
+from minivllm.course.grade import EXERCISES as GRADED  # noqa: E402
+from minivllm.course.testing import make_tiny_model  # noqa: E402
+from minivllm.llm import LLM  # noqa: E402
+from minivllm.sampling_params import SamplingParams  # noqa: E402
 
 try:  # Triton's interpreter wraps what a kernel raises
     from triton.runtime.errors import InterpreterError
@@ -150,7 +160,7 @@ SENTINEL = -7.0  # every cache slot no row names must keep it
 @pytest.mark.ch07
 @pytest.mark.ch07_ex1
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(num_blocks=st.integers(1, 5), block_size=st.sampled_from([1, 3, 4]), num_kv_heads=st.integers(1, 3),
        head_dim=st.sampled_from([5, 8, 12]), num_tokens=st.integers(1, 8), seed=st.integers(0, 2**16))
 def test_ch07_ex1_store_writes_each_slot_and_skips_minus_one(dtype, num_blocks, block_size, num_kv_heads,
@@ -186,10 +196,122 @@ def test_ch07_ex1_store_writes_each_slot_and_skips_minus_one(dtype, num_blocks, 
                 f"a slot no row names must keep {SENTINEL})")
 
 
-# --- ch07_ex2: the online softmax in the decode and prefill kernels --------------------------------
+# --- ch07_ex2: the build, paged decode attention with split-K ------------------------------------
+# Five parts. Each kernel of the build is graded with the grader's own version of the others where it
+# can be: `_rebuilt` makes a fresh copy of a kernel whose global names (the `@triton.jit` functions it
+# calls) point at other functions, which works compiled as well as under the interpreter (the compiler
+# reads a kernel's globals from its function, and the copy's cache is its own).
+STEP, ONE_SPLIT, SPLIT_K, REDUCE, ENGINE = (name for name, _ in GRADED["ch07_ex2"].groups)
+_REBUILT: dict = {}
+
+
+def _rebuilt(kernel, **names):
+    """`kernel` (a `@triton.jit` function) with the global `names` bound to other objects (cached)."""
+    key = (id(kernel), tuple(sorted((k, id(v)) for k, v in names.items())))
+    if key not in _REBUILT:
+        fn = kernel.fn
+        copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        _REBUILT[key] = (triton.jit(copy), kernel, names)  # keep the originals alive: ids stay unique
+    return _REBUILT[key][0]
+
+
+@triton.jit
+def _grader_attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """The grader's online-softmax step (the stand-in for `_attend_tile` in the decode kernel's parts)."""
+    scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale,
+                      -float("inf"))
+    top = tl.maximum(m_i, tl.max(scores, axis=1))
+    keep = tl.exp2(m_i - top)  # what the old running values are worth against the new maximum
+    w = tl.exp2(scores - top[:, None])
+    acc = acc * keep[:, None] + tl.dot(w.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+    return top, l_i * keep + tl.sum(w, axis=1), acc
+
+
+attend_tile = _grader_attend_tile  # the step `_step_kernel` calls; `_rebuilt` binds the package's (the student's)
+STEP_ROWS, STEP_TILE = 16, 16  # rows of q in `_step_kernel` (a GPU's tl.dot wants 16 or more), keys per tile
+
+
+@triton.jit
+def _step_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, m_ptr, l_ptr, acc_ptr, num_keys, qk_scale, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """The grader's walk: contiguous q `[ROWS, HEAD_DIM]`, k, v `[num_keys, HEAD_DIM]`, visibility `[ROWS,
+    num_keys]` int8, fed tile by tile to `attend_tile`; stores the final m, l `[ROWS]` and acc `[ROWS, BLOCK_D]`."""
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    cols = d[None, :] < HEAD_DIM
+    q = tl.load(q_ptr + r[:, None] * HEAD_DIM + d[None, :], mask=cols, other=0.0)
+    m = tl.full([ROWS], -float("inf"), ACC_DTYPE)
+    l = tl.zeros([ROWS], ACC_DTYPE)
+    acc = tl.zeros([ROWS, BLOCK_D], ACC_DTYPE)
+    for t0 in range(0, num_keys, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        inside = t < num_keys
+        k = tl.load(k_ptr + t[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None] & cols, other=0.0)
+        v = tl.load(v_ptr + t[:, None] * HEAD_DIM + d[None, :], mask=inside[:, None] & cols, other=0.0)
+        vis = tl.load(vis_ptr + r[:, None] * num_keys + t[None, :], mask=inside[None, :], other=0) != 0
+        m, l, acc = attend_tile(q, k, v, vis, m, l, acc, qk_scale, ACC_DTYPE, PRECISION)
+    tl.store(m_ptr + r, m)
+    tl.store(l_ptr + r, l)
+    tl.store(acc_ptr + r[:, None] * BLOCK_D + d[None, :], acc)
+
+
+# m and l of the step against float64 from the same rounded inputs: scores are sums of HEAD_DIM products
+# accumulated in float32 (a few ulps of values of a few units: 1e-4 in log2 units covers them, float16
+# inputs' products are exact in float32), l a sum of 2^(s - m) in float32 (1e-4 relative); acc / l: ATOL.
+STEP_TOL = 1e-4
+
+
+def check_step(num_keys: int, head_dim: int, dtype, seed: int, attend=None) -> None:
+    """`attend` (default: the package's `_attend_tile`, the student's) walked over `num_keys` keys by the
+    grader's kernel, rows seeing random keys (key 0 always: the contract), the first rows causal (row r
+    sees keys 0..r, so later tiles hide every key from it): m, l and acc / l against float64."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, head_dim, generator=g).to(dtype) for n in (STEP_ROWS, num_keys, num_keys))
+    t = torch.arange(num_keys)
+    visible = (torch.rand(STEP_ROWS, num_keys, generator=g) < 0.6) | (t[None, :] == 0)
+    visible[:4] = t[None, :] <= torch.arange(4)[:, None]
+    scale = head_dim ** -0.5
+    block_d = ta._block_d(head_dim)
+    acc_dtype = torch.float32
+    m, l = (torch.full((STEP_ROWS,), float("nan"), dtype=acc_dtype, device=DEVICE) for _ in range(2))
+    acc = torch.full((STEP_ROWS, block_d), float("nan"), dtype=acc_dtype, device=DEVICE)
+    kernel = _rebuilt(_step_kernel, attend_tile=attend if attend is not None else ta._attend_tile)
+    with _in_kernel("ch07_ex2"):
+        kernel[(1,)](*_dev(q, k, v, visible.to(torch.int8)), m, l, acc, num_keys, scale * LOG2E, HEAD_DIM=head_dim,
+                     BLOCK_D=block_d, ROWS=STEP_ROWS, BLOCK_N=STEP_TILE, ACC_DTYPE=tl.float32, PRECISION=_precision(dtype))
+    s = (q.double() @ k.double().T * scale * LOG2E).masked_fill(~visible, float("-inf"))
+    m_want = s.max(dim=1).values
+    w = torch.exp2(s - m_want[:, None])
+    l_want, acc_want = w.sum(1), w @ v.double()
+    what = (f"_attend_tile ({dtype}) walked over {num_keys} keys in tiles of {STEP_TILE} by the grader's kernel, "
+            f"{STEP_ROWS} rows of head_dim {head_dim}, random visibility (rows 0-3 causal), m in log2 units")
+    _close("ch07_ex2", m.cpu(), m_want, STEP_TOL, f"m, the running maximum: {what}")
+    _close("ch07_ex2", l.cpu(), l_want, STEP_TOL, f"l, the sum of 2^(s - m): {what}")
+    _close("ch07_ex2", acc.cpu()[:, :head_dim] / l.cpu()[:, None], acc_want / l_want[:, None], ATOL[dtype],
+           f"acc / l, the attention output: {what}")
+
+
+def _precision(dtype) -> str:
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.group(STEP)
+@settings(max_examples=20, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+@given(dtype=st.sampled_from(DOT_DTYPES), num_keys=st.integers(1, 48), head_dim=st.sampled_from([8, 12, 16]),
+       seed=st.integers(0, 2**16))
+def test_ch07_ex2_online_softmax_step(dtype, num_keys, head_dim, seed):
+    """`_attend_tile`, called tile by tile by the grader's kernel over contiguous keys, keeps m (the largest
+    visible score, log2 units), l = sum 2^(s - m) and acc = sum 2^(s - m) v: checked against float64."""
+    check_step(num_keys, head_dim, dtype, seed)
+
+
 class _GraderReduce:
-    """A stand-in for `reduce_splits_kernel` (ch07_ex3), launched as `[grid](...)`: merges the decode
-    kernel's partial `(m, l, acc)` in float64 (m in log2 units, as the kernel's scores)."""
+    """A stand-in for `reduce_splits_kernel`, launched as `[grid](...)`: merges the decode kernel's
+    partial `(m, l, acc)` in float64 (m in log2 units, as the kernel's scores)."""
 
     def __getitem__(self, grid):
         def launch(acc, m, l, out, num_splits, *args, **kwargs):
@@ -202,60 +324,81 @@ class _GraderReduce:
         return launch
 
 
-@pytest.mark.ch07
-@pytest.mark.ch07_ex2
-@settings(max_examples=10, deadline=None)
-@given(dtype=st.sampled_from(DOT_DTYPES), lens=st.lists(st.integers(1, 40), min_size=1, max_size=3), block_size=st.sampled_from([1, 4, 16]),
-       group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([8, 16]), num_splits=st.sampled_from([1, 2, 3]),
-       seed=st.integers(0, 2**16))
-def test_ch07_ex2_decode_equals_attention(dtype, lens, block_size, group, head_dim, num_splits, seed):
-    """One query per sequence over its keys (tiles of 16, through a shuffled block table) equals
-    softmax attention; with several splits, the kernel's partial results merged by the grader do."""
-    num_kv_heads = 2
+class _NaNTorch:
+    """`torch` as the decode wrapper sees it in the split-K part, with `empty` and `empty_like` filled with
+    NaN: an entry of the partial buffers that the kernel should write and does not shows in the merge."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+    @staticmethod
+    def empty_like(*args, **kwargs):
+        return torch.empty_like(*args, **kwargs).fill_(float("nan"))
+
+
+def check_decode(lens, block_size, num_kv_heads, group, head_dim, dtype, num_splits, seed, kernel=None) -> None:
+    """`kernel` (default: the package's `paged_decode_kernel`, the student's) with the grader's
+    `_attend_tile`, launched by the book's wrapper (tiles of 16) over shuffled block tables padded with
+    garbage; with several splits the partial buffers start as NaN and the grader merges them. Each
+    sequence against softmax over its gathered keys in float64 (0 keys: zeros)."""
     k_cache, v_cache, tables, ks, vs, g = _paged(lens, block_size, num_kv_heads, head_dim, dtype, seed)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    with mock.patch.object(ta, "reduce_splits_kernel", _GraderReduce()), _in_kernel("ch07_ex2"):
+    decode = _rebuilt(kernel if kernel is not None else ta.paged_decode_kernel, _attend_tile=_grader_attend_tile)
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ta, "paged_decode_kernel", decode))
+        if num_splits > 1:
+            stack.enter_context(mock.patch.object(ta, "reduce_splits_kernel", _GraderReduce()))
+            stack.enter_context(mock.patch.object(ta, "torch", _NaNTorch()))
+        stack.enter_context(_in_kernel("ch07_ex2"))
         got = ta.paged_decode_attention_triton(*_dev(q, k_cache, v_cache, tables, torch.tensor(lens)), scale,
                                                num_splits=num_splits, block_n=16)
     for i, n in enumerate(lens):
-        want = _attend(q[i:i + 1], ks[i], vs[i], scale)[0]
+        want = _attend(q[i:i + 1], ks[i], vs[i], scale)[0] if n else torch.zeros(q.shape[1:], dtype=torch.float64)
         _close("ch07_ex2", got[i], want, ATOL[dtype],
-               f"decode, {dtype}, sequence {i} of context_lens {lens}, block_size {block_size}, "
-               f"{group * num_kv_heads} query heads over {num_kv_heads} KV heads, {num_splits} split(s) of whole "
-               f"16-key tiles{'' if num_splits == 1 else ' merged by the grader'}")
+               f"paged_decode_kernel, {dtype}, sequence {i} of context_lens {lens}, block_size {block_size}, "
+               f"{group * num_kv_heads} query heads over {num_kv_heads} KV heads of {head_dim}, "
+               + ("one split (ONE_SPLIT: the kernel stores o = acc / l)" if num_splits == 1 else
+                  f"{num_splits} splits of whole 16-key tiles, your partial acc, m, l merged by the grader "
+                  "(NaN: an entry never written; an empty split stores m = -inf, l = 0, acc = 0)"))
+
+
+DECODE_SHAPES = dict(lens=st.lists(st.integers(0, 40), min_size=1, max_size=3), block_size=st.sampled_from([1, 3, 4, 16]),
+                     num_kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 4, 8]),
+                     head_dim=st.sampled_from([8, 12, 16]), seed=st.integers(0, 2**16))
 
 
 @pytest.mark.ch07
 @pytest.mark.ch07_ex2
-@settings(max_examples=8, deadline=None)
-@given(dtype=st.sampled_from(DOT_DTYPES), cases=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 20)), min_size=1, max_size=3),
-       block_size=st.sampled_from([1, 4, 16]), group=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_ch07_ex2_prefill_equals_causal_attention(dtype, cases, block_size, group, seed):
-    """Each sequence's new tokens (after a cached prefix) over all its keys up to their own position
-    equal causal softmax attention."""
-    num_kv_heads, head_dim = 2, 16
-    prefixes, news = [p for p, _ in cases], [n for _, n in cases]
-    lens = [p + n for p, n in cases]
-    k_cache, v_cache, tables, ks, vs, g = _paged(lens, block_size, num_kv_heads, head_dim, dtype, seed)
-    q = torch.randn(sum(news), num_kv_heads * group, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0] + news).cumsum(0)
-    scale = head_dim ** -0.5
-    with _in_kernel("ch07_ex2"):
-        got = ta.paged_prefill_attention_triton(*_dev(q, k_cache, v_cache, tables, torch.tensor(lens), cu),
-                                                scale, block_m=16, block_n=16)
-    for i, (p, n) in enumerate(cases):
-        visible = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
-        want = _attend(q[cu[i]:cu[i + 1]], ks[i], vs[i], scale, visible)
-        _close("ch07_ex2", got[cu[i]:cu[i + 1]], want, ATOL[dtype],
-               f"prefill, {dtype}, sequence {i} of (cached prefix, new tokens) {cases}, block_size {block_size}, "
-               f"{group * num_kv_heads} query heads over {num_kv_heads} KV heads; rows are the new tokens")
+@pytest.mark.group(ONE_SPLIT)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+@given(dtype=st.sampled_from(DOT_DTYPES), **DECODE_SHAPES)
+def test_ch07_ex2_one_split_equals_attention(dtype, lens, block_size, num_kv_heads, group, head_dim, seed):
+    """One split: each sequence's query heads over its keys (tiles of 16 through a shuffled block table;
+    lengths 0 to 40, blocks of 1, 3, 4 and 16 tokens, 1 to 8 query heads per KV head) equal attention."""
+    check_decode(lens, block_size, num_kv_heads, group, head_dim, dtype, 1, seed)
 
 
-# --- ch07_ex3: the split reduction ---------------------------------------------------------------
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.group(SPLIT_K)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+@given(dtype=st.sampled_from(DOT_DTYPES), num_splits=st.integers(2, 4), **DECODE_SHAPES)
+def test_ch07_ex2_split_k_partials_merge_to_attention(dtype, num_splits, lens, block_size, num_kv_heads, group,
+                                                      head_dim, seed):
+    """Two to four splits (the short sequences' last ones empty): the partial results, merged by the
+    grader, equal attention."""
+    check_decode(lens, block_size, num_kv_heads, group, head_dim, dtype, num_splits, seed)
+
+
+# --- the reduction ---------------------------------------------------------------------------------
 def _partials(q, keys, values, scale, split_len, num_splits):
     """The decode kernel's contract for one (sequence, head): per split, m = the largest score (log2
-    units, -inf when the split is empty), l = Σ 2^(s - m), acc = Σ 2^(s - m) v. float64."""
+    units, -inf when the split is empty), l = sum 2^(s - m), acc = sum 2^(s - m) v. float64."""
     s = (keys.double() @ q.double()) * scale * LOG2E
     ms, ls, accs = [], [], []
     for p in range(num_splits):
@@ -268,16 +411,10 @@ def _partials(q, keys, values, scale, split_len, num_splits):
     return torch.tensor(ms, dtype=torch.float64), torch.tensor(ls, dtype=torch.float64), torch.stack(accs)
 
 
-@pytest.mark.ch07
-@pytest.mark.ch07_ex3
-@settings(max_examples=12, deadline=None)
-@given(dtype=st.sampled_from(ALL_DTYPES), lens=st.lists(st.integers(0, 40), min_size=1, max_size=3), num_heads=st.integers(1, 3),
-       head_dim=st.sampled_from([8, 12]), num_splits=st.integers(1, 5), split_len=st.sampled_from([4, 16]),
-       seed=st.integers(0, 2**16))
-def test_ch07_ex3_reduction_equals_attention(dtype, lens, num_heads, head_dim, num_splits, split_len, seed):
-    """Partial results of keys cut into `num_splits` splits (the tail ones empty when the keys run
-    out; a sequence of 0 keys has only empty splits and gets zeros), merged by the kernel, equal
-    softmax attention over all the keys."""
+def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, kernel=None) -> None:
+    """`kernel` (default: the package's `reduce_splits_kernel`, the student's) fed the grader's partial
+    results of keys cut into `num_splits` splits (the tail ones empty when the keys run out; a sequence
+    of 0 keys has only empty splits and wants zeros), against softmax attention over all the keys."""
     g = torch.Generator().manual_seed(seed)
     lens = [min(n, num_splits * split_len) for n in lens]
     scale = head_dim ** -0.5
@@ -296,10 +433,236 @@ def test_ch07_ex3_reduction_equals_attention(dtype, lens, num_heads, head_dim, n
     # the grader's partials are exact to float32 rounding; the output's own dtype rounds once more
     out = torch.full((len(lens), num_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     acc_d, m_d, l_d = _dev(acc, m, l)
-    with _in_kernel("ch07_ex3"):
-        ta.reduce_splits_kernel[(len(lens), num_heads)](
+    with _in_kernel("ch07_ex2"):
+        (kernel if kernel is not None else ta.reduce_splits_kernel)[(len(lens), num_heads)](
             acc_d, m_d, l_d, out, num_splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=ta._block_d(head_dim))
-    _close("ch07_ex3", out, want, ATOL[dtype],
-           f"{dtype} output, context_lens {lens} cut into {num_splits} splits of {split_len} keys "
-           f"(m = -inf, l = 0 for an empty split), {num_heads} head(s) of {head_dim}; rows of 0 keys want zeros")
+    _close("ch07_ex2", out, want, ATOL[dtype],
+           f"reduce_splits_kernel, {dtype} output, context_lens {lens} cut into {num_splits} splits of {split_len} "
+           f"keys (m = -inf, l = 0 for an empty split), {num_heads} head(s) of {head_dim}; rows of 0 keys want zeros")
+
+
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.group(REDUCE)
+@settings(max_examples=20, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+@given(dtype=st.sampled_from(ALL_DTYPES), lens=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+       num_heads=st.integers(1, 3), head_dim=st.sampled_from([8, 12]), num_splits=st.integers(1, 5),
+       split_len=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
+def test_ch07_ex2_reduction_merges_partials(dtype, lens, num_heads, head_dim, num_splits, split_len, seed):
+    """The partial results of keys cut into splits, merged by the kernel, equal attention over all the keys."""
+    check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed)
+
+
+# --- the engine ------------------------------------------------------------------------------------
+class _GraderKVStore(TritonPagedAttention):
+    """The Triton backend with two splits in every decode and the grader's KV store (ch07_ex1 is graded
+    on its own): your three kernels, and the book's prefill kernel, which calls your `_attend_tile`."""
+
+    num_splits = 2
+
+    def store_kvcache(self, layer_idx, k, v):
+        slots = self.metadata.slot_mapping
+        keep = slots >= 0
+        for cache, new in ((self.kv_cache[0, layer_idx], k), (self.kv_cache[1, layer_idx], v)):
+            cache.view(-1, *cache.shape[2:])[slots[keep]] = new[keep]
+
+
+@pytest.fixture(scope="module")
+def ch07_engine_case(tmp_path_factory):
+    """A tiny float64 Llama, three prompts (the last two share 16 tokens: a prefill over a cached
+    prefix), and transformers' greedy tokens."""
+    folder = tmp_path_factory.mktemp("grading-ch07")
+    model = make_tiny_model(folder, "llama", seed=0)
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(1, 128, (16,), generator=g).tolist()
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (11,)] + \
+        [shared + torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 9)]
+    ref = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
+                          max_new_tokens=ENGINE_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+           for p in prompts]
+    return folder, prompts, ref
+
+
+ENGINE_TOKENS = 6
+
+
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.group(ENGINE)
+def test_ch07_ex2_engine_equals_transformers(ch07_engine_case):
+    """The engine with the Triton backend (your kernels; without a GPU under the interpreter), prefix
+    caching on, two splits in every decode: greedy tokens equal transformers' (float64: no near-tie flips)."""
+    folder, prompts, ref = ch07_engine_case
+    llm = LLM(str(folder), dtype="float64", device=DEVICE.type, attention_backend=_GraderKVStore, block_size=8,
+              num_kvcache_blocks=16, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
+    with _in_kernel("ch07_ex2"):
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one by one: the last hits the cache
+    for i, (p, o, r) in enumerate(zip(prompts, outs, ref)):
+        _expect(o.outputs[0].token_ids == r, f"ch07_ex2: prompt {i} ({len(p)} tokens, {o.num_cached_tokens} cached): "
+                f"the engine with your kernels generated {o.outputs[0].token_ids}, transformers {r}")
+    _expect(outs[2].num_cached_tokens == 16, "grader setup: the third prompt should reuse 16 cached tokens")
+
+
+# --- plausible wrong answers lose their part's points (not graded: they check the graders) -----------
+@triton.jit
+def _tile_without_rescale(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """The online-softmax step that forgets to rescale what it summed when the maximum grows."""
+    s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale,
+                 -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i + tl.sum(p, 1), acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+
+
+WRONG_DECODE = tl.constexpr(0)  # 0: right; 1: m stored in natural-log units; 2: walks whole blocks; 3: empty split unwritten
+WRONG_REDUCE = tl.constexpr(0)  # 0: right; 1: averages the splits' normalised outputs (no weights by m and l)
+
+
+@triton.jit
+def _grader_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+                          out_ptr, m_ptr, l_ptr, qk_scale, min_split_len,
+                          stride_q_seq, stride_q_head, stride_bt_seq, stride_o_seq, stride_o_head, stride_o_split,
+                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """The grader's per-split kernel (the contract of `paged_decode_kernel`), or a wrong one (`WRONG_DECODE`)."""
+    seq, kvh, split, splits = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
+    n = tl.load(context_lens_ptr + seq)
+    per = tl.maximum(tl.cdiv(tl.cdiv(n, splits), BLOCK_N) * BLOCK_N, min_split_len)
+    lo = split * per
+    hi = tl.minimum(lo + per, n)
+    if WRONG_DECODE == 2:  # every key of the last block, past the context's end too
+        hi = tl.minimum(lo + per, tl.cdiv(n, BLOCK_SIZE) * BLOCK_SIZE)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    rows = (h[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_q_seq + (kvh * GROUP + h)[:, None] * stride_q_head + d[None, :], mask=rows,
+                other=0.0)
+    m = tl.full([BLOCK_H], -float("inf"), ACC_DTYPE)
+    l = tl.zeros([BLOCK_H], ACC_DTYPE)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], ACC_DTYPE)
+    for i in range(0, tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
+        t = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = t < hi
+        slot = tl.load(block_tables_ptr + seq * stride_bt_seq + t // BLOCK_SIZE, mask=ok, other=0) * BLOCK_SIZE \
+            + t % BLOCK_SIZE
+        addr = (slot * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + addr, mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_cache_ptr + addr, mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        m, l, acc = _grader_attend_tile(q, k, v, ok[None, :], m, l, acc, qk_scale, ACC_DTYPE, PRECISION)
+    head = kvh * GROUP + h
+    where = seq * stride_o_seq + head[:, None] * stride_o_head + d[None, :]
+    if ONE_SPLIT:
+        tl.store(out_ptr + where, (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=rows)
+    else:
+        at = (seq * NUM_KV_HEADS * GROUP + head) * splits + split
+        if WRONG_DECODE == 1:
+            m = m / LOG2E_C  # "the log-sum-exp's usual units"
+        if WRONG_DECODE == 3:
+            if lo < hi:  # "nothing to store for an empty split"
+                _store_partial(out_ptr + where + split * stride_o_split, m_ptr + at, l_ptr + at, acc, m, l, rows,
+                               h < GROUP)
+        else:
+            _store_partial(out_ptr + where + split * stride_o_split, m_ptr + at, l_ptr + at, acc, m, l, rows, h < GROUP)
+
+
+@triton.jit
+def _store_partial(acc_ptrs, m_ptrs, l_ptrs, acc, m, l, rows, heads):
+    tl.store(acc_ptrs, acc, mask=rows)
+    tl.store(m_ptrs, m, mask=heads)
+    tl.store(l_ptrs, l, mask=heads)
+
+
+LOG2E_C = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _grader_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_seq, stride_o_head,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """The grader's reduction (the contract of `reduce_splits_kernel`), or a wrong one (`WRONG_REDUCE`)."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    base = (seq * NUM_HEADS + head) * num_splits + p
+    m = tl.load(m_ptr + base, mask=p < num_splits, other=-float("inf"))
+    l = tl.load(l_ptr + base, mask=p < num_splits, other=0.0)
+    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=(p[:, None] < num_splits) & (d[None, :] < HEAD_DIM),
+                  other=0.0)
+    if WRONG_REDUCE == 1:
+        used = l > 0
+        o = tl.sum(tl.where(used[:, None], acc / tl.where(used, l, 1.0)[:, None], 0.0), 0) / \
+            tl.maximum(tl.sum(used.to(tl.float32), 0), 1.0)
+    else:
+        top = tl.max(m, 0)
+        w = tl.where(m > -float("inf"), tl.exp2(m - top), 0.0)
+        total = tl.sum(w * l, 0)
+        o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# fixed cases for the checks below: lengths on and off tile (16) and block edges, an empty sequence,
+# grouped heads, a head of 12; float32 and float16
+PART_CHECKS = {
+    STEP: lambda: [check_step(n, hd, dt, 3) for n, hd, dt in ((40, 12, torch.float32), (33, 16, torch.float16))],
+    ONE_SPLIT: lambda: [check_decode([37, 1, 16, 0], 3, 2, 2, 12, torch.float32, 1, 5),
+                        check_decode([20, 33], 4, 1, 8, 16, torch.float16, 1, 6)],
+    SPLIT_K: lambda: [check_decode([37, 1, 16, 0], 3, 2, 2, 12, torch.float32, 3, 5),
+                      check_decode([40, 9], 4, 1, 4, 16, torch.float16, 4, 6)],
+    REDUCE: lambda: [check_reduce([40, 7, 0], 2, 12, 4, 16, torch.float32, 7),
+                     check_reduce([30, 13], 1, 8, 3, 4, torch.float16, 8)],
+}
+WRONG = {  # name -> (the package's name it replaces, the wrong piece, the parts it must lose)
+    "softmax without the running-max rescale": ("_attend_tile", lambda: _tile_without_rescale, {STEP}),
+    "partial m in natural-log units": ("paged_decode_kernel", lambda: _rebuilt(
+        _grader_decode_kernel, WRONG_DECODE=tl.constexpr(1)), {SPLIT_K}),
+    "walks the last partial block whole": ("paged_decode_kernel", lambda: _rebuilt(
+        _grader_decode_kernel, WRONG_DECODE=tl.constexpr(2)), {ONE_SPLIT, SPLIT_K}),
+    "an empty split writes nothing": ("paged_decode_kernel", lambda: _rebuilt(
+        _grader_decode_kernel, WRONG_DECODE=tl.constexpr(3)), {SPLIT_K}),
+    "reduction that averages the splits' outputs": ("reduce_splits_kernel", lambda: _rebuilt(
+        _grader_reduce_kernel, WRONG_REDUCE=tl.constexpr(1)), {REDUCE}),
+}
+
+
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.group(part), id=part) for part in PART_CHECKS])
+def test_ch07_ex2_known_cases(part):
+    """Each part on fixed cases that a random draw may miss: lengths on and off the 16-key tiles and the
+    blocks (3 tokens: blocks that straddle tiles), an empty sequence, 8 query heads per KV head, a head of
+    12 numbers, empty splits, in float32 and float16."""
+    PART_CHECKS[part]()
+
+
+def _failing_parts() -> set[str]:
+    failed = set()
+    for part, check in PART_CHECKS.items():
+        try:
+            check()
+        except AssertionError:
+            failed.add(part)
+    return failed
+
+
+def test_ch07_ex2_the_graders_pieces_pass_every_part():
+    """The grader's own per-split kernel and reduction, in the package's place, pass every part's checks
+    (so the wrong answers below differ from a right one only in what they get wrong)."""
+    with mock.patch.object(ta, "paged_decode_kernel", _rebuilt(_grader_decode_kernel)), \
+            mock.patch.object(ta, "reduce_splits_kernel", _rebuilt(_grader_reduce_kernel)), \
+            mock.patch.object(ta, "_attend_tile", _grader_attend_tile):
+        assert _failing_parts() == set()
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_ch07_ex2_wrong_answers_lose_their_part(name):
+    """Each wrong piece, in the package's place, fails exactly the parts that grade it and passes the
+    others (they run the grader's own version of it). The engine part, which runs every piece together,
+    is left out here: it is slow, and it grades the composition."""
+    attr, wrong, loses = WRONG[name]
+    with mock.patch.object(ta, attr, wrong()):
+        assert _failing_parts() == loses, name

@@ -23,7 +23,7 @@ def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_pt
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # one program per new token; int64: token * stride cannot overflow
-    # EXERCISE ch07_ex1 (3 points): copy this token's K and V ([NUM_KV_HEADS, HEAD_DIM]) into its slot of the flat caches; slot -1 writes nothing
+    # EXERCISE ch07_ex1 (3 points): copy this token's K and V into its slot of the flat caches; slot -1 writes nothing
     ### BEGIN SOLUTION
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # a padded row: nothing to store
@@ -130,7 +130,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.conste
     `[rows]` and acc `[rows, BLOCK_D]` in ACC_DTYPE, m in log2 units (qk_scale = scale · log2 e). Returns
     them updated. Each row must see a key in its first tile (else m stays -inf, and -inf - -inf is NaN).
     After the Triton tutorial's `_attn_fwd_inner` (FlashAttention-2, Dao 2023)."""
-    # EXERCISE ch07_ex2 (5 points): the tile's scores (log2 units; -inf where not visible), then the online-softmax update of m_i, l_i and acc (exp2); return the three
+    # EXERCISE ch07_ex2 (13 points): log2-unit scores (-inf where not visible), online-softmax update; return m, l, acc
     ### BEGIN SOLUTION
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale
     s = tl.where(visible, s, float("-inf"))
@@ -151,6 +151,22 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, ACC_DTYPE: tl.constexpr,
                         PRECISION: tl.constexpr):
+    """One program per (sequence, KV head, split), grid `(num_seqs, NUM_KV_HEADS, num_splits)`: the online softmax
+    of the group's query heads over the split's keys, read through the block table. q `[num_seqs, num_heads,
+    HEAD_DIM]` (strides stride_q_seq, stride_q_head, then 1); query head `kv_head * GROUP + g`, g < GROUP, padded
+    to BLOCK_H rows; caches contiguous `[num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`, HEAD_DIM padded to
+    BLOCK_D columns (mask the padding); key t's slot is `block_tables[seq, t // BLOCK_SIZE] * BLOCK_SIZE + t %
+    BLOCK_SIZE` (int64, row stride stride_bt_seq; entries past the last block are garbage: never load them).
+    Split p holds keys `[p * split_len, min((p + 1) * split_len, context_len))` (empty past the end), with
+    `split_len = max(cdiv(cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)`, num_splits =
+    tl.num_programs(2); walk them in tiles of BLOCK_N with `_attend_tile` (qk_scale = scale * log2 e).
+    ONE_SPLIT: store `o = acc / l` in out's dtype at `out_ptr + seq * stride_o_seq + head * stride_o_head`
+    (0 keys: zeros). Otherwise store the split's partial result in ACC_DTYPE: the unnormalised `acc` at
+    `out_ptr + seq * stride_o_seq + head * stride_o_head + split * stride_o_split`, the largest score m (log2
+    units) and `l = sum 2^(s - m)` at `(seq * num_heads + head) * num_splits + split` of m_ptr and l_ptr; an
+    empty split stores `m = -inf, l = 0, acc = 0`. After vLLM's paged attention v2 and Flash-Decoding."""
+    # EXERCISE ch07_ex2 (13 points): walk this split's keys through the block table; store o, or the partial acc, m, l
+    ### BEGIN SOLUTION
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     # this sequence's keys cut into num_programs(2) splits of whole tiles, none below min_split_len
@@ -174,10 +190,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # EXERCISE ch07_ex2 (5 points): update m_i, l_i and acc with _attend_tile, every row seeing the keys t < end
-        ### BEGIN SOLUTION
         m_i, l_i, acc = _attend_tile(q, k, v, t_mask[None, :], m_i, l_i, acc, qk_scale, ACC_DTYPE, PRECISION)
-        ### END SOLUTION
     o_off = seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + d[None, :]
     if ONE_SPLIT:  # normalise and write the output (an empty sequence: zeros)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -187,6 +200,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
         ml_off = (seq * NUM_KV_HEADS * GROUP + heads) * tl.num_programs(2) + split
         tl.store(m_ptr + ml_off, m_i, mask=g < GROUP)
         tl.store(l_ptr + ml_off, l_i, mask=g < GROUP)
+    ### END SOLUTION
 
 # %% ../../../notebooks/07_triton_kernels.ipynb #b9aae7d2
 DECODE_BLOCK_N = 64  # keys per tile in decode
@@ -200,12 +214,19 @@ NUM_WARPS = 4
 def reduce_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_seq, stride_o_head,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_D: tl.constexpr):
+    """One program per (sequence, query head), grid `(num_seqs, NUM_HEADS)`: merge the `num_splits` partial
+    results `paged_decode_kernel` wrote into the output. acc_ptr `[num_seqs, NUM_HEADS, num_splits, HEAD_DIM]`,
+    m_ptr and l_ptr `[num_seqs, NUM_HEADS, num_splits]`, contiguous, float32 (float64 for float64 inputs); m in
+    log2 units; an empty split holds `m = -inf, l = 0, acc = 0`. Store `o = sum_p w_p acc_p / sum_p w_p l_p`
+    with `w_p = 2^(m_p - max_p m_p)` (0 for an empty split), in out's dtype, at `out_ptr + seq * stride_o_seq +
+    head * stride_o_head` (HEAD_DIM contiguous numbers); zeros when every split is empty. BLOCK_P and BLOCK_D
+    are num_splits and HEAD_DIM rounded up to powers of two (mask the rest). Flash-Decoding's reduction."""
+    # EXERCISE ch07_ex2 (13 points): weigh each split by 2^(m - max m) (empty: 0); store sum w acc / sum w l (or zeros)
+    ### BEGIN SOLUTION
     seq, head = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     part = (seq * NUM_HEADS + head) * num_splits + p  # rows of the [num_seqs, num_heads, num_splits] buffers
-    # EXERCISE ch07_ex3 (3 points): merge the splits' (m, l, acc) with weights exp2(m - max m) (empty splits weigh 0); store acc / l (zeros if all are empty)
-    ### BEGIN SOLUTION
     m = tl.load(m_ptr + part, mask=p < num_splits, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=p < num_splits, other=0.0)
     m_max = tl.max(m, 0)
@@ -337,11 +358,8 @@ def paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
         kv_mask = t_mask[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        # EXERCISE ch07_ex2 (5 points): the keys each row sees (t < kv_end and t <= pos: causal), then update m_i, l_i and acc with _attend_tile
-        ### BEGIN SOLUTION
         visible = t_mask[None, :] & (t[None, :] <= pos[:, None])  # key 0 is visible to every row: m stays finite
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE, PRECISION)
-        ### END SOLUTION
     tl.store(out_ptr + (q_start + r[:, None]) * stride_o_tok + head * stride_o_head + d[None, :],
              (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qo_mask)
 
