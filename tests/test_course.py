@@ -414,12 +414,17 @@ def test_every_build_stub_scores_0_in_each_part_with_its_task(every_chapter):
     builds = [e for e in EXERCISES if EXERCISES[e].groups]
     assert len(builds) >= 4, builds
     rep = grading.grade(builds, every_chapter, verbose=False)
-    assert rep["total"] == 0 and rep["max_total"] == sum(EXERCISES[e].points for e in builds)
+    ungraded = {(ex, name): pts for ex in builds for name, pts in EXERCISES[ex].groups
+                if name in dict(EXERCISES[ex].speed) and rep["exercises"][ex]["groups"][name]["max_points"] == 0}
+    assert rep["total"] == 0 and rep["max_total"] == sum(EXERCISES[e].points for e in builds) - sum(ungraded.values())
     for ex in builds:
         groups = rep["exercises"][ex]["groups"]
         assert list(groups) == [g for g, _ in EXERCISES[ex].groups], (ex, groups)
         for name, g in groups.items():
             assert g["tests"] > 0 and g["points"] == 0, (ex, name, g)
+            if (ex, name) in ungraded:  # a speed part whose hardware this machine lacks (a GPU)
+                assert g["message"].startswith("not graded here ("), (ex, name, g["message"])
+                continue
             assert g["message"].startswith(f"NotImplementedError: {ex}: "), (ex, name, g["message"])
 
 

@@ -53,10 +53,10 @@ import minivllm.attention.ops.triton_attention as ta  # noqa: E402
 if INTERPRETED and not isinstance(ta.paged_decode_kernel, InterpretedFunction):
     ta = importlib.reload(ta)  # imported before TRITON_INTERPRET was set: define the kernels again
 
-from engine_helpers import one_thread  # noqa: E402
+from engine_helpers import one_thread, speed_ratio  # noqa: E402
 
 from minivllm.attention.backends.triton_attn import TritonPagedAttention  # noqa: E402
-from minivllm.course.grade import EXERCISES as GRADED  # noqa: E402
+from minivllm.course.grade import EXERCISES as GRADED, SPEED_RATIO  # noqa: E402
 from minivllm.course.testing import make_tiny_model  # noqa: E402
 from minivllm.llm import LLM  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
@@ -201,7 +201,7 @@ def test_ch07_ex1_store_writes_each_slot_and_skips_minus_one(dtype, num_blocks, 
 # can be: `_rebuilt` makes a fresh copy of a kernel whose global names (the `@triton.jit` functions it
 # calls) point at other functions, which works compiled as well as under the interpreter (the compiler
 # reads a kernel's globals from its function, and the copy's cache is its own).
-STEP, ONE_SPLIT, SPLIT_K, REDUCE, ENGINE = (name for name, _ in GRADED["ch07_ex2"].groups)
+STEP, ONE_SPLIT, SPLIT_K, REDUCE, ENGINE, SPEED = (name for name, _ in GRADED["ch07_ex2"].groups)
 _REBUILT: dict = {}
 
 
@@ -603,6 +603,54 @@ def _grader_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_s
         total = tl.sum(w * l, 0)
         o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _speed_batch(seed: int = 11):
+    """The speed part's decode batch on the GPU: 64 sequences of 256-4096 tokens in blocks of 16
+    shuffled over the cache, 32 query heads over 8 KV heads of 128 (Llama-3-8B's layout), bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    num_seqs, kv_heads, group, head_dim, block_size = 64, 8, 4, 128, 16
+    lens = torch.randint(256, 4097, (num_seqs,), generator=g)
+    need = (lens + block_size - 1) // block_size
+    perm = torch.randperm(int(need.sum()), generator=g)
+    tables = torch.zeros(num_seqs, int(need.max()), dtype=torch.int64)
+    for i, (start, k) in enumerate(zip((need.cumsum(0) - need).tolist(), need.tolist())):
+        tables[i, :k] = perm[start:start + k]
+    k_cache, v_cache = torch.randn(2, len(perm), block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(num_seqs, kv_heads * group, head_dim, generator=g).to(torch.bfloat16)
+    return (*(t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)), head_dim ** -0.5)
+
+
+@pytest.mark.ch07
+@pytest.mark.ch07_ex2
+@pytest.mark.gpu
+@pytest.mark.group(SPEED)
+def test_ch07_ex2_decode_speed_on_a_gpu(record_property):
+    """The speed part (a GPU only: under the interpreter a kernel's speed means nothing): the package's
+    (the student's) three kernels on `_speed_batch`, launched by the book's wrapper with its own choice
+    of splits, checked against the grader's kernels (bfloat16 tolerance), then timed side by side
+    with the grader's kernels in the same wrapper (`speed_ratio`, 20 launches per timing, the median of
+    9 rounds). The ratio scores by `EXERCISES["ch07_ex2"].speed`'s bands."""
+    if INTERPRETED:
+        pytest.skip("needs a CUDA GPU: the speed part times the compiled kernels")
+    batch = _speed_batch()
+
+    def launches(n: int = 20, graders: bool = False):
+        with ExitStack() as stack:
+            if graders:
+                stack.enter_context(mock.patch.object(ta, "paged_decode_kernel", _grader_decode_kernel))
+                stack.enter_context(mock.patch.object(ta, "reduce_splits_kernel", _grader_reduce_kernel))
+            for _ in range(n):
+                out = ta.paged_decode_attention_triton(*batch)
+            torch.cuda.synchronize()
+        return out
+
+    with _in_kernel("ch07_ex2"):
+        got = launches(1)
+    _close("ch07_ex2", got, launches(1, graders=True).double(), ATOL[torch.bfloat16],
+           "the speed part's batch (64 sequences of 256-4096 tokens, bfloat16), against the grader's kernels")
+    ratio = speed_ratio(launches, lambda: launches(graders=True), rounds=9)
+    record_property(SPEED_RATIO, ratio)
 
 
 # fixed cases for the checks below: lengths on and off tile (16) and block edges, an empty sequence,

@@ -160,14 +160,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
     Exercise("ch06_ex1", 5, "extend", "token-granular prefix caching", "exercises/ch06_prefix_caching.py", _T46),
     Exercise("ch07_ex1", 3, "rebuild", "the KV-store kernel", "notebooks/07_triton_kernels.ipynb",
              ("tests/test_grading_ch07_regions.py",)),
-    Exercise("ch07_ex2", 13, "rebuild", "build paged decode attention with split-K in Triton: the online-softmax "
+    Exercise("ch07_ex2", 16, "rebuild", "build paged decode attention with split-K in Triton: the online-softmax "
              "step (_attend_tile), the per-split kernel (paged_decode_kernel), the reduction (reduce_splits_kernel)",
              "notebooks/07_triton_kernels.ipynb", ("tests/test_grading_ch07_regions.py",),
              groups=(("the online-softmax step equals the reference", 3),
                      ("one split equals the reference", 3),
                      ("split-K partials merge to the reference", 3),
                      ("the reduction merges partials to the reference", 2),
-                     ("the engine equals transformers with the Triton backend", 2))),
+                     ("the engine equals transformers with the Triton backend", 2),
+                     ("decodes at the reference kernels' speed on a GPU", 3)),
+             speed=(("decodes at the reference kernels' speed on a GPU", ((1.5, 3), (3.0, 2), (6.0, 1))),)),
     Exercise("ch07_ex3", 3, "extend", "copy_blocks as a Triton kernel (copy-on-write)",
              "exercises/ch07_triton_kernels.py", ("tests/test_grading_ch07_extend.py",)),
     Exercise("ch08_ex1", 2, "rebuild", "cudagraph_capture_sizes", "notebooks/08_cuda_graphs.ipynb",

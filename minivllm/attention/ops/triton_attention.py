@@ -130,7 +130,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.conste
     `[rows]` and acc `[rows, BLOCK_D]` in ACC_DTYPE, m in log2 units (qk_scale = scale · log2 e). Returns
     them updated. Each row must see a key in its first tile (else m stays -inf, and -inf - -inf is NaN).
     After the Triton tutorial's `_attn_fwd_inner` (FlashAttention-2, Dao 2023)."""
-    # EXERCISE ch07_ex2 (13 points): log2-unit scores (-inf where not visible), online-softmax update; return m, l, acc
+    # EXERCISE ch07_ex2 (16 points): log2-unit scores (-inf where not visible), online-softmax update; return m, l, acc
     ### BEGIN SOLUTION
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC_DTYPE) * qk_scale
     s = tl.where(visible, s, float("-inf"))
@@ -165,7 +165,7 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
     `out_ptr + seq * stride_o_seq + head * stride_o_head + split * stride_o_split`, the largest score m (log2
     units) and `l = sum 2^(s - m)` at `(seq * num_heads + head) * num_splits + split` of m_ptr and l_ptr; an
     empty split stores `m = -inf, l = 0, acc = 0`. After vLLM's paged attention v2 and Flash-Decoding."""
-    # EXERCISE ch07_ex2 (13 points): walk this split's keys through the block table; store o, or the partial acc, m, l
+    # EXERCISE ch07_ex2 (16 points): walk this split's keys through the block table; store o, or the partial acc, m, l
     ### BEGIN SOLUTION
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
@@ -221,7 +221,7 @@ def reduce_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_se
     with `w_p = 2^(m_p - max_p m_p)` (0 for an empty split), in out's dtype, at `out_ptr + seq * stride_o_seq +
     head * stride_o_head` (HEAD_DIM contiguous numbers); zeros when every split is empty. BLOCK_P and BLOCK_D
     are num_splits and HEAD_DIM rounded up to powers of two (mask the rest). Flash-Decoding's reduction."""
-    # EXERCISE ch07_ex2 (13 points): weigh each split by 2^(m - max m) (empty: 0); store sum w acc / sum w l (or zeros)
+    # EXERCISE ch07_ex2 (16 points): weigh each split by 2^(m - max m) (empty: 0); store sum w acc / sum w l (or zeros)
     ### BEGIN SOLUTION
     seq, head = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
