@@ -90,10 +90,13 @@ _T1, _T3, _T46, _T10 = ("tests/test_grading.py",), ("tests/test_grading_ch03.py"
     ("tests/test_grading_ch04_06.py",), ("tests/test_grading_ch10.py",)
 
 EXERCISES: dict[str, Exercise] = {e.id: e for e in [
-    Exercise("ch01_ex1", 3, "extend", "check_stop by the rules", "exercises/ch01_sequences.py", _T1),
-    Exercise("ch01_ex2", 2, "rebuild", "the token blocks (blocks_needed, token_block)", "notebooks/01_sequences.ipynb",
-             ("tests/test_grading_ch01_regions.py",)),
-    Exercise("ch01_ex3", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
+    Exercise("ch01_ex1", 12, "rebuild", "build the sequence: its token views, __init__ and append_token, the "
+             "block arithmetic (blocks_needed, token_block) and its views, the stop rules (check_stop)",
+             "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",),
+             groups=(("tokens and lengths", 4),
+                     ("blocks of the sequence", 4),
+                     ("stops by the rules", 4))),
+    Exercise("ch01_ex2", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
              "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",)),
     Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
     Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
