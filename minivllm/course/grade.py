@@ -90,8 +90,8 @@ _T1, _T3, _T46, _T10 = ("tests/test_grading.py",), ("tests/test_grading_ch03.py"
     ("tests/test_grading_ch04_06.py",), ("tests/test_grading_ch10.py",)
 
 EXERCISES: dict[str, Exercise] = {e.id: e for e in [
-    Exercise("ch01_ex1", 12, "rebuild", "build the sequence: its token views, __init__ and append_token, the "
-             "block arithmetic (blocks_needed, token_block) and its views, the stop rules (check_stop)",
+    Exercise("ch01_ex1", 12, "rebuild", "build the sequence: its token views, the Sequence's constructor and "
+             "append_token, the block arithmetic (blocks_needed, token_block) and its views, the stop rules (check_stop)",
              "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",),
              groups=(("tokens and lengths", 4),
                      ("blocks of the sequence", 4),
