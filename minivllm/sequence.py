@@ -230,7 +230,7 @@ class Sequence(_BlockViews, _TokenViews):
 
 # %% ../notebooks/01_sequences.ipynb #76defad6
 def check_stop(seq: Sequence, eos_token_ids: set[int] | frozenset[int], max_model_len: int) -> bool:
-    """Finish `seq` if its newest token ends it; return whether it is finished (vLLM's `check_stop`).
+    """Finish `seq` if its newest token ends it; return whether it is finished (after vLLM's `check_stop`).
 
     Called right after `seq.append_token(...)`. The rules, in this order, with `p = seq.sampling_params`:
     1. the last token is in `eos_token_ids` (unless `p.ignore_eos`) or in `p.stop_token_ids`, and the
