@@ -39,7 +39,7 @@ def check_sampling_filters(p) -> None:
     Raises:
         ValueError: naming the field, the value given and the limit it breaks.
     """
-    # EXERCISE ch01_ex3 (3 points): check and normalize temperature, top_p, top_k, min_p as the docstring says
+    # EXERCISE ch01_ex2 (3 points): check and normalize temperature, top_p, top_k, min_p as the docstring says
     ### BEGIN SOLUTION
     p.temperature = require_number("temperature", p.temperature, minimum=0.0)
     p.top_p = require_number("top_p", p.top_p, maximum=1.0)

@@ -57,73 +57,67 @@ def check_token_ids(token_ids) -> list[int]:
     return [int(t) for t in token_ids]
 
 # %% auto #0
-__all__ = ['DEFAULT_BLOCK_SIZE', 'SequenceStatus', 'check_token_ids', 'Sequence', 'blocks_needed', 'token_block']
+__all__ = ['DEFAULT_BLOCK_SIZE', 'SequenceStatus', 'check_token_ids', 'blocks_needed', 'token_block', 'Sequence', 'check_stop']
 
-# %% ../notebooks/01_sequences.ipynb #e24b82e9
-class Sequence:
-    """One request's tokens and bookkeeping (after vLLM's and nano-vllm's `Sequence`).
+# %% ../notebooks/01_sequences.ipynb #dec3b7a7
+class _TokenViews:
+    """What a sequence's tokens say; mixed into `Sequence`, whose `token_ids` (the prompt, then each
+    generated token) and `num_prompt_tokens` it reads. Nothing here is stored (as in vLLM's `Request`)."""
 
-    Args:
-        token_ids: the prompt: a non-empty list of ints >= 0 (NumPy ints are accepted and converted).
-        sampling_params: how to generate (default: `SamplingParams()`).
-        block_size: tokens per KV-cache block (>= 1), for `num_blocks` and `block(i)`.
-        prompt: the prompt text, if known. seq_id: an id (default: a fresh process-wide number).
-    Raises:
-        ValueError: `token_ids` is empty or holds something else than ints >= 0, or `block_size` < 1.
-    """
+    @property
+    def num_tokens(self) -> int:
+        """All tokens so far, the prompt's and the generated ones."""
+        # EXERCISE ch01_ex1 (12 points): the number of tokens so far
+        ### BEGIN SOLUTION
+        return len(self.token_ids)
+        ### END SOLUTION
 
-    _ids: Iterator[int] = itertools.count()
+    @property
+    def last_token(self) -> int:
+        """The newest token id: the last generated one, or the prompt's last before any is generated."""
+        # EXERCISE ch01_ex1 (12 points): the newest token id
+        ### BEGIN SOLUTION
+        return self.token_ids[-1]
+        ### END SOLUTION
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, prompt: str | None = None, seq_id: int | None = None):
-        self.token_ids = check_token_ids(token_ids)  # the prompt, then each generated token
-        self.num_prompt_tokens = len(self.token_ids)
-        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
-        self.block_size = require_int("block_size", block_size, minimum=1)
-        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
-        self.status = SequenceStatus.WAITING
-        self.prompt = prompt
-        self.request_id: str | None = None  # the engine's name for the request
-        self.num_cached_tokens = 0  # leading tokens whose KV the engine already holds
-        self.block_table: list[int] = []  # ids of the KV-cache blocks holding this sequence, in order
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens generated so far (0 right after the prompt)."""
+        # EXERCISE ch01_ex1 (12 points): the number of generated tokens
+        ### BEGIN SOLUTION
+        return len(self.token_ids) - self.num_prompt_tokens
+        ### END SOLUTION
 
-    def append_token(self, token_id: int) -> None:
-        """Add one generated token at the end."""
-        self.token_ids.append(token_id)
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids, as a new list."""
+        # EXERCISE ch01_ex1 (12 points): the prompt's token ids, a new list
+        ### BEGIN SOLUTION
+        return self.token_ids[:self.num_prompt_tokens]
+        ### END SOLUTION
 
-    # derived views: all read `token_ids`, `num_prompt_tokens`, `status` or `block_size`
-    num_tokens = property(lambda self: len(self.token_ids))
-    last_token = property(lambda self: self.token_ids[-1])
-    num_completion_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
-    prompt_token_ids = property(lambda self: self.token_ids[:self.num_prompt_tokens])
-    completion_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens:])
-    is_finished = property(lambda self: self.status.is_finished)
-    finish_reason = property(lambda self: self.status.finish_reason)  # "stop", "length", "abort" or None
-    num_blocks = property(lambda self: blocks_needed(len(self.token_ids), self.block_size))  # section 5.2
-    num_cached_blocks = property(lambda self: self.num_cached_tokens // self.block_size)
-
-    def block(self, i: int) -> list[int]:
-        """Token ids of logical block `i` (the last one may be partial); see `token_block`.
-
-        Raises:
-            IndexError: `i` is not in `range(num_blocks)`.
-        """
-        return token_block(self.token_ids, self.block_size, i)
+    @property
+    def completion_token_ids(self) -> list[int]:
+        """The generated token ids in order, as a new list ([] right after the prompt)."""
+        # EXERCISE ch01_ex1 (12 points): the generated token ids, a new list
+        ### BEGIN SOLUTION
+        return self.token_ids[self.num_prompt_tokens:]
+        ### END SOLUTION
 
     def __len__(self) -> int:
+        """`num_tokens`."""
+        # EXERCISE ch01_ex1 (12 points): the number of tokens so far
+        ### BEGIN SOLUTION
         return len(self.token_ids)
+        ### END SOLUTION
 
-    def __repr__(self) -> str:
-        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
-                f"num_prompt_tokens={self.num_prompt_tokens}, num_completion_tokens={self.num_completion_tokens})")
-
-# %% ../notebooks/01_sequences.ipynb #330d5de9
+# %% ../notebooks/01_sequences.ipynb #f509a809
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """How many blocks of `block_size` token slots hold `num_tokens` tokens (an int; `Sequence.num_blocks`).
 
     Args: num_tokens >= 0 and block_size >= 1, ints (the caller has checked them).
     """
-    # EXERCISE ch01_ex2 (2 points): the fewest blocks of block_size slots that hold num_tokens tokens, in ints
+    # EXERCISE ch01_ex1 (12 points): the fewest blocks of block_size slots that hold num_tokens tokens, in ints
     ### BEGIN SOLUTION
     return -(-num_tokens // block_size)  # ceiling division: floor division of the negated count
     ### END SOLUTION
@@ -136,10 +130,124 @@ def token_block(token_ids: list[int], block_size: int, i: int) -> list[int]:
     Raises:
         IndexError: `i` is not in `range(blocks_needed(len(token_ids), block_size))` (negative included).
     """
-    # EXERCISE ch01_ex2 (2 points): block i's token ids; IndexError for an i outside range(number of blocks)
+    # EXERCISE ch01_ex1 (12 points): block i's token ids; IndexError for an i outside range(number of blocks)
     ### BEGIN SOLUTION
     num_blocks = blocks_needed(len(token_ids), block_size)
     if not 0 <= i < num_blocks:
         raise IndexError(f"block {i} out of range for a sequence of {num_blocks} blocks")
     return token_ids[i * block_size:(i + 1) * block_size]
+    ### END SOLUTION
+
+# %% ../notebooks/01_sequences.ipynb #40a1444d
+class _BlockViews:
+    """A sequence as blocks of `block_size` tokens; mixed into `Sequence`, whose `token_ids`, `block_size`
+    and `num_cached_tokens` it reads (nano-vllm's `num_blocks`, `last_block_num_tokens`, `block`)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the tokens fill: `blocks_needed(num_tokens, block_size)`."""
+        # EXERCISE ch01_ex1 (12 points): the number of blocks the tokens fill
+        ### BEGIN SOLUTION
+        return blocks_needed(len(self.token_ids), self.block_size)
+        ### END SOLUTION
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks wholly covered by the first `num_cached_tokens` tokens."""
+        # EXERCISE ch01_ex1 (12 points): the blocks wholly covered by the cached tokens
+        ### BEGIN SOLUTION
+        return self.num_cached_tokens // self.block_size
+        ### END SOLUTION
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        """Tokens in the last block: 1 to `block_size` (a full last block holds `block_size`)."""
+        # EXERCISE ch01_ex1 (12 points): the tokens in the last block, 1..block_size
+        ### BEGIN SOLUTION
+        return len(self.token_ids) - (self.num_blocks - 1) * self.block_size
+        ### END SOLUTION
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block `i` as a new list (the last may be partial); see `token_block`.
+
+        Raises:
+            IndexError: `i` is not in `range(num_blocks)`.
+        """
+        # EXERCISE ch01_ex1 (12 points): block i's token ids (token_block)
+        ### BEGIN SOLUTION
+        return token_block(self.token_ids, self.block_size, i)
+        ### END SOLUTION
+
+# %% ../notebooks/01_sequences.ipynb #d16bd94f
+class Sequence(_BlockViews, _TokenViews):
+    """One request's tokens and bookkeeping (after vLLM's and nano-vllm's `Sequence`).
+
+    Args:
+        token_ids: the prompt: a non-empty iterable of ints >= 0 (NumPy ints accepted), checked and copied
+            by `check_token_ids` (the caller's list is never changed).
+        sampling_params: how to generate (default: a new `SamplingParams()`).
+        block_size: tokens per KV-cache block, an int >= 1 (`require_int`), for the block views.
+        prompt: the prompt text, if known. seq_id: an id (default: the next of `Sequence._ids`, process-wide).
+    Attributes: token_ids (the prompt, then each generated token), num_prompt_tokens, sampling_params,
+        block_size, seq_id, status (starts `WAITING`), prompt, request_id (None until the engine names the
+        request), num_cached_tokens (0: leading tokens whose KV the engine holds), block_table ([]: ids of
+        the KV-cache blocks holding the sequence, in order). Views: `_TokenViews`, `_BlockViews`.
+    Raises:
+        ValueError: `token_ids` is empty or holds something else than ints >= 0, or `block_size` < 1.
+    """
+
+    _ids: Iterator[int] = itertools.count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, prompt: str | None = None, seq_id: int | None = None):
+        # EXERCISE ch01_ex1 (12 points): check the arguments and set every attribute the docstring lists
+        ### BEGIN SOLUTION
+        self.token_ids = check_token_ids(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.block_size = require_int("block_size", block_size, minimum=1)
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.status = SequenceStatus.WAITING
+        self.prompt = prompt
+        self.request_id: str | None = None
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        ### END SOLUTION
+
+    def append_token(self, token_id: int) -> None:
+        """Add one generated token after the others (the prompt is unchanged)."""
+        # EXERCISE ch01_ex1 (12 points): add the token at the end
+        ### BEGIN SOLUTION
+        self.token_ids.append(token_id)
+        ### END SOLUTION
+
+    is_finished = property(lambda self: self.status.is_finished)
+    finish_reason = property(lambda self: self.status.finish_reason)  # "stop", "length", "abort" or None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"num_prompt_tokens={self.num_prompt_tokens}, num_completion_tokens={self.num_completion_tokens})")
+
+# %% ../notebooks/01_sequences.ipynb #76defad6
+def check_stop(seq: Sequence, eos_token_ids: set[int] | frozenset[int], max_model_len: int) -> bool:
+    """Finish `seq` if its newest token ends it; return whether it is finished (after vLLM's `check_stop`).
+
+    Called right after `seq.append_token(...)`. The rules, in this order, with `p = seq.sampling_params`:
+    1. the last token is in `eos_token_ids` (unless `p.ignore_eos`) or in `p.stop_token_ids`, and the
+       completion has more than `p.min_tokens` tokens: status `FINISHED_STOPPED` (finish reason "stop");
+    2. the completion has `p.max_tokens` tokens (None: no limit), or the whole sequence (prompt and
+       completion) has `max_model_len` tokens: status `FINISHED_LENGTH_CAPPED` ("length").
+    Otherwise nothing changes (status included) and it returns False. It never adds or removes tokens.
+    """
+    # EXERCISE ch01_ex1 (12 points): finish seq by the stop rules, in their order; return whether it is finished
+    ### BEGIN SOLUTION
+    p, last = seq.sampling_params, seq.last_token
+    stop_token = (last in eos_token_ids and not p.ignore_eos) or last in p.stop_token_ids
+    if stop_token and seq.num_completion_tokens > p.min_tokens:
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif (p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    else:
+        return False
+    return True
     ### END SOLUTION

@@ -53,9 +53,7 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
     if ch == "ch02":  # ch02_ex3, the decoder layer: one stand-in per method of the build
         return list(importlib.import_module("test_grading_ch02_regions").STAND_INS.get(ex, []))
     if ch == "ch03":
-        t, sb = importlib.import_module("test_grading_ch03_regions"), importlib.import_module("minivllm.baselines.static_batching")
-        return {"ch03_ex2": [(sb, "pad_batch", t._grader_pad_batch)],
-                "ch03_ex3": [(sb, "padded_attention", t._grader_padded_attention)]}.get(ex, [])
+        return list(importlib.import_module("test_grading_ch03_regions").STAND_INS.get(ex, []))
     if ch == "ch04":
         t = importlib.import_module("test_grading_ch04_regions")
         kvm, mr = importlib.import_module("minivllm.core.kv_cache_manager"), importlib.import_module("minivllm.worker.model_runner")

@@ -1,14 +1,17 @@
-"""Grading tests for chapter 01's rebuild exercises (`python -m minivllm.course.grade ch01_ex2`, or `pytest -m ch01_ex2`).
+"""Grading tests for chapter 01's rebuild exercises (`python -m minivllm.course.grade ch01_ex1`, or `pytest -m ch01_ex1`).
 
-ch01_ex2 (the token blocks: `blocks_needed` and `token_block`, behind `Sequence.num_blocks` and
-`Sequence.block(i)`) and ch01_ex3 (`check_sampling_filters`, the range checks of temperature, top_p,
-top_k and min_p behind `SamplingParams`) are graded in the package itself: in a student edition they
-are the student's code, exported from the chapter (stubs until filled), and there is no reference to
-compare with. What is checked is the contract, written in the tests: the block arithmetic on random
-sequences that grow (hypothesis), vLLM's ranges on random values of every type, then the engine with
-the student's blocks in place (prefix caching reads `block(i)`), whose greedy tokens must equal
-transformers'. Each exercise is graded alone: the other one, and chapter 02's graded pieces, are the
-grader's stand-ins (`graded`).
+ch01_ex1 is the build of the sequence: the token views (`_TokenViews`), `Sequence.__init__` and
+`append_token`, the block arithmetic (`blocks_needed`, `token_block`) and its views (`_BlockViews`),
+and the stop rules (`check_stop`). ch01_ex2 is `check_sampling_filters`, the range checks of
+temperature, top_p, top_k and min_p behind `SamplingParams`. Both are graded in the package itself: in
+a student edition they are the student's code, exported from the chapter (stubs until filled), and
+there is no reference to compare with. What is checked is the contract, written in the tests.
+
+The build scores by parts (`@pytest.mark.group`, the groups of `EXERCISES["ch01_ex1"]`), each on its
+own: the grader's own pieces (`_PARTS`, written differently from the book's) stand in for the parts a
+test is not about (`graded`), so a student sees which part works. Random inputs are derandomized (the
+same answer always scores the same points). The tests at the end show that plausible wrong answers
+lose exactly their part's points.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ from hypothesis import strategies as st
 import minivllm.sampling_params as sp
 from engine_helpers import one_thread
 import minivllm.sequence as sequence
-from minivllm.utils.checks import require_int, require_number
+from minivllm.course.grade import EXERCISES
+from minivllm.utils.checks import is_int, require_int, require_number
 from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
-from minivllm.sequence import Sequence
+from minivllm.sequence import Sequence, SequenceStatus
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+TOKENS, BLOCKS, STOPS = (name for name, _ in EXERCISES["ch01_ex1"].groups)
+SETTINGS = dict(deadline=None, derandomize=True, database=None)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -37,6 +43,25 @@ def _expect(ok: bool, message: str) -> None:
 
 
 # --- the grader's stand-ins ------------------------------------------------------------------------
+def _init_stand_in(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE, prompt=None,
+                   seq_id=None):
+    ids = list(token_ids)
+    bad = [t for t in ids if not is_int(t) or t < 0]
+    if not ids or bad:
+        raise ValueError(f"a prompt is a non-empty list of ints >= 0, got {ids!r:.80}")
+    if not is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    self.token_ids, self.num_prompt_tokens = [int(t) for t in ids], len(ids)
+    self.sampling_params = SamplingParams() if sampling_params is None else sampling_params
+    self.block_size, self.prompt, self.request_id = int(block_size), prompt, None
+    self.seq_id = seq_id if seq_id is not None else next(Sequence._ids)
+    self.status, self.num_cached_tokens, self.block_table = SequenceStatus.WAITING, 0, []
+
+
+def _append_stand_in(self, token_id):
+    self.token_ids += [token_id]
+
+
 def _blocks_needed_stand_in(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
@@ -45,6 +70,21 @@ def _token_block_stand_in(token_ids: list[int], block_size: int, i: int) -> list
     if i < 0 or i * block_size >= len(token_ids):
         raise IndexError(f"block {i} out of range")
     return list(token_ids[i * block_size:(i + 1) * block_size])
+
+
+def _block_stand_in(self, i):
+    return _token_block_stand_in(self.token_ids, self.block_size, i)
+
+
+def _check_stop_stand_in(seq, eos_token_ids, max_model_len) -> bool:
+    p, t, n_out = seq.sampling_params, seq.token_ids[-1], len(seq.token_ids) - seq.num_prompt_tokens
+    if n_out > p.min_tokens and (t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids)):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        return True
+    if len(seq.token_ids) >= max_model_len or (p.max_tokens is not None and n_out >= p.max_tokens):
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
 
 
 def _filters_stand_in(p) -> None:
@@ -58,69 +98,170 @@ def _filters_stand_in(p) -> None:
         p.top_p, p.top_k, p.min_p = 1.0, 0, 0.0
 
 
-STAND_INS = {"ch01_ex2": [(sequence, "blocks_needed", _blocks_needed_stand_in),
-                          (sequence, "token_block", _token_block_stand_in)],
-             "ch01_ex3": [(sp, "check_sampling_filters", _filters_stand_in)]}
+def _views(**fns) -> list:
+    return [(Sequence, name, fn if name.startswith("__") or name == "block" else property(fn)) for name, fn in fns.items()]
+
+
+# part -> (owner, name, the grader's piece). `graded` reads this table (never `STAND_INS`, which the
+# tripwires rewire while the build's own tests run): the grader's pieces stand in for the other parts.
+_PARTS = {
+    TOKENS: [(Sequence, "__init__", _init_stand_in), (Sequence, "append_token", _append_stand_in)] + _views(
+        num_tokens=lambda s: len(s.token_ids), last_token=lambda s: s.token_ids[len(s.token_ids) - 1],
+        num_completion_tokens=lambda s: len(s.token_ids[s.num_prompt_tokens:]),
+        prompt_token_ids=lambda s: list(s.token_ids[:s.num_prompt_tokens]),
+        completion_token_ids=lambda s: list(s.token_ids[s.num_prompt_tokens:]), __len__=lambda s: len(s.token_ids)),
+    BLOCKS: [(sequence, "blocks_needed", _blocks_needed_stand_in), (sequence, "token_block", _token_block_stand_in)]
+    + _views(num_blocks=lambda s: _blocks_needed_stand_in(len(s.token_ids), s.block_size),
+             num_cached_blocks=lambda s: s.num_cached_tokens // s.block_size,
+             last_block_num_tokens=lambda s: (len(s.token_ids) - 1) % s.block_size + 1, block=_block_stand_in),
+    STOPS: [(sequence, "check_stop", _check_stop_stand_in)],
+    "ch01_ex2": [(sp, "check_sampling_filters", _filters_stand_in)],
+}
+STAND_INS = {"ch01_ex1": [e for part in (TOKENS, BLOCKS, STOPS) for e in _PARTS[part]], "ch01_ex2": _PARTS["ch01_ex2"]}
 
 
 @contextmanager
-def graded(ex: str | None):
-    """The package's (the student's) code for `ex`, the grader's stand-ins for chapter 01's other
-    graded pieces (None: stand-ins for all of them)."""
+def graded(what: str | None, wrong: list | None = None):
+    """The package's (the student's) code for `what`, the grader's pieces for chapter 01's other graded
+    pieces. `what`: a part of the build (`TOKENS`, `BLOCKS`, `STOPS`), "ch01_ex1" (the whole build),
+    "ch01_ex2", or None (the grader's pieces everywhere). `wrong`: (owner, name, piece) put in place of
+    the package's, for the tests that show a wrong answer losing its part."""
+    mine = {TOKENS, BLOCKS, STOPS} if what == "ch01_ex1" else {what}
     with ExitStack() as stack:
         mp = stack.enter_context(pytest.MonkeyPatch.context())
-        for other, patches in STAND_INS.items():
-            if other != ex:
-                for module, name, fn in patches:
-                    mp.setattr(module, name, fn)
+        for part, patches in _PARTS.items():
+            if part not in mine:
+                for owner, name, fn in patches:
+                    mp.setattr(owner, name, fn)
+        for owner, name, fn in wrong or []:
+            mp.setattr(owner, name, fn)
         yield
 
 
-# --- ch01_ex2: the token blocks --------------------------------------------------------------------
+# --- ch01_ex1, tokens and lengths ----------------------------------------------------------------
+def check_tokens() -> None:
+    """Random prompts grown token by token: every view after every token, a new sequence's fields,
+    a caller's prompt list left alone; the ValueErrors of a bad prompt or block size."""
+    @settings(max_examples=150, **SETTINGS)
+    @given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=12), numpy=st.booleans(),
+           generated=st.lists(st.integers(0, 50), max_size=12), seq_id=st.one_of(st.none(), st.integers(0, 9)))
+    def run(prompt, numpy, generated, seq_id):
+        given_ids = [np.int64(t) for t in prompt] if numpy else list(prompt)
+        params = SamplingParams(max_tokens=7)
+        seq = Sequence(given_ids, params, block_size=4, prompt="text", seq_id=seq_id)
+        at = f"ch01_ex1: Sequence({prompt}{' as NumPy ints' if numpy else ''})"
+        fields = {"num_prompt_tokens": len(prompt), "status": SequenceStatus.WAITING, "prompt": "text",
+                  "request_id": None, "num_cached_tokens": 0, "block_table": [], "block_size": 4}
+        for name, want in fields.items():
+            got = getattr(seq, name, "<missing>")
+            _expect(got == want, f"{at}: a new sequence's {name} should be {want!r}, got {got!r}")
+        _expect(seq.sampling_params is params, f"{at}: sampling_params should be the object given")
+        if seq_id is not None:
+            _expect(seq.seq_id == seq_id, f"{at}, seq_id={seq_id}: seq_id should be {seq_id}, got {seq.seq_id!r}")
+        else:
+            other = Sequence([1])
+            _expect(isinstance(seq.seq_id, int) and seq.seq_id != other.seq_id,
+                    f"{at}: without seq_id, each sequence gets a fresh int id; two got {seq.seq_id!r}, {other.seq_id!r}")
+        _expect(isinstance(Sequence([3]).sampling_params, SamplingParams), f"{at}: the default sampling_params "
+                "should be a SamplingParams()")
+        tokens = list(prompt)
+        for step in range(len(generated) + 1):
+            if step:
+                seq.append_token(generated[step - 1])
+                tokens.append(generated[step - 1])
+            now = f"{at} after appending {generated[:step]}"
+            _expect(type(seq.token_ids) is list and seq.token_ids == tokens and all(type(t) is int for t in seq.token_ids),
+                    f"{now}: token_ids should be the list of Python ints {tokens}, got {seq.token_ids!r}")
+            views = {"num_tokens": len(tokens), "len(seq)": len(tokens), "last_token": tokens[-1],
+                     "num_completion_tokens": step, "prompt_token_ids": list(prompt),
+                     "completion_token_ids": list(generated[:step]), "num_prompt_tokens": len(prompt)}
+            for name, want in views.items():
+                got = len(seq) if name == "len(seq)" else getattr(seq, name)
+                _expect(type(got) is type(want) and got == want, f"{now}: {name} should be {want!r}, got {got!r}")
+            for name in ("prompt_token_ids", "completion_token_ids"):
+                view = getattr(seq, name)
+                view.append(99)
+                _expect(seq.token_ids == tokens, f"{now}: changing the list {name} returned changed the sequence: "
+                        "return a new list")
+        _expect([int(t) for t in given_ids] == prompt and len(given_ids) == len(prompt),
+                f"{at}: appending tokens changed the caller's prompt list to {given_ids}: copy the prompt")
+    run()
+    for bad in ([], [1, -2], [1, 2.5], [True, 1], ["3"]):
+        try:
+            Sequence(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"ch01_ex1: Sequence({bad!r}) should raise ValueError (a prompt is a non-empty list of "
+                             "ints >= 0)")
+    for bad in (0, -1, 2.0, True):
+        try:
+            Sequence([1, 2], block_size=bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"ch01_ex1: Sequence([1, 2], block_size={bad!r}) should raise ValueError (an int >= 1)")
+
+
 @pytest.mark.ch01
-@pytest.mark.ch01_ex2
-@settings(max_examples=150, deadline=None)
-@given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=40), block_size=st.integers(1, 12),
-       generated=st.lists(st.integers(0, 50), max_size=30))
-def test_ch01_ex2_blocks_tile_a_growing_sequence(prompt, block_size, generated):
-    """After the prompt and after every appended token: `num_blocks` is ceil(num_tokens / block_size),
-    the blocks are the tokens in order, `block_size` each but the last (1..block_size), and a block
-    index outside `range(num_blocks)` (negative included) is an IndexError."""
-    with graded("ch01_ex2"):
+@pytest.mark.ch01_ex1
+@pytest.mark.group(TOKENS)
+def test_ch01_ex1_tokens_and_lengths():
+    with graded(TOKENS):
+        check_tokens()
+
+
+# --- ch01_ex1, blocks of the sequence ------------------------------------------------------------
+def check_blocks() -> None:
+    """Growing sequences in random block sizes: num_blocks, each block, the last block's tokens, the
+    cached blocks, IndexError outside the blocks; counts beyond 2**53 in integer arithmetic."""
+    @settings(max_examples=150, **SETTINGS)
+    @given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=40), block_size=st.integers(1, 12),
+           generated=st.lists(st.integers(0, 50), max_size=30), cached=st.integers(0, 80))
+    def run(prompt, block_size, generated, cached):
         seq = Sequence(list(prompt), sampling_params=object(), block_size=block_size)
         for step in range(len(generated) + 1):
             if step:
                 seq.append_token(generated[step - 1])
             n, tokens = seq.num_tokens, list(seq.token_ids)
-            at = f"ch01_ex2: a sequence of {n} tokens {tokens} in blocks of {block_size}"
+            at = f"ch01_ex1: a sequence of {n} tokens {tokens} in blocks of {block_size}"
             want = -(-n // block_size)
             got = seq.num_blocks
             _expect(type(got) is int and got == want, f"{at}: num_blocks should be the int {want} "
                     f"(ceil({n} / {block_size})), got {got!r}")
-            blocks = [seq.block(i) for i in range(want)]
-            for i, b in enumerate(blocks):
-                expect = tokens[i * block_size:(i + 1) * block_size]
+            last = n - (want - 1) * block_size
+            got = seq.last_block_num_tokens
+            _expect(type(got) is int and got == last, f"{at}: last_block_num_tokens should be {last} "
+                    f"(1..{block_size}), got {got!r}")
+            for i in range(want):
+                b, expect = seq.block(i), tokens[i * block_size:(i + 1) * block_size]
                 _expect(isinstance(b, list) and b == expect, f"{at}: block({i}) should be the list {expect}, got {b!r}")
-            _expect(seq.token_ids == tokens, f"{at}: reading the blocks changed the tokens to {seq.token_ids}")
-            for bad in (want, want + 3, -1):
+                b.append(-1)
+            _expect(seq.token_ids == tokens, f"{at}: reading (and changing) the blocks changed the tokens to "
+                    f"{seq.token_ids}: return new lists")
+            for bad in (want, want + 3, -1, -want):
                 try:
                     out = seq.block(bad)
                 except IndexError:
                     continue
                 raise AssertionError(f"{at}: block({bad}) should raise IndexError (there are {want} blocks, "
                                      f"0..{want - 1}), returned {out!r}")
+        seq.num_cached_tokens = min(cached, seq.num_tokens)
+        want = seq.num_cached_tokens // block_size
+        _expect(seq.num_cached_blocks == want, f"ch01_ex1: {seq.num_cached_tokens} cached tokens in blocks of "
+                f"{block_size}: num_cached_blocks should be {want} (whole blocks only), got {seq.num_cached_blocks!r}")
+    run()
+    for num_tokens, block_size in [(2**53 + 1, 1), (2**60 + 1, 2), (10**18 + 1, 10**9), (1, 2**40), (0, 4)]:
+        got = sequence.blocks_needed(num_tokens, block_size)
+        want = -(-num_tokens // block_size)
+        _expect(got == want and type(got) is int, f"ch01_ex1: blocks_needed({num_tokens}, {block_size}) "
+                f"should be the int {want}, got {got!r} (use integer arithmetic, not float division)")
 
 
 @pytest.mark.ch01
-@pytest.mark.ch01_ex2
-def test_ch01_ex2_block_counts_without_floats():
-    """Huge counts, where ceil through a float goes wrong (2**53 + 1 is not a float): integer arithmetic."""
-    with graded("ch01_ex2"):
-        for num_tokens, block_size in [(2**53 + 1, 1), (2**60 + 1, 2), (10**18 + 1, 10**9), (1, 2**40), (0, 4)]:
-            got = sequence.blocks_needed(num_tokens, block_size)
-            want = -(-num_tokens // block_size)
-            _expect(got == want and type(got) is int, f"ch01_ex2: blocks_needed({num_tokens}, {block_size}) "
-                    f"should be the int {want}, got {got!r} (use integer arithmetic, not float division)")
+@pytest.mark.ch01_ex1
+@pytest.mark.group(BLOCKS)
+def test_ch01_ex1_blocks_of_the_sequence():
+    with graded(BLOCKS):
+        check_blocks()
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +281,11 @@ def ch01_engine_case(tmp_path_factory):
 
 
 @pytest.mark.ch01
-@pytest.mark.ch01_ex2
-def test_ch01_ex2_engine_equals_transformers(ch01_engine_case):
+@pytest.mark.ch01_ex1
+@pytest.mark.parametrize("part", [pytest.param(p, marks=pytest.mark.group(p), id=p.split()[0]) for p in (TOKENS, BLOCKS)])
+def test_ch01_ex1_engine_equals_transformers(part, ch01_engine_case):
     """The paged engine with prefix caching (blocks of 4, a cache of 20 blocks, two rounds) runs on
-    your blocks: greedy tokens equal transformers', the second round finds the shared preamble cached."""
+    your sequence's part: greedy tokens equal transformers', the second round finds the shared preamble cached."""
     from engine_helpers import run_engine
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.attention.paged_attention import PagedAttention
@@ -151,7 +293,7 @@ def test_ch01_ex2_engine_equals_transformers(ch01_engine_case):
     from test_grading_ch02_regions import graded as ch02_stand_ins
 
     folder, prompts, ref = ch01_engine_case
-    with graded("ch01_ex2"), ch02_stand_ins(None):
+    with graded(part), ch02_stand_ins(None):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=20,
                            block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention)
@@ -159,13 +301,159 @@ def test_ch01_ex2_engine_equals_transformers(ch01_engine_case):
     for round_outs in outs:
         for p, o, want in zip(prompts, round_outs, ref):
             got = o.outputs[0].token_ids
-            _expect(got == want, f"ch01_ex2: prompt {p} ({len(p)} tokens, blocks of 4): the engine generated "
+            _expect(got == want, f"ch01_ex1 ({part}): prompt {p} ({len(p)} tokens, blocks of 4): the engine generated "
                     f"{got}, transformers {want}")
-    _expect(sum(o.num_cached_tokens for o in outs[1]) > 0, "ch01_ex2: the second round found no block of the "
-            "shared preamble in the prefix cache: block(i) must give the tokens of block i")
+    _expect(sum(o.num_cached_tokens for o in outs[1]) > 0, f"ch01_ex1 ({part}): the second round found no block of "
+            "the shared preamble in the prefix cache: block(i) must give the tokens of block i")
 
 
-# --- ch01_ex3: the sampling filters' ranges ----------------------------------------------------------
+# --- ch01_ex1, stops by the rules ----------------------------------------------------------------
+def _expected_status(seq_tokens, n_prompt, eos, p, max_model_len):
+    """The rules, written from the chapter's text: a stop token past min_tokens, else the length."""
+    n_out, t = len(seq_tokens) - n_prompt, seq_tokens[-1]
+    is_stop = (t in eos and not p.ignore_eos) or t in p.stop_token_ids
+    if is_stop and n_out > p.min_tokens:
+        return SequenceStatus.FINISHED_STOPPED
+    if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq_tokens) >= max_model_len:
+        return SequenceStatus.FINISHED_LENGTH_CAPPED
+    return SequenceStatus.RUNNING
+
+
+def check_stops() -> None:
+    """Random token streams with random limits and stop tokens; then the chapter's cases by name."""
+    @settings(max_examples=300, **SETTINGS)
+    @given(prompt_len=st.integers(1, 12), stream=st.lists(st.integers(0, 9), min_size=1, max_size=40),
+           eos=st.sets(st.integers(0, 9), max_size=3), stop_ids=st.lists(st.integers(0, 9), max_size=2),
+           max_tokens=st.one_of(st.none(), st.integers(1, 30)), min_tokens=st.integers(0, 6),
+           ignore_eos=st.booleans(), room=st.integers(1, 40))
+    def run(prompt_len, stream, eos, stop_ids, max_tokens, min_tokens, ignore_eos, room):
+        max_model_len = prompt_len + room
+        min_tokens = min(min_tokens, max_tokens or min_tokens)
+        p = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
+        seq = Sequence(list(range(prompt_len)), p)
+        seq.status = SequenceStatus.RUNNING
+        at = (f"ch01_ex1: a {prompt_len}-token prompt, max_model_len={max_model_len}, EOS ids {sorted(eos)}, "
+              f"max_tokens={max_tokens}, min_tokens={min_tokens}, ignore_eos={ignore_eos}, stop_token_ids={stop_ids}")
+        for token in stream:
+            seq.append_token(token)
+            before = list(seq.token_ids)
+            finished = sequence.check_stop(seq, set(eos), max_model_len)
+            _expect(seq.token_ids == before, f"{at}: check_stop changed the tokens")
+            want = _expected_status(before, prompt_len, eos, p, max_model_len)
+            _expect(seq.status is want, f"{at}: after the completion {seq.completion_token_ids} the status should be "
+                    f"{want.name}, got {seq.status.name}")
+            _expect(finished is (want is not SequenceStatus.RUNNING), f"{at}: after the completion "
+                    f"{seq.completion_token_ids} check_stop should return {want is not SequenceStatus.RUNNING}, "
+                    f"got {finished!r}")
+            if finished:
+                break
+    run()
+
+    def case(stream, eos=frozenset({2}), max_model_len=100, **params):
+        seq = Sequence([7, 7, 7], SamplingParams(**params))
+        seq.status = SequenceStatus.RUNNING
+        for token in stream:
+            seq.append_token(token)
+            if sequence.check_stop(seq, set(eos), max_model_len):
+                break
+        return seq.completion_token_ids, seq.finish_reason
+
+    cases = [(([5, 2, 8],), dict(max_tokens=4), ([5, 2], "stop")),
+             (([5, 6, 7, 2],), dict(max_tokens=4), ([5, 6, 7, 2], "stop")),
+             (([5, 6, 7, 8, 9],), dict(max_tokens=4), ([5, 6, 7, 8], "length")),
+             (([5, 2, 8],), dict(max_tokens=4, ignore_eos=True), ([5, 2, 8], None)),
+             (([5, 2, 6, 2, 9],), dict(max_tokens=8, min_tokens=2), ([5, 2, 6, 2], "stop")),
+             (([4, 2, 9],), dict(max_tokens=8, stop_token_ids=[4], min_tokens=1), ([4, 2], "stop")),
+             (([5, 4, 2],), dict(max_tokens=8, stop_token_ids=[4], ignore_eos=True), ([5, 4], "stop")),
+             (([5, 6, 7, 8],), dict(max_tokens=16, max_model_len=5), ([5, 6], "length")),
+             (([5] * 40,), dict(max_tokens=None, max_model_len=30), ([5] * 27, "length"))]
+    for args, params, want in cases:
+        mml = params.pop("max_model_len", 100)
+        got = case(*args, max_model_len=mml, **params)
+        _expect(got == want, f"ch01_ex1: the stream {args[0]} after a 3-token prompt, EOS 2, max_model_len={mml}, "
+                f"{params}: should end as (completion, finish reason) {want}, got {got}")
+
+
+@pytest.mark.ch01
+@pytest.mark.ch01_ex1
+@pytest.mark.group(STOPS)
+def test_ch01_ex1_stops_by_the_rules():
+    with graded(STOPS):
+        check_stops()
+
+
+# --- ch01_ex1: wrong answers lose exactly their part ------------------------------------------------
+def _prompt_not_copied(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE, prompt=None,
+                       seq_id=None):
+    """__init__ that keeps the caller's list: appending tokens grows the caller's prompt."""
+    _init_stand_in(self, token_ids, sampling_params, block_size, prompt, seq_id)
+    self.token_ids = token_ids if isinstance(token_ids, list) else self.token_ids
+
+
+def _token_block_negative_slices(token_ids, block_size, i):
+    """token_block that checks only the upper end: block(-1) quietly slices from the end."""
+    if i >= -(-len(token_ids) // block_size):
+        raise IndexError(f"block {i} out of range")
+    return token_ids[i * block_size:(i + 1) * block_size or None]
+
+
+def _stop_max_tokens_on_whole(seq, eos_token_ids, max_model_len):
+    """check_stop that compares max_tokens with the whole sequence, prompt included."""
+    p, t, n_out = seq.sampling_params, seq.last_token, seq.num_completion_tokens
+    if n_out > p.min_tokens and (t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids)):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif (p.max_tokens is not None and seq.num_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    return seq.is_finished
+
+
+def _stop_min_tokens_only_for_stop_ids(seq, eos_token_ids, max_model_len):
+    """check_stop that applies min_tokens to stop_token_ids only: EOS stops at once."""
+    p, t, n_out = seq.sampling_params, seq.last_token, seq.num_completion_tokens
+    if (not p.ignore_eos and t in eos_token_ids) or (t in p.stop_token_ids and n_out > p.min_tokens):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    return seq.is_finished
+
+
+WRONG = {
+    "prompt list not copied": (TOKENS, [(Sequence, "__init__", _prompt_not_copied)]),
+    "completion counted from the prompt's last token": (TOKENS, _views(
+        completion_token_ids=lambda s: s.token_ids[s.num_prompt_tokens - 1:],
+        num_completion_tokens=lambda s: len(s.token_ids) - s.num_prompt_tokens + 1)),
+    "num_blocks one too many at an exact multiple": (BLOCKS, [(sequence, "blocks_needed", lambda n, b: n // b + 1)]),
+    "a negative block index slices from the end": (BLOCKS, [(sequence, "token_block", _token_block_negative_slices)]),
+    "max_tokens counted on the whole sequence": (STOPS, [(sequence, "check_stop", _stop_max_tokens_on_whole)]),
+    "min_tokens ignored for EOS": (STOPS, [(sequence, "check_stop", _stop_min_tokens_only_for_stop_ids)]),
+}
+
+
+CHECKS = {TOKENS: check_tokens, BLOCKS: check_blocks, STOPS: check_stops}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_ch01_ex1_wrong_answers_lose_their_part(name):
+    """Each wrong answer, in place of the package's piece, fails the checks of its own part, and the
+    checks of the other parts (which run the grader's pieces in place of that part) still pass."""
+    part, wrong = WRONG[name]
+    with graded(part, wrong):
+        try:
+            CHECKS[part]()
+        except AssertionError as e:
+            _expect("ch01_ex1" in str(e), str(e))
+        else:
+            raise AssertionError(f"{name}: a wrong answer passed every check of its part ({part})")
+    for other, check in CHECKS.items():
+        if other != part:
+            with pytest.MonkeyPatch.context() as mp:
+                for owner, attr, fn in wrong:
+                    mp.setattr(owner, attr, fn)
+                with graded(other):
+                    check()
+
+
+# --- ch01_ex2: the sampling filters' ranges ----------------------------------------------------------
 def _numbers(lo, hi):
     """Valid and invalid values for a number field: in and out of [lo, hi], and of the wrong type."""
     return st.one_of(st.floats(lo - 2, hi + 2, allow_nan=False), st.integers(int(lo) - 2, int(hi) + 2),
@@ -194,16 +482,16 @@ def _problem(name, v) -> bool:
 
 
 @pytest.mark.ch01
-@pytest.mark.ch01_ex3
+@pytest.mark.ch01_ex2
 @settings(max_examples=300, deadline=None)
 @given(values=st.fixed_dictionaries({}, optional=FIELDS))
-def test_ch01_ex3_sampling_filters_follow_vllms_ranges(values):
+def test_ch01_ex2_sampling_filters_follow_vllms_ranges(values):
     """`SamplingParams(**values)`: a value out of range or of the wrong type is a ValueError naming
     its field; valid ones are kept as Python floats (top_k: an int, -1 stored as 0), and a greedy
     request (temperature < 1e-5) has top_p, top_k, min_p switched off (1.0, 0, 0.0)."""
-    at = f"ch01_ex3: SamplingParams({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+    at = f"ch01_ex2: SamplingParams({', '.join(f'{k}={v!r}' for k, v in values.items())})"
     bad = [k for k, v in values.items() if _problem(k, v)]
-    with graded("ch01_ex3"):
+    with graded("ch01_ex2"):
         try:
             p = SamplingParams(**values)
         except ValueError as e:

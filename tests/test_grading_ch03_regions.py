@@ -1,27 +1,32 @@
-"""Grading tests for chapter 03's rebuild exercises (`python -m minivllm.course.grade ch03_ex2`, or `pytest -m ch03_ex2`).
+"""Grading tests for chapter 03's build (`python -m minivllm.course.grade ch03_ex2`, or `pytest -m ch03_ex2`).
 
-ch03_ex2 (`pad_batch`'s layout), ch03_ex3 (`padded_attention`'s mask) and ch03_ex4 (the finished-row
-rule of `static_generate`) are graded in the package itself: in a student edition they are the
-student's code, exported from the chapter (stubs until filled), and there is no reference to compare
-with. Each is graded alone: `_stand_ins` puts the grader's own `pad_batch` and `padded_attention` in
-place of the ones the exercise is not about, so a filled region passes whatever state the others are in.
+ch03_ex2 is the build of static batching: `pad_batch` (left padding and positions), `padded_attention`
+(the mask over a left-padded batch) and the loop of `static_generate` (the prefill, the decode steps,
+the finished rows). It is graded in the package itself: in a student edition these are the student's
+code, exported from the chapter (stubs until filled), and there is no reference to compare with. It
+scores by parts (`@pytest.mark.group`, the groups of `EXERCISES["ch03_ex2"]`), each on its own:
+`graded` puts the grader's own pieces (`_PARTS`) in place of the parts a test is not about, so a
+filled part passes whatever state the others are in. Random inputs are derandomized.
 
 What is checked is the contract, never this chapter's code:
 * the padded batch: shapes and dtypes, each row ending with its prompt, padding ids, real positions
-  counting from 0 at each prompt's first token, padding positions valid;
+  counting from 0 at each prompt's first token, padding positions valid, the ValueErrors;
 * the mask: every real row of `padded_attention` equals `attention_reference` on that row alone
   (float64, float32, bfloat16), and nothing is NaN (padding queries included);
-* the finished-row rule: scripted models make each row's tokens known in advance; a row stops at
-  `max_tokens` or at EOS (kept) unless `ignore_eos`, and the batch stops after its last row;
+* the loop: scripted models make each row's tokens known in advance; a row stops at `max_tokens` or
+  at EOS (kept) unless `ignore_eos`, a finished row gains no token, and the batch stops after its last row;
 * end to end: the tiny model (float64) through a padded prefill and decode gives each prompt's own
-  transformers logits; `static_generate` gives transformers' greedy tokens cut at EOS or `max_tokens`.
+  transformers logits; `static_generate` gives transformers' greedy tokens cut at EOS or `max_tokens`,
+  and seeded rows what each draws alone.
+The tests at the end show that plausible wrong answers lose exactly their part's points.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -33,9 +38,13 @@ from engine_helpers import hf_greedy, one_thread
 from minivllm.model_executor.models.llama import attention_reference
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sampling_params import SamplingParams
+from minivllm.sample.generator import make_generator, sample
+from minivllm.course.grade import EXERCISES
 from minivllm.course.testing import random_prompts
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+PAD, MASK, LOOP = (name for name, _ in EXERCISES["ch03_ex2"].groups)
+SETTINGS = dict(deadline=None, derandomize=True, database=None)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -69,50 +78,103 @@ def _grader_padded_attention(q, k, v, pad_lens, scale):
     return out
 
 
-STAND_INS = {"ch03_ex2": "pad_batch", "ch03_ex3": "padded_attention", "ch03_ex4": None}
+def _grader_static_generate(model, prompts, sampling_params, eos_token_id=None, pad_token_id=0,
+                            keep_finished=False):
+    """The loop, with a set of live rows (`keep_finished`: the wrong answer whose finished rows go on)."""
+    params = sb._per_request(sampling_params, len(prompts))
+    device = model.lm_head.weight.device
+    batch = sb.pad_batch(prompts, pad_token_id, device)
+    width, longest = batch.input_ids.shape[1], max(p.max_tokens for p in params)
+    if width + longest > model.config.max_position_embeddings:
+        raise ValueError(f"{width} + {longest} columns exceed max_position_embeddings")
+    cache = sb.StaticBatchKVCache(model.model.layers[0].self_attn.scale, batch.pad_lens, width + longest)
+    gens = [make_generator(p.seed, device) if p.seed is not None else None for p in params]
+    outs, live, times = [[] for _ in prompts], set(range(len(prompts))), []
+    ids, pos = batch.input_ids, batch.positions
+    while live:
+        t0 = time.perf_counter()
+        h = model(ids.reshape(-1), pos.reshape(-1), cache)
+        last = model.compute_logits(h.view(len(prompts), -1, h.shape[-1])[:, -1])
+        feed = []
+        for b, p in enumerate(params):
+            if b not in live and not keep_finished:
+                feed.append(pad_token_id)
+                continue
+            tok = sample(last[b], p.temperature, gens[b])
+            outs[b].append(tok)
+            feed.append(tok)
+            if len(outs[b]) >= p.max_tokens or (tok == eos_token_id and not p.ignore_eos):
+                live.discard(b)
+        times.append(time.perf_counter() - t0)
+        ids, pos = torch.tensor(feed, dtype=torch.int64, device=device)[:, None], pos[:, -1:] + 1
+    return sb.StaticBatchResult(outs, batch.pad_lens.tolist(), [len(p) for p in prompts], len(times), times)
+
+
+# part -> (name in the module, the grader's piece). `graded` reads this table, never `STAND_INS`, which
+# the tripwires rewire while the build's own tests run.
+_PARTS = {PAD: ("pad_batch", _grader_pad_batch), MASK: ("padded_attention", _grader_padded_attention),
+          LOOP: ("static_generate", _grader_static_generate)}
+STAND_INS = {"ch03_ex2": [(sb, name, fn) for name, fn in _PARTS.values()]}
 
 
 @contextmanager
-def _stand_ins(ex: str):
-    """The package's (the student's) piece for `ex`, the grader's for the other regions."""
-    mine = {"pad_batch": _grader_pad_batch, "padded_attention": _grader_padded_attention}
+def graded(part: str | None, wrong=None):
+    """The package's (the student's) piece for `part` (None: none), the grader's for the other parts;
+    `wrong`, if given, in place of the package's piece of `part`."""
     with ExitStack() as stack:
-        for name, fn in mine.items():
-            if name != STAND_INS[ex]:
-                stack.enter_context(mock.patch.object(sb, name, fn))
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        for other, (name, fn) in _PARTS.items():
+            if other != part:
+                mp.setattr(sb, name, fn)
+            elif wrong is not None:
+                mp.setattr(sb, name, wrong)
         yield
 
 
-# --- ch03_ex2: pad_batch -------------------------------------------------------------------------
+# --- ch03_ex2, left padding and positions ---------------------------------------------------------
+def check_padding() -> None:
+    """Random prompts: `[batch_size, width]` int64 tensors, each row padding then its prompt, its real
+    positions 0..n-1, padding positions in [0, width); no prompts or an empty one: ValueError."""
+    @settings(max_examples=60, **SETTINGS)
+    @given(prompts=st.lists(st.lists(st.integers(1, 99), min_size=1, max_size=9), min_size=1, max_size=5),
+           pad_token_id=st.integers(0, 5))
+    def run(prompts, pad_token_id):
+        batch = sb.pad_batch(prompts, pad_token_id)
+        width, bsz = max(map(len, prompts)), len(prompts)
+        at = f"ch03_ex2: prompts {prompts}, pad_token_id {pad_token_id}: "
+        for name in ("input_ids", "positions", "pad_lens"):
+            t = getattr(batch, name)
+            _expect(isinstance(t, torch.Tensor) and t.dtype == torch.int64, f"{at}{name} must be an int64 tensor, got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        _expect(tuple(batch.input_ids.shape) == (bsz, width) and tuple(batch.positions.shape) == (bsz, width),
+                f"{at}input_ids and positions must be [{bsz}, {width}], got {tuple(batch.input_ids.shape)} and "
+                f"{tuple(batch.positions.shape)}")
+        want_pad = [width - len(p) for p in prompts]
+        _expect(batch.pad_lens.tolist() == want_pad, f"{at}pad_lens should be {want_pad}, got {batch.pad_lens.tolist()}")
+        for b, p in enumerate(prompts):
+            pad, row, pos = want_pad[b], batch.input_ids[b].tolist(), batch.positions[b].tolist()
+            _expect(row == [pad_token_id] * pad + p, f"{at}row {b} should be {pad} padding ids then the prompt "
+                    f"(left padding: every row's newest token in the last column), got {row}")
+            _expect(pos[pad:] == list(range(len(p))), f"{at}row {b}'s real tokens should sit at positions "
+                    f"{list(range(len(p)))} (RoPE sees position 0 at a prompt's first token, whatever its padding), "
+                    f"got {pos[pad:]}")
+            _expect(all(0 <= x < width for x in pos[:pad]), f"{at}row {b}'s padding positions {pos[:pad]} should be "
+                    f"valid positions in [0, {width})")
+    run()
+    for bad in ([], [[1, 2], []]):
+        try:
+            sb.pad_batch(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"ch03_ex2: pad_batch({bad}) should raise ValueError (no prompts, or an empty prompt)")
+
+
 @pytest.mark.ch03
 @pytest.mark.ch03_ex2
-@settings(max_examples=60, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(1, 99), min_size=1, max_size=9), min_size=1, max_size=5),
-       pad_token_id=st.integers(0, 5))
-def test_ch03_ex2_pad_batch_layout(prompts, pad_token_id):
-    """Random prompts: `[batch_size, width]` int64 tensors, each row padding then its prompt, its real
-    positions 0..n-1, padding positions in [0, width)."""
-    batch = sb.pad_batch(prompts, pad_token_id)
-    width, bsz = max(map(len, prompts)), len(prompts)
-    at = f"ch03_ex2: prompts {prompts}, pad_token_id {pad_token_id}: "
-    for name in ("input_ids", "positions", "pad_lens"):
-        t = getattr(batch, name)
-        _expect(isinstance(t, torch.Tensor) and t.dtype == torch.int64, f"{at}{name} must be an int64 tensor, got "
-                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    _expect(tuple(batch.input_ids.shape) == (bsz, width) and tuple(batch.positions.shape) == (bsz, width),
-            f"{at}input_ids and positions must be [{bsz}, {width}], got {tuple(batch.input_ids.shape)} and "
-            f"{tuple(batch.positions.shape)}")
-    want_pad = [width - len(p) for p in prompts]
-    _expect(batch.pad_lens.tolist() == want_pad, f"{at}pad_lens should be {want_pad}, got {batch.pad_lens.tolist()}")
-    for b, p in enumerate(prompts):
-        pad, row, pos = want_pad[b], batch.input_ids[b].tolist(), batch.positions[b].tolist()
-        _expect(row == [pad_token_id] * pad + p, f"{at}row {b} should be {pad} padding ids then the prompt "
-                f"(left padding: every row's newest token in the last column), got {row}")
-        _expect(pos[pad:] == list(range(len(p))), f"{at}row {b}'s real tokens should sit at positions "
-                f"{list(range(len(p)))} (RoPE sees position 0 at a prompt's first token, whatever its padding), "
-                f"got {pos[pad:]}")
-        _expect(all(0 <= x < width for x in pos[:pad]), f"{at}row {b}'s padding positions {pos[:pad]} should be "
-                f"valid positions in [0, {width})")
+@pytest.mark.group(PAD)
+def test_ch03_ex2_pad_batch_layout():
+    with graded(PAD):
+        check_padding()
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +184,15 @@ def tiny(tiny_llama):
 
 
 @pytest.mark.ch03
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex), id=ex)
-                                for ex in ("ch03_ex2", "ch03_ex3")])
-def test_ch03_padded_prefill_and_decode_equal_transformers(ex, tiny):
+@pytest.mark.ch03_ex2
+@pytest.mark.parametrize("part", [pytest.param(p, marks=pytest.mark.group(p), id=n)
+                                  for p, n in ((PAD, "padding"), (MASK, "mask"))])
+def test_ch03_ex2_padded_prefill_and_decode_equal_transformers(part, tiny):
     """The tiny model (float64) on a left-padded batch, prefill then one decode column: each row's real
     columns give the logits transformers gives the prompt alone (1e-9: float64 rounding only)."""
     model, hf = tiny
     prompts = random_prompts(4, 1, 11, seed=3) + [[5]]
-    with _stand_ins(ex), torch.inference_mode():
+    with graded(part), torch.inference_mode():
         batch = sb.pad_batch(prompts, 0)
         width = batch.input_ids.shape[1]
         cache = sb.StaticBatchKVCache(model.model.layers[0].self_attn.scale, batch.pad_lens, width + 1)
@@ -140,63 +203,72 @@ def test_ch03_padded_prefill_and_decode_equal_transformers(ex, tiny):
         for b, p in enumerate(prompts):
             want = hf(torch.tensor([p + [int(nxt[b])]])).logits[0]
             diff = (logits[b, width - len(p):] - want[:-1]).abs()
-            _expect(float(diff.max()) < 1e-9, f"{ex}: prefill of prompts of lengths {[len(q) for q in prompts]} "
-                    f"padded to {width}: row {b} ({len(p)} tokens) differs from transformers on the prompt alone by "
-                    f"{float(diff.max()):.3g} at its token {int(diff.amax(-1).argmax())}")
+            _expect(float(diff.max()) < 1e-9, f"ch03_ex2 ({part}): prefill of prompts of lengths "
+                    f"{[len(q) for q in prompts]} padded to {width}: row {b} ({len(p)} tokens) differs from "
+                    f"transformers on the prompt alone by {float(diff.max()):.3g} at its token {int(diff.amax(-1).argmax())}")
             d = float((dec[b] - want[-1]).abs().max())
-            _expect(d < 1e-9, f"{ex}: the decode step after the padded prefill: row {b} ({len(p)} prompt tokens) "
-                    f"differs from transformers by {d:.3g}")
+            _expect(d < 1e-9, f"ch03_ex2 ({part}): the decode step after the padded prefill: row {b} ({len(p)} prompt "
+                    f"tokens) differs from transformers by {d:.3g}")
 
 
-# --- ch03_ex3: padded_attention ------------------------------------------------------------------
+# --- ch03_ex2, the mask hides padding and the future ------------------------------------------------
 # float64: rounding only. float32: ~1e-7 relative per operation over a dozen keys. bfloat16 keeps 8
 # significant bits: scores of size ~3 carry errors ~1e-2, which the softmax passes on to the weights.
 TOL = {torch.float64: (1e-12, 0.0), torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-2, 2e-2)}
 
 
-@pytest.mark.ch03
-@pytest.mark.ch03_ex3
-@pytest.mark.parametrize("dtype", list(TOL), ids=str)
-@settings(max_examples=40, deadline=None)
-@given(lens=st.lists(st.integers(1, 10), min_size=1, max_size=4), groups=st.sampled_from([1, 2, 3]),
-       decode=st.integers(0, 2), seed=st.integers(0, 2**16))
-def test_ch03_ex3_padded_attention_equals_each_row_alone(dtype, lens, groups, decode, seed):
+def check_mask(dtype) -> None:
     """Rows of random lengths left-padded, queries the last Tq columns (all of them at a prefill, 1
     or 2 at decode steps): each real query equals `attention_reference` over its row's real keys,
     computed in float64 from the same rounded inputs; no output is NaN, padding rows included."""
-    g = torch.Generator().manual_seed(seed)
-    kvh, d = 2, 8
-    width = max(lens) + (decode > 0) * decode
-    real = [n + (decode > 0) * decode for n in lens]  # real columns per row
-    pad_lens = torch.tensor([width - n for n in real])
-    tq = width if decode == 0 else decode
-    q = torch.randn(len(lens), tq, kvh * groups, d, generator=g, dtype=torch.float64).to(dtype)
-    k, v = torch.randn(2, len(lens), width, kvh, d, generator=g, dtype=torch.float64).to(dtype)
-    got = sb.padded_attention(q, k, v, pad_lens, 0.35)
-    at = f"ch03_ex3 ({dtype}): rows of {real} real columns padded to {width}, {tq} query column(s), " \
-         f"{kvh * groups} query heads over {kvh} K/V heads"
-    _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
-            f"{at}: expected shape {tuple(q.shape)} and dtype {q.dtype}, got "
-            f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
-    bad = (~torch.isfinite(got)).nonzero()
-    _expect(len(bad) == 0, f"{at}: NaN or inf at [row, query, head, dim] {bad[0].tolist() if len(bad) else ''} — a "
-            "padding query that sees no key at all gives a softmax over nothing; let each query see its own column")
-    atol, rtol = TOL[dtype]
-    for b, n in enumerate(real):
-        nq = min(tq, n)  # the real queries of row b: its last nq columns
-        want = attention_reference(q[b, tq - nq:].double(), k[b, width - n:].double(), v[b, width - n:].double(), 0.35)
-        torch.testing.assert_close(got[b, tq - nq:].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
-            f"{at}: row {b} (padding {width - n}) against attention_reference on the row alone "
-            f"(causal over its real keys; index = [query, head, dim] of its real queries): {m}"))
+    @settings(max_examples=40, **SETTINGS)
+    @given(lens=st.lists(st.integers(1, 10), min_size=1, max_size=4), groups=st.sampled_from([1, 2, 3]),
+           decode=st.integers(0, 2), seed=st.integers(0, 2**16))
+    def run(lens, groups, decode, seed):
+        g = torch.Generator().manual_seed(seed)
+        kvh, d = 2, 8
+        width = max(lens) + (decode > 0) * decode
+        real = [n + (decode > 0) * decode for n in lens]  # real columns per row
+        pad_lens = torch.tensor([width - n for n in real])
+        tq = width if decode == 0 else decode
+        q = torch.randn(len(lens), tq, kvh * groups, d, generator=g, dtype=torch.float64).to(dtype)
+        k, v = torch.randn(2, len(lens), width, kvh, d, generator=g, dtype=torch.float64).to(dtype)
+        got = sb.padded_attention(q, k, v, pad_lens, 0.35)
+        at = f"ch03_ex2 ({dtype}): rows of {real} real columns padded to {width}, {tq} query column(s), " \
+             f"{kvh * groups} query heads over {kvh} K/V heads"
+        _expect(isinstance(got, torch.Tensor) and got.shape == q.shape and got.dtype == q.dtype,
+                f"{at}: expected shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                f"{(tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got).__name__}")
+        bad = (~torch.isfinite(got)).nonzero()
+        _expect(len(bad) == 0, f"{at}: NaN or inf at [row, query, head, dim] {bad[0].tolist() if len(bad) else ''} — a "
+                "padding query that sees no key at all gives a softmax over nothing; let each query see its own column")
+        atol, rtol = TOL[dtype]
+        for b, n in enumerate(real):
+            nq = min(tq, n)  # the real queries of row b: its last nq columns
+            want = attention_reference(q[b, tq - nq:].double(), k[b, width - n:].double(), v[b, width - n:].double(), 0.35)
+            torch.testing.assert_close(got[b, tq - nq:].double(), want, atol=atol, rtol=rtol, msg=lambda m: (
+                f"{at}: row {b} (padding {width - n}) against attention_reference on the row alone "
+                f"(causal over its real keys; index = [query, head, dim] of its real queries): {m}"))
+    run()
 
 
-# --- ch03_ex4: the finished-row rule -------------------------------------------------------------
+@pytest.mark.ch03
+@pytest.mark.ch03_ex2
+@pytest.mark.group(MASK)
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+def test_ch03_ex2_padded_attention_equals_each_row_alone(dtype):
+    with graded(MASK):
+        check_mask(dtype)
+
+
+# --- ch03_ex2, the loop runs each row to its own end ------------------------------------------------
 VOCAB = 16
 
 
 class _ScriptedModel:
     """A stand-in for the decoder whose greedy next token is `NEXT[last token]`, whatever the batch:
-    each row's tokens are known in advance. It has what `static_generate` reads of a model."""
+    each row's tokens are known in advance. It has what `static_generate` reads of a model, and counts
+    the columns it is fed (`fed`: per pass, the ids of the last column)."""
 
     def __init__(self, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -204,8 +276,10 @@ class _ScriptedModel:
         self.lm_head = SimpleNamespace(weight=torch.zeros(1))
         self.config = SimpleNamespace(max_position_embeddings=4096)
         self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(scale=1.0))])
+        self.fed: list[list[int]] = []
 
     def __call__(self, ids, positions, cache):
+        self.fed.append(ids.tolist())
         return torch.nn.functional.one_hot(ids, VOCAB).double()  # [N, VOCAB] as the "hidden states"
 
     def compute_logits(self, hidden):
@@ -221,35 +295,53 @@ class _ScriptedModel:
         return out
 
 
-@pytest.mark.ch03
-@pytest.mark.ch03_ex4
-@settings(max_examples=80, deadline=None)
-@given(rows=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), st.integers(1, 8),
-                               st.booleans()), min_size=1, max_size=5),
-       eos=st.one_of(st.none(), st.integers(0, VOCAB - 1)), seed=st.integers(0, 50))
-def test_ch03_ex4_rows_finish_by_the_rule(rows, eos, seed):
+def check_loop() -> None:
     """A scripted model (each row's tokens known in advance): a row stops after `max_tokens` tokens or
-    at EOS (kept) unless `ignore_eos`; the batch runs until its last row is done, not longer."""
-    model = _ScriptedModel(seed)
-    prompts = [p for p, _, _ in rows]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=ig) for _, m, ig in rows]
-    want = [model.expected(p, sp, eos) for p, sp in zip(prompts, params)]
-    with _stand_ins("ch03_ex4"):
-        res = sb.static_generate(model, prompts, params, eos_token_id=eos)
-    for b, (got, w) in enumerate(zip(res.outputs, want)):
-        chain = model.expected(prompts[b], SamplingParams(max_tokens=params[b].max_tokens, ignore_eos=True), eos)
-        _expect(got == w, f"ch03_ex4: row {b} (max_tokens={params[b].max_tokens}, ignore_eos={params[b].ignore_eos}, "
-                f"eos_token_id={eos}): the model's tokens are {chain}; cut after max_tokens, or after the EOS token "
-                f"unless ignore_eos, that is {w}; got {got}")
-    _expect(res.num_steps == max(map(len, want)), f"ch03_ex4: the batch should run {max(map(len, want))} forward "
-            f"passes (until its last row is done), ran {res.num_steps}")
+    at EOS (kept) unless `ignore_eos`; the batch runs until its last row is done, not longer; a row
+    still generating is fed its newest token."""
+    @settings(max_examples=80, **SETTINGS)
+    @given(rows=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), st.integers(1, 8),
+                                   st.booleans()), min_size=1, max_size=5),
+           eos=st.one_of(st.none(), st.integers(1, VOCAB - 1)), seed=st.integers(0, 50))
+    def run(rows, eos, seed):
+        model = _ScriptedModel(seed)
+        prompts = [p for p, _, _ in rows]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=ig) for _, m, ig in rows]
+        want = [model.expected(p, sp, eos) for p, sp in zip(prompts, params)]
+        res = sb.static_generate(model, prompts, params, eos_token_id=eos, pad_token_id=0)
+        for b, (got, w) in enumerate(zip(res.outputs, want)):
+            chain = model.expected(prompts[b], SamplingParams(max_tokens=params[b].max_tokens, ignore_eos=True), eos)
+            _expect(got == w, f"ch03_ex2: row {b} (max_tokens={params[b].max_tokens}, ignore_eos={params[b].ignore_eos}, "
+                    f"eos_token_id={eos}): the model's tokens are {chain}; cut after max_tokens, or after the EOS token "
+                    f"unless ignore_eos, that is {w}; got {got}")
+        steps = max(map(len, want))
+        _expect(res.num_steps == steps and len(model.fed) == steps, f"ch03_ex2: the batch should run {steps} forward "
+                f"passes (until its last row is done), ran {len(model.fed)} (num_steps {res.num_steps})")
+        for step, fed in enumerate(model.fed[1:], start=1):
+            for b, w in enumerate(want):
+                if step < len(w):  # a finished row may be fed anything: its output is thrown away
+                    _expect(fed[b] == w[step - 1], f"ch03_ex2: decode step {step}, row {b} (its tokens {w}) should be "
+                            f"fed its newest token {w[step - 1]}, got {fed[b]}")
+    run()
 
 
 @pytest.mark.ch03
-@pytest.mark.ch03_ex4
-def test_ch03_ex4_static_generate_equals_transformers(tiny):
+@pytest.mark.ch03_ex2
+@pytest.mark.group(LOOP)
+def test_ch03_ex2_rows_finish_by_the_rule():
+    with graded(LOOP):
+        check_loop()
+
+
+@pytest.mark.ch03
+@pytest.mark.ch03_ex2
+@pytest.mark.group(LOOP)
+def test_ch03_ex2_static_generate_equals_transformers(tiny):
     """The tiny model (float64, no near-tie can flip) with an EOS token it produces: each request's
-    tokens are transformers' greedy tokens cut at EOS (kept) or `max_tokens`; `ignore_eos` runs past EOS."""
+    tokens are transformers' greedy tokens cut at EOS (kept) or `max_tokens`; `ignore_eos` runs past EOS;
+    seeded rows draw what each draws alone (chapter 02's `naive_generate`)."""
+    from minivllm.baselines.naive import naive_generate
+
     model, hf = tiny
     prompts = random_prompts(6, 1, 12, seed=11)
     full = [hf_greedy(hf, p, 8) for p in prompts]
@@ -262,9 +354,61 @@ def test_ch03_ex4_static_generate_equals_transformers(tiny):
         out = out[:sp.max_tokens]
         want.append(out if sp.ignore_eos or eos not in out else out[:out.index(eos) + 1])
     assert any(len(w) < sp.max_tokens for w, sp in zip(want, params)), "grader setup: no request stops at EOS"
-    with _stand_ins("ch03_ex4"):
+    with graded(LOOP):
         res = sb.static_generate(model, prompts, params, eos_token_id=eos)
+        seeded = [SamplingParams(temperature=0.8, max_tokens=5 + i, seed=i) for i in range(3)]
+        drawn = sb.static_generate(model, prompts[:3], seeded).outputs
     for i, (got, w) in enumerate(zip(res.outputs, want)):
-        _expect(got == w, f"ch03_ex4: request {i} (max_tokens={params[i].max_tokens}, ignore_eos="
+        _expect(got == w, f"ch03_ex2: request {i} (max_tokens={params[i].max_tokens}, ignore_eos="
                 f"{params[i].ignore_eos}, eos {eos}): static_generate gave {got}, transformers' greedy tokens cut "
                 f"by the rule are {w}")
+    alone = [naive_generate(model, p, sp) for p, sp in zip(prompts[:3], seeded)]
+    _expect(drawn == alone, f"ch03_ex2: seeded rows (temperature 0.8, seeds 0, 1, 2) should draw what each draws "
+            f"alone, {alone}; got {drawn} (each row samples with its own generator)")
+
+
+# --- ch03_ex2: wrong answers lose exactly their part ------------------------------------------------
+def _right_padding(prompts, pad_token_id=0, device="cpu"):
+    """Prompts at column 0, padding after them, positions 0..width-1 for every row."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([list(p) + [pad_token_id] * (width - len(p)) for p in prompts], dtype=torch.int64)
+    pos = torch.arange(width).repeat(len(prompts), 1)
+    return sb.PaddedBatch(ids, pos, torch.tensor([width - len(p) for p in prompts]))
+
+
+def _mask_sees_padding(q, k, v, pad_lens, scale):
+    """Causal attention that forgets the padding: every key up to the query's column is attended."""
+    tq, tk = q.shape[1], k.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    allowed = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).double(), k.repeat_interleave(groups, 2).transpose(1, 2).double(),
+        v.repeat_interleave(groups, 2).transpose(1, 2).double(), attn_mask=allowed, scale=scale).transpose(1, 2).to(q.dtype)
+
+
+WRONG = {"right padding without shifted positions": (PAD, _right_padding),
+         "a mask that lets padding be attended": (MASK, _mask_sees_padding),
+         "a finished row that keeps generating": (LOOP, partial(_grader_static_generate, keep_finished=True))}
+CHECKS = {PAD: [check_padding], MASK: [partial(check_mask, torch.float64)], LOOP: [check_loop]}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_ch03_ex2_wrong_answers_lose_their_part(name):
+    """Each wrong answer, in place of the package's piece, fails the checks of its own part; the checks
+    of the other parts (which run the grader's pieces in place of that part) still pass."""
+    part, wrong = WRONG[name]
+    for check in CHECKS[part]:
+        with graded(part, wrong):
+            try:
+                check()
+            except AssertionError as e:
+                _expect("ch03_ex2" in str(e), str(e))
+            else:
+                raise AssertionError(f"{name}: a wrong answer passed the checks of its part ({part})")
+    for other, checks in CHECKS.items():
+        if other != part:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(sb, _PARTS[part][0], wrong)
+                for check in checks:
+                    with graded(other):
+                        check()

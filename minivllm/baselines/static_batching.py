@@ -48,16 +48,19 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
         prompts: `batch_size` non-empty lists of token ids.
         pad_token_id: the id written in padding slots (never attended to, so any id works).
         device: where the tensors live.
+    Returns:
+        A `PaddedBatch`: int64 tensors on `device`, row b = `pad_lens[b]` padding ids then prompt b;
+        positions 0, 1, ... from each prompt's first token, `PAD_POSITION` in padding slots.
     Raises:
         ValueError: no prompts, or an empty prompt.
     """
+    # EXERCISE ch03_ex2 (10 points): left-pad each prompt to the longest; positions count from its first real token
+    ### BEGIN SOLUTION
     if not prompts:
         raise ValueError("no prompts to batch")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
-    # EXERCISE ch03_ex2 (2 points): left-pad each prompt to the longest; positions count from its first real token
-    ### BEGIN SOLUTION
     width = max(len(p) for p in prompts)
     pad_lens = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64, device=device)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64, device=device)
@@ -65,8 +68,8 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64, device=device)
     columns = torch.arange(width, device=device)
     positions = (columns[None, :] - pad_lens[:, None]).clamp(min=PAD_POSITION)
-    ### END SOLUTION
     return PaddedBatch(input_ids, positions, pad_lens)
+    ### END SOLUTION
 
 # %% ../../notebooks/03_batching.ipynb #e52b972c
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens: torch.Tensor,
@@ -80,25 +83,27 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad_lens
         pad_lens: `[batch_size]` int64; columns `< pad_lens[b]` of row b are padding.
         scale: multiplies q·k.
     Returns:
-        `[batch_size, Tq, num_heads, head_dim]`, dtype of `q`; softmax runs in at least float32.
+        `[batch_size, Tq, num_heads, head_dim]`, dtype of `q`; softmax runs in at least float32. Query i
+        (column `Tk - Tq + i`) of row b sees the key columns j with j <= its column and j >= pad_lens[b],
+        and always its own column (a padding query then sees one key: no NaN).
     """
+    # EXERCISE ch03_ex2 (10 points): causal attention over the real keys of each row, and each query's own column
+    ### BEGIN SOLUTION
     tq, tk = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(groups, dim=2)
     v = v.repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [batch_size, num_heads, Tq, Tk]
-    # EXERCISE ch03_ex3 (3 points): the mask allowed [batch_size, Tq, Tk]: causal, no padding key, own column always
-    ### BEGIN SOLUTION
     q_col = torch.arange(tk - tq, tk, device=q.device)  # the column of each query
     k_col = torch.arange(tk, device=q.device)
     causal = k_col[None, :] <= q_col[:, None]  # [Tq, Tk]
     real_key = k_col[None, :] >= pad_lens[:, None]  # [batch_size, Tk]
     itself = k_col[None, :] == q_col[:, None]  # lets a padding query see one key: no NaN
     allowed = (causal[None] & real_key[:, None, :]) | itself[None]  # [batch_size, Tq, Tk]
-    ### END SOLUTION
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    ### END SOLUTION
 
 # %% ../../notebooks/03_batching.ipynb #e1a6c893
 class StaticBatchKVCache:
@@ -194,8 +199,13 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
                     eos_token_id: int | None = None, pad_token_id: int = 0) -> StaticBatchResult:
     """Generate for a whole batch at once, the way servers did before continuous batching (Orca).
 
-    The prompts are left-padded and prefilled together, then every decode step runs all rows until
-    the *last* one finishes; a row that finished early is computed anyway and its tokens thrown away.
+    The prompts are left-padded (`pad_batch`) and prefilled together in one forward pass through a
+    `StaticBatchKVCache` of `max_prompt_len + max(max_tokens)` columns; each pass samples row b's next
+    token from the last column's logits (`sample`, with the row's temperature and its own generator when
+    seeded). Then every decode step feeds one column, at the position after each row's last: each
+    unfinished row its newest token, a finished row any id (`pad_token_id`: computed, then thrown away).
+    Row b is finished after `max_tokens` tokens, or after the EOS token (kept) unless `ignore_eos`; the
+    loop stops when every row is finished (Orca's request-level batching).
 
     Args:
         model: our decoder. prompts: token-id lists, each non-empty.
@@ -217,6 +227,8 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
     if max_len > limit:
         raise ValueError(f"padded prompt ({batch.max_prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
                          f"the model's max_position_embeddings={limit}")
+    # EXERCISE ch03_ex2 (10 points): prefill, then decode steps over all rows until every row is finished
+    ### BEGIN SOLUTION
     cache = StaticBatchKVCache(model.model.layers[0].self_attn.scale, batch.pad_lens, max_len)
     generators = [None if p.seed is None else make_generator(p.seed, device) for p in sampling_params]
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -233,15 +245,13 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
                 continue
             next_ids[b] = token = sample(logits[b], params.temperature, generators[b])
             outputs[b].append(token)
-            # EXERCISE ch03_ex4 (2 points): row b is done after max_tokens tokens, or at EOS unless ignore_eos
-            ### BEGIN SOLUTION
             done[b] = len(outputs[b]) == params.max_tokens or (token == eos_token_id and not params.ignore_eos)
-            ### END SOLUTION
         step_times.append(time.perf_counter() - t0)
         ids = torch.tensor(next_ids, device=device)[:, None]
         positions = positions[:, -1:] + 1
     return StaticBatchResult(outputs, batch.pad_lens.tolist(), [len(p) for p in prompts],
                              len(step_times), step_times)
+    ### END SOLUTION
 
 # %% ../../notebooks/03_batching.ipynb #9b372e55
 PADDING, PROMPT, OUTPUT, IDLE = 0, 1, 2, 3

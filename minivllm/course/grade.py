@@ -105,10 +105,13 @@ _T1, _T3, _T46, _T10 = ("tests/test_grading.py",), ("tests/test_grading_ch03.py"
     ("tests/test_grading_ch04_06.py",), ("tests/test_grading_ch10.py",)
 
 EXERCISES: dict[str, Exercise] = {e.id: e for e in [
-    Exercise("ch01_ex1", 3, "extend", "check_stop by the rules", "exercises/ch01_sequences.py", _T1),
-    Exercise("ch01_ex2", 2, "rebuild", "the token blocks (blocks_needed, token_block)", "notebooks/01_sequences.ipynb",
-             ("tests/test_grading_ch01_regions.py",)),
-    Exercise("ch01_ex3", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
+    Exercise("ch01_ex1", 12, "rebuild", "build the sequence: its token views, the Sequence's constructor and "
+             "append_token, the block arithmetic (blocks_needed, token_block) and its views, the stop rules (check_stop)",
+             "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",),
+             groups=(("tokens and lengths", 4),
+                     ("blocks of the sequence", 4),
+                     ("stops by the rules", 4))),
+    Exercise("ch01_ex2", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
              "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",)),
     Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
     Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
@@ -122,12 +125,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("the decoder layer's residuals and norms equal transformers'", 2),
                      ("the decoder equals transformers' logits", 3))),
     Exercise("ch03_ex1", 4, "extend", "chapter 03's batching exercise", "exercises/ch03_batching.py", _T3),
-    Exercise("ch03_ex2", 2, "rebuild", "left padding and positions (pad_batch)", "notebooks/03_batching.ipynb",
-             ("tests/test_grading_ch03_regions.py",)),
-    Exercise("ch03_ex3", 3, "rebuild", "the padded attention mask", "notebooks/03_batching.ipynb",
-             ("tests/test_grading_ch03_regions.py",)),
-    Exercise("ch03_ex4", 2, "rebuild", "when a static batch's row is finished", "notebooks/03_batching.ipynb",
-             ("tests/test_grading_ch03_regions.py",)),
+    Exercise("ch03_ex2", 10, "rebuild", "build static batching: left padding and positions (pad_batch), the padded "
+             "attention with its mask (padded_attention), the loop over a static batch (static_generate)",
+             "notebooks/03_batching.ipynb", ("tests/test_grading_ch03_regions.py",),
+             groups=(("left padding and positions", 3),
+                     ("the mask hides padding and the future", 4),
+                     ("the loop runs each row to its own end", 3))),
     Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
     Exercise("ch04_ex2", 2, "rebuild", "the slot mapping", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
