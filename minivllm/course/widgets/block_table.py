@@ -181,7 +181,8 @@ def block_table_explorer(lengths: str = "6 4 9 3", block_size: int = 4, num_bloc
     import matplotlib.pyplot as plt
 
     controls = {
-        "lengths": widgets.Text(value=lengths, description="prompt lengths", continuous_update=False),
+        "lengths": widgets.Text(value=lengths, description="prompt lengths", continuous_update=False,
+                                style={"description_width": "initial"}),
         "block_size": widgets.IntSlider(value=block_size, min=1, max=16, description="block size"),
         "num_blocks": widgets.IntSlider(value=num_blocks, min=1, max=32, description="pool blocks"),
         "max_len": widgets.IntSlider(value=max_len, min=4, max=64, description="max_len"),
