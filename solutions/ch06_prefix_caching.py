@@ -1,6 +1,6 @@
 """Chapter 06 exercises. Your answers go between the TODO lines; see the chapter notebook.
 
-Exercise 1 (ch06_ex1) — token-granular prefix caching: write `MyPrefixCachingBlockManager.cached_prefix`,
+Exercise 2 (ch06_ex2) — token-granular prefix caching: write `MyPrefixCachingBlockManager.cached_prefix`,
 the lookup behind the chapter's third rule for the last token, and `allocate`, which shares what it
 finds. Every full block of the prompt may be found in the cache (keep the check of tokens *and*
 parent), and a prompt that is entirely cached recomputes only its last token: `num_cached_tokens =
@@ -8,7 +8,7 @@ num_tokens - 1` (vLLM does this when a whole prompt's K/V came from a remote con
 its contract, not by the chapter's code: the cache invariants under random operation sequences,
 `num_cached_tokens` exactly as large as the rule allows for requests that follow each other on a
 cache that keeps everything, and the engine's greedy outputs against transformers on prompts sent
-more than once: `pytest -m ch06_ex1 --impl=exercises`.
+more than once: `pytest -m ch06_ex2 --impl=exercises`.
 """
 from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence

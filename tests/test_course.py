@@ -396,12 +396,12 @@ def test_every_chapter_at_once_holds_no_answer_line(every_chapter):
     answers = [(ex, a) for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
                for ex, texts in _regions(nb).items() for a in texts]
     release.check_edition(every_chapter, answers)  # as the release did: no error
-    line = sorted(release.answer_lines(answers)["ch06_ex3"])[0]  # a line of the chapter's allocate
+    line = sorted(release.answer_lines(answers)["ch06_ex1"])[0]  # a line of the chapter's build
     given = every_chapter / "exercises" / "ch06_prefix_caching.py"
     text = given.read_text()
     try:
         given.write_text(text + "\n" + line + "\n")
-        with pytest.raises(RuntimeError, match=rf"exercises/ch06_prefix_caching.py:\d+: ch06_ex3: {re.escape(line)}"):
+        with pytest.raises(RuntimeError, match=rf"exercises/ch06_prefix_caching.py:\d+: ch06_ex1: {re.escape(line)}"):
             release.check_edition(every_chapter, answers)
     finally:
         given.write_text(text)

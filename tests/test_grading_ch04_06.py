@@ -937,7 +937,7 @@ def test_ch05_ex3_window_decode_matches_reference(ch05, dtype, lens, block_size,
             f"block_size {block_size}, block table {tables[i]}: {m}"))
 
 
-# --- ch06_ex1: token-granular prefix caching, graded by its contract --------------------------------
+# --- ch06_ex2: token-granular prefix caching, graded by its contract --------------------------------
 def _ch06_expected(prompt: list[int], written: set[tuple[int, ...]], block_size: int) -> int:
     """The rule: every full block whose whole prefix was written before is found; a prompt found
     entirely recomputes only its last token."""
@@ -948,18 +948,18 @@ def _ch06_expected(prompt: list[int], written: set[tuple[int, ...]], block_size:
 
 
 @pytest.mark.ch06
-@pytest.mark.ch06_ex1
-def test_ch06_ex1_written_in_the_exercise_file(ch06):
+@pytest.mark.ch06_ex2
+def test_ch06_ex2_written_in_the_exercise_file(ch06):
     """The lookup is the student's own `cached_prefix`, written in the exercise's file (`_written_here`)."""
-    _written_here("ch06_ex1", ch06, ch06.MyPrefixCachingBlockManager, ["cached_prefix"])
+    _written_here("ch06_ex2", ch06, ch06.MyPrefixCachingBlockManager, ["cached_prefix"])
 
 
 @pytest.mark.ch06
-@pytest.mark.ch06_ex1
+@pytest.mark.ch06_ex2
 @settings(max_examples=200, deadline=None, report_multiple_bugs=False)
 @given(prompts=st.lists(st.lists(st.integers(1, 2), min_size=1, max_size=12), min_size=1, max_size=12),
        block_size=st.integers(1, 4))
-def test_ch06_ex1_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
+def test_ch06_ex2_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
     """Requests one after another on a cache that keeps everything: `num_cached_tokens` is exactly
     what the rule allows, the shared blocks are the earlier requests' blocks, and all is freed after."""
     bm = ch06.MyPrefixCachingBlockManager(num_blocks=len(prompts) * 12 + 1, block_size=block_size)
@@ -967,8 +967,8 @@ def test_ch06_ex1_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
     sent = []
     for tokens in prompts + prompts:  # every prompt twice: whole prompts come back
         seq = Sequence(tokens, block_size=block_size)
-        at = f"ch06_ex1: block_size {block_size}, prompt {tokens} after the prompts {sent}:"
-        with your_code("ch06_ex1", f"allocate of the prompt {tokens} (block_size {block_size}) after {sent}"):
+        at = f"ch06_ex2: block_size {block_size}, prompt {tokens} after the prompts {sent}:"
+        with your_code("ch06_ex2", f"allocate of the prompt {tokens} (block_size {block_size}) after {sent}"):
             bm.allocate(seq)
         want = _ch06_expected(tokens, written, block_size)
         _expect(seq.num_cached_tokens == want, f"{at} num_cached_tokens should be {want} ({want // block_size} full "
@@ -989,10 +989,10 @@ def test_ch06_ex1_cached_tokens_as_the_rule_says(ch06, prompts, block_size):
 
 
 @pytest.mark.ch06
-@pytest.mark.ch06_ex1
+@pytest.mark.ch06_ex2
 @settings(max_examples=300, deadline=None, report_multiple_bugs=False)  # short workloads: many of them
 @given(ops=OPS, block_size=st.integers(1, 4), num_blocks=st.integers(3, 10), max_num_seqs=st.integers(1, 4))
-def test_ch06_ex1_invariants_under_random_operations(ch06, ops, block_size, num_blocks, max_num_seqs):
+def test_ch06_ex2_invariants_under_random_operations(ch06, ops, block_size, num_blocks, max_num_seqs):
     """Adds, steps (with preemption) and aborts: reference counts, the hash table and the parent
     chains stay consistent (`check_invariants`, `check_cache`), whatever the block tables are."""
     sched = Scheduler(ch06.MyPrefixCachingBlockManager(num_blocks, block_size), max_num_seqs, 24, 24, {0})
@@ -1005,27 +1005,27 @@ def test_ch06_ex1_invariants_under_random_operations(ch06, ops, block_size, num_
                 sched.add(seq)
         elif op[0] == "step":
             step += 1
-            with your_code("ch06_ex1", f"step {step} (a prefill allocates with your cached_prefix)"):
+            with your_code("ch06_ex2", f"step {step} (a prefill allocates with your cached_prefix)"):
                 batch, _ = sched.schedule()
             sched.postprocess(batch, (op[1] * 10)[:len(batch)])
         elif seqs:
             sched.abort(seqs[op[1] % len(seqs)])
         after = f"{op[0]} (step {step}; {num_blocks} blocks of {block_size}, max_num_seqs={max_num_seqs})"
-        _invariants("ch06_ex1", sched, after)
+        _invariants("ch06_ex2", sched, after)
         try:
             check_cache(sched.block_manager, sched.running)
         except AssertionError as e:
-            raise AssertionError(f"ch06_ex1: after {after}: the cache's invariants (reference counts, hash table, "
+            raise AssertionError(f"ch06_ex2: after {after}: the cache's invariants (reference counts, hash table, "
                                  f"parents) broke: {e}") from e
         for seq in sched.running:
-            _expect(seq.num_cached_tokens < seq.num_tokens, f"ch06_ex1: after {after}: sequence {seq.seq_id} of "
+            _expect(seq.num_cached_tokens < seq.num_tokens, f"ch06_ex2: after {after}: sequence {seq.seq_id} of "
                     f"{seq.num_tokens} tokens has num_cached_tokens {seq.num_cached_tokens}: at least its last token "
                     "must be computed")
 
 
 @pytest.mark.ch06
-@pytest.mark.ch06_ex1
-def test_ch06_ex1_engine_equals_transformers(ch06, tmp_path):
+@pytest.mark.ch06_ex2
+def test_ch06_ex2_engine_equals_transformers(ch06, tmp_path):
     """Prompts of whole blocks sent again (alone and together) and prompts sharing prefixes, on a
     cache small enough to preempt: greedy tokens equal transformers'; repeats recompute one token."""
     model = make_model(tmp_path, "llama")
@@ -1034,14 +1034,14 @@ def test_ch06_ex1_engine_equals_transformers(ch06, tmp_path):
     refs = {tuple(p): hf_greedy(model, p, 6) for p in prompts}
     engine = LLMEngine(model=tmp_path, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=24,
                        block_manager_cls=ch06.MyPrefixCachingBlockManager, attention_backend=PagedAttention)
-    first = run_graded("ch06_ex1", engine, prompts[-2:], params)
-    again = run_graded("ch06_ex1", engine, prompts[-2:], params)  # whole blocks, found entirely
-    both = run_graded("ch06_ex1", engine, prompts + prompts[-2:], params)  # repeats in one step; preemption
+    first = run_graded("ch06_ex2", engine, prompts[-2:], params)
+    again = run_graded("ch06_ex2", engine, prompts[-2:], params)  # whole blocks, found entirely
+    both = run_graded("ch06_ex2", engine, prompts + prompts[-2:], params)  # repeats in one step; preemption
     sent = prompts[-2:] * 2 + prompts + prompts[-2:]
-    _same_tokens("ch06_ex1", "the engine with MyPrefixCachingBlockManager", sent, first + again + both,
+    _same_tokens("ch06_ex2", "the engine with MyPrefixCachingBlockManager", sent, first + again + both,
                  [refs[tuple(p)] for p in sent])
     got = [o.num_cached_tokens for o in again]
-    _expect(got == [15, 31], f"ch06_ex1: prompts of 16 and 32 tokens (blocks of 4) sent again: found entirely, "
+    _expect(got == [15, 31], f"ch06_ex2: prompts of 16 and 32 tokens (blocks of 4) sent again: found entirely, "
             f"they recompute only their last token, so num_cached_tokens should be [15, 31], got {got}")
     assert engine.scheduler.num_preemptions > 0, "grader setup: the cache should have been tight enough to preempt"
-    _invariants("ch06_ex1", engine, "every request finished")
+    _invariants("ch06_ex2", engine, "every request finished")

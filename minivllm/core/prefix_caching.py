@@ -16,15 +16,17 @@ NO_PARENT = -1  # the parent of a sequence's first block
 
 
 def compute_hash(token_ids: list[int], parent_hash: int = NO_HASH) -> int:
-    """xxHash64 of a block's token ids, chained with its parent block's hash.
+    """xxHash64 of a block's token ids, chained with its parent block's hash (nano-vllm's `compute_hash`).
 
     Args:
-        token_ids: the block's tokens (a full block), each a non-negative int < 2**32.
-        parent_hash: the previous block's hash; `NO_HASH` for a sequence's first block.
+        token_ids: the block's tokens (a full block), each a non-negative int < 2**32: 4 bytes each, little-endian.
+        parent_hash: the previous block's hash, 8 bytes little-endian, hashed before the tokens; `NO_HASH` for
+            a sequence's first block (then only the tokens are hashed).
     Returns:
-        A non-negative int < 2**64. Different prefixes may collide: callers check tokens and parent.
+        A non-negative int < 2**64, the same for the same arguments. Different prefixes may collide:
+        callers check tokens and parent.
     """
-    # EXERCISE ch06_ex2 (2 points): hash parent_hash (unless NO_HASH) and token_ids into an int in [0, 2**64)
+    # EXERCISE ch06_ex1 (12 points): hash parent_hash (unless NO_HASH) and token_ids into an int in [0, 2**64)
     ### BEGIN SOLUTION
     h = xxhash.xxh64()
     if parent_hash != NO_HASH:
@@ -62,21 +64,18 @@ class CachedBlock(Block):
 __all__ = ['NO_HASH', 'NO_PARENT', 'compute_hash', 'CachedBlock', 'BlockCache', 'PrefixCachingBlockManager']
 
 # %% ../../notebooks/06_prefix_caching.ipynb #edaa7df9
-class BlockCache(BlockManager):
-    """A `BlockManager` whose full blocks can stay cached, findable by hash, while used or free.
-
-    Args, errors: as `BlockManager`; `blocks` holds `CachedBlock`s. `hash_to_block_id`: hash -> the
-    cached block with that hash (the first block cached under a hash keeps it; later ones are not cached).
-    """
-
-    block_cls = CachedBlock
-
-    def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size)
-        self.hash_to_block_id: dict[int, int] = {}
+class _Forest:
+    """The cached blocks as a forest: entering a full block under its name, removing a block with every
+    cached block below it; mixed into `BlockCache`, whose `blocks` and `hash_to_block_id` it uses."""
 
     def _cache(self, block_id: int, h: int, token_ids: list[int], parent: int) -> None:
-        """Enter a full block just filled for a sequence, unless its hash is taken or its parent is not cached."""
+        """Make block `block_id`, just filled with the full block `token_ids` right after block `parent`
+        (`NO_PARENT` for a sequence's first block), findable under its chained hash `h`: set its `hash`,
+        `token_ids` (a copy) and `parent`, map `h` to it in `hash_to_block_id`, and add it to the parent's
+        `children`. Does nothing when `h` is already in the table (the block cached first under a name
+        keeps it) or when `parent` caches nothing (no lookup could reach the block)."""
+        # EXERCISE ch06_ex1 (12 points): enter block_id under h (tokens, parent) unless h is taken or parent uncached
+        ### BEGIN SOLUTION
         if h in self.hash_to_block_id or (parent != NO_PARENT and self.blocks[parent].hash == NO_HASH):
             return
         block = self.blocks[block_id]
@@ -84,10 +83,14 @@ class BlockCache(BlockManager):
         self.hash_to_block_id[h] = block_id
         if parent != NO_PARENT:
             self.blocks[parent].children.add(block_id)
+        ### END SOLUTION
 
     def _uncache(self, block_id: int) -> None:
-        """Remove a block and every cached block below it from the cache (their prefix is gone)."""
-        # EXERCISE ch06_ex4 (3 points): uncache block_id and every cached block below it (a loop, not recursion)
+        """Remove block `block_id` and every cached block below it (children, their children, ...) from
+        the cache, whose prefix is gone: each leaves `hash_to_block_id`, leaves its parent's `children`
+        and `forget()`s. A block that caches nothing is left alone. Chains can be thousands of blocks
+        deep: a loop, not recursion."""
+        # EXERCISE ch06_ex1 (12 points): uncache block_id and every cached block below it (a loop, not recursion)
         ### BEGIN SOLUTION
         todo = [block_id]
         while todo:
@@ -101,17 +104,49 @@ class BlockCache(BlockManager):
             block.forget()
         ### END SOLUTION
 
+# %% ../../notebooks/06_prefix_caching.ipynb #13fdfe70
+class BlockCache(_Forest, BlockManager):
+    """A `BlockManager` whose full blocks can stay cached, findable by hash, while used or free.
+
+    Args, errors: as `BlockManager`; `blocks` holds `CachedBlock`s. `hash_to_block_id`: hash -> the
+    cached block with that hash (the first block cached under a hash keeps it; later ones are not cached).
+    A freed block stays cached until it is taken for new content, the least recently freed first.
+    """
+
+    block_cls = CachedBlock
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.hash_to_block_id: dict[int, int] = {}
+
+    def _free_block(self, block: CachedBlock) -> None:
+        """Give back a block no table holds (chapter 05's `deallocate` calls this): to the back of the
+        free queue, as chapter 05's `_free_block` does, and still cached (hash, tokens, parent kept), so
+        that a later prompt with the same prefix finds it until it is taken for new content."""
+        # EXERCISE ch06_ex1 (12 points): free the block to the back of the queue, keeping it cached
+        ### BEGIN SOLUTION
+        super()._free_block(block)
+        ### END SOLUTION
+
     def _allocate_block(self) -> CachedBlock:
-        """Take the least recently freed block and evict what it cached: new K/V will overwrite it."""
+        """Take a block for new content: the one chapter 05's `_allocate_block` takes (the front of the free
+        queue, least recently freed; one reference), with what it cached evicted (`_uncache`)."""
+        # EXERCISE ch06_ex1 (12 points): take the least recently freed block and evict what it cached
+        ### BEGIN SOLUTION
         block = super()._allocate_block()
         self._uncache(block.block_id)
         return block
+        ### END SOLUTION
 
     def discard_unwritten(self, seqs: list[Sequence]) -> None:
-        """A step failed before writing its K/V: uncache its blocks past the cached prefix (never reused)."""
+        """A step failed before writing its K/V: uncache each sequence's blocks past its cached prefix
+        (from `num_cached_tokens // block_size` on), entered by `allocate` but never written."""
+        # EXERCISE ch06_ex1 (12 points): uncache each sequence's blocks past its cached prefix
+        ### BEGIN SOLUTION
         for seq in seqs:
             for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
                 self._uncache(block_id)
+        ### END SOLUTION
 
 # %% ../../notebooks/06_prefix_caching.ipynb #f9d371b7
 class PrefixCachingBlockManager(BlockCache):
@@ -125,10 +160,11 @@ class PrefixCachingBlockManager(BlockCache):
 
     def _is_hit(self, block_id: int, token_ids: list[int], parent: int) -> bool:
         """Whether cached block `block_id` (-1: none) holds `token_ids` right after block `parent`."""
-        if block_id == -1:
-            return False
-        block = self.blocks[block_id]
-        return block.token_ids == token_ids and block.parent == parent
+        # EXERCISE ch06_ex1 (12 points): whether block_id (-1: none) holds token_ids right after block parent
+        ### BEGIN SOLUTION
+        block = self.blocks[block_id] if block_id != -1 else None
+        return block is not None and block.token_ids == token_ids and block.parent == parent
+        ### END SOLUTION
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` a block table, sharing cached blocks for its longest cached prefix of full blocks.
@@ -137,7 +173,7 @@ class PrefixCachingBlockManager(BlockCache):
         holding the last token is always computed: its logits choose the next token).
         """
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        # EXERCISE ch06_ex3 (4 points): share the cached prefix's blocks (not the last token's); cache the new full blocks
+        # EXERCISE ch06_ex1 (12 points): share the cached prefix's blocks (not the last token's), cache the new full ones
         ### BEGIN SOLUTION
         seq.num_cached_tokens = 0
         hittable = (seq.num_tokens - 1) // self.block_size  # blocks wholly before the last token
@@ -160,7 +196,10 @@ class PrefixCachingBlockManager(BlockCache):
         ### END SOLUTION
 
     def may_append(self, seq: Sequence) -> None:
-        """As `BlockManager.may_append`; also cache the last block once this step's token fills it."""
+        """As `BlockManager.may_append`; then, when the newest token fills the last block, cache that block
+        (parent: the block before it, whose hash it chains; not when that parent caches nothing)."""
+        # EXERCISE ch06_ex1 (12 points): make room as chapter 05 does, then cache the last block once it is full
+        ### BEGIN SOLUTION
         super().may_append(seq)
         if seq.num_tokens % self.block_size == 0:
             i = seq.num_blocks - 1
@@ -168,3 +207,4 @@ class PrefixCachingBlockManager(BlockCache):
             parent_hash = self.blocks[parent].hash if i > 0 else NO_HASH
             if i == 0 or parent_hash != NO_HASH:
                 self._cache(seq.block_table[i], compute_hash(seq.block(i), parent_hash), seq.block(i), parent)
+        ### END SOLUTION
