@@ -73,9 +73,7 @@ def _patches(ex: str) -> list[tuple[object, str, object]]:
                 "ch06_ex3": [(pc.PrefixCachingBlockManager, "allocate", t._Scaffold.allocate)],
                 "ch06_ex4": [(pc.BlockCache, "_uncache", t._Scaffold._uncache)]}.get(ex, [])
     if ch == "ch08":
-        cg = importlib.import_module("minivllm.worker.cuda_graph")
-        name, fn = importlib.import_module("test_grading_ch08_regions").STAND_INS[ex]
-        return [(cg, name, fn)]
+        return list(importlib.import_module("test_grading_ch08_regions").STAND_INS.get(ex, []))
     if ch == "ch09":
         return list(importlib.import_module("test_grading_ch09_regions").STAND_INS.get(ex, []))
     if ch == "ch10":
