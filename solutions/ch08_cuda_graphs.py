@@ -1,14 +1,14 @@
 """Chapter 08's extend exercise. Your answer goes between the TODO lines; see the chapter notebook
-(the rebuild exercises ch08_ex1-ex3 are in the chapter's export cells).
+(the rebuild exercise ch08_ex1, the build, is in the chapter's export cells).
 
-Exercise 4 (ch08_ex4) — capture sizes chosen from the workload instead of by a fixed rule. Given how
+Exercise 2 (ch08_ex2) — capture sizes chosen from the workload instead of by a fixed rule. Given how
 often each decode batch size occurred in a recorded run, choose at most `max_sizes` sizes to capture,
 the largest always `max_num_seqs` (so that every batch has a graph), that minimise the padded rows:
 the sum over the recorded steps of `padded size - batch size`, where a batch runs the graph of the
 smallest captured size that holds it (`padded_batch_size`). Write `choose_capture_sizes`. Graded
 against the optimum found by trying every choice on small histograms (hypothesis), on a histogram of
 256 sizes that trying every choice could not finish in time, and by the ValueError each invalid
-input must raise: `python -m minivllm.course.grade ch08_ex4`.
+input must raise: `python -m minivllm.course.grade ch08_ex2`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Grading tests for chapter 08's extend exercise (`python -m minivllm.course.grade ch08_ex4`, or
-`pytest -m ch08_ex4 --impl=exercises`).
+"""Grading tests for chapter 08's extend exercise (`python -m minivllm.course.grade ch08_ex2`, or
+`pytest -m ch08_ex2 --impl=exercises`).
 
-ch08_ex4, `choose_capture_sizes`, is graded by its contract, written here: the answer is a valid
+ch08_ex2, `choose_capture_sizes`, is graded by its contract, written here: the answer is a valid
 choice (distinct ints, ascending, at most `max_sizes`, the last `max_num_seqs`) whose padded rows equal
 the optimum found by trying every choice, on small random histograms (hypothesis shrinks a failure to
 the smallest one); on 256 observed sizes, where trying every choice would take years, it must finish
@@ -64,26 +64,26 @@ def _optimum(counts: dict[int, int], max_num_seqs: int, max_sizes: int) -> int:
 def _check_choice(sizes, counts, max_num_seqs, max_sizes, want_rows, want_sizes=None):
     what = f"batch_size_counts={counts}, max_num_seqs={max_num_seqs}, max_sizes={max_sizes}"
     if not (isinstance(sizes, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)):
-        raise AssertionError(f"ch08_ex4 ({what}): expected a list of ints, got {sizes!r}")
+        raise AssertionError(f"ch08_ex2 ({what}): expected a list of ints, got {sizes!r}")
     problems = [p for ok, p in [
         (len(sizes) >= 1, "no sizes"), (len(sizes) <= max_sizes, f"{len(sizes)} sizes, more than max_sizes"),
         (sizes == sorted(set(sizes)), "not distinct and ascending"),
         (bool(sizes) and sizes[-1] == max_num_seqs, "the last size is not max_num_seqs"),
         (all(1 <= s <= max_num_seqs for s in sizes), "a size outside [1, max_num_seqs]")] if not ok]
     if problems:
-        raise AssertionError(f"ch08_ex4 ({what}): your sizes {sizes} are not a valid choice: {'; '.join(problems)}")
+        raise AssertionError(f"ch08_ex2 ({what}): your sizes {sizes} are not a valid choice: {'; '.join(problems)}")
     rows = _padded(counts, sizes)
     if rows != want_rows:
         best = f" (for example {want_sizes})" if want_sizes else ""
-        raise AssertionError(f"ch08_ex4 ({what}): your sizes {sizes} pad {rows} rows; the best choice{best} pads "
+        raise AssertionError(f"ch08_ex2 ({what}): your sizes {sizes} pad {rows} rows; the best choice{best} pads "
                              f"{want_rows}, {rows - want_rows} fewer")
 
 
 @pytest.mark.ch08
-@pytest.mark.ch08_ex4
+@pytest.mark.ch08_ex2
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), max_num_seqs=st.integers(1, 9), max_sizes=st.integers(1, 4))
-def test_ch08_ex4_choice_is_optimal_on_small_histograms(ch08, data, max_num_seqs, max_sizes):
+def test_ch08_ex2_choice_is_optimal_on_small_histograms(ch08, data, max_num_seqs, max_sizes):
     """Against every possible choice: the fewest padded rows, with a valid list of sizes."""
     counts = data.draw(st.dictionaries(st.integers(1, max_num_seqs), st.integers(0, 6), max_size=max_num_seqs),
                        label="batch_size_counts")
@@ -98,9 +98,9 @@ class _TooSlow(Exception):
 
 
 @pytest.mark.ch08
-@pytest.mark.ch08_ex4
+@pytest.mark.ch08_ex2
 @pytest.mark.parametrize("seed", [0, 1])
-def test_ch08_ex4_many_observed_sizes_in_time(ch08, seed):
+def test_ch08_ex2_many_observed_sizes_in_time(ch08, seed):
     """256 observed batch sizes (a recorded run with max_num_seqs=256), up to 8 graphs: optimal, in time."""
     rng = random.Random(seed)
     max_num_seqs, max_sizes = 256, 8
@@ -115,7 +115,7 @@ def test_ch08_ex4_many_observed_sizes_in_time(ch08, seed):
     try:
         sizes = ch08.choose_capture_sizes(dict(counts), max_num_seqs, max_sizes)
     except _TooSlow:
-        raise AssertionError(f"ch08_ex4: choose_capture_sizes took more than {LARGE_LIMIT_S} s for 256 observed "
+        raise AssertionError(f"ch08_ex2: choose_capture_sizes took more than {LARGE_LIMIT_S} s for 256 observed "
                              f"sizes and max_sizes=8 (trying every choice cannot finish: see the hint)") from None
     finally:
         signal.alarm(0)
@@ -141,9 +141,9 @@ INVALID = [  # (counts, max_num_seqs, max_sizes, what is wrong)
 
 
 @pytest.mark.ch08
-@pytest.mark.ch08_ex4
+@pytest.mark.ch08_ex2
 @pytest.mark.parametrize("counts,max_num_seqs,max_sizes,what", INVALID, ids=[c[-1] for c in INVALID])
-def test_ch08_ex4_invalid_input_raises_value_error(ch08, counts, max_num_seqs, max_sizes, what):
+def test_ch08_ex2_invalid_input_raises_value_error(ch08, counts, max_num_seqs, max_sizes, what):
     try:
         got = ch08.choose_capture_sizes(counts, max_num_seqs, max_sizes)
     except ValueError:
@@ -151,7 +151,7 @@ def test_ch08_ex4_invalid_input_raises_value_error(ch08, counts, max_num_seqs, m
     except NotImplementedError:
         raise
     except Exception as e:  # noqa: BLE001 - the message names what was raised instead
-        raise AssertionError(f"ch08_ex4: choose_capture_sizes({counts!r}, {max_num_seqs!r}, {max_sizes!r}) ({what}) "
+        raise AssertionError(f"ch08_ex2: choose_capture_sizes({counts!r}, {max_num_seqs!r}, {max_sizes!r}) ({what}) "
                              f"must raise ValueError, raised {type(e).__name__}: {e}") from e
-    raise AssertionError(f"ch08_ex4: choose_capture_sizes({counts!r}, {max_num_seqs!r}, {max_sizes!r}) ({what}) "
+    raise AssertionError(f"ch08_ex2: choose_capture_sizes({counts!r}, {max_num_seqs!r}, {max_sizes!r}) ({what}) "
                          f"must raise ValueError, returned {got!r}")

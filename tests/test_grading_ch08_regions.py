@@ -1,28 +1,36 @@
-"""Grading tests for chapter 08's rebuild exercises (`python -m minivllm.course.grade ch08_ex3`, or `pytest -m ch08_ex3`).
+"""Grading tests for chapter 08's build (`python -m minivllm.course.grade ch08_ex1`, or `pytest -m ch08_ex1`).
 
-ch08_ex1 (`cudagraph_capture_sizes`), ch08_ex2 (`padded_batch_size`) and ch08_ex3
-(`prepare_decode_inputs`) are graded in the package itself: in a student edition they are the
-student's code, exported from the chapter (stubs until filled), and there is no reference to compare
-with. Each is graded alone: where the engine runs, `_graded` puts the grader's own versions of the
-other two pieces into `minivllm.worker.cuda_graph` (written here from the chapter's stated rules).
+ch08_ex1, the capture-and-replay runner, is graded in the package itself: in a student edition its
+regions are the student's code, exported from the chapter (stubs until filled), and there is no
+reference to compare with. It scores by parts (`@pytest.mark.group`, the groups of
+`EXERCISES["ch08_ex1"]`), each on its own: the grader's stand-ins (`STAND_INS`, written here from the
+chapter's stated contracts) take the place of the pieces a part is not about (`graded`), so a
+student sees which part works. Random cases are derandomized (the same answer always scores the same
+points). The tests at the end check that plausible wrong answers lose exactly their own part.
 
-What is checked is the contract:
-* ch08_ex1: the sizes are the rule the docstring states (the small sizes below the top, the multiples
-  of the step below it, the top), for many limits (hypothesis);
-* ch08_ex2: the smallest captured size that holds the batch, None when none does, for random
-  ascending size lists (hypothesis);
-* ch08_ex3: after each of a random sequence of decode batches of growing and shrinking size, the
-  static tensors' first `num_rows` rows hold the batch (last token, position, slot, context length,
-  block table then -1) and padding (token 0, position 0, the dummy slot, length 1, `[dummy, -1, ...]`),
-  in the same tensors as before; and a padded step writes only its own tokens' KV-cache slots and the
-  dummy slot;
-* each piece in the engine on a CPU (`StandInGraph` replays the recorded steps): greedy tokens equal
-  transformers' on a tiny float64 model, where no near-tie can flip a token.
+What is checked is the contract, never this chapter's code:
+* capture sizes and padding: the sizes are the rule the docstring states, for many limits; a batch
+  is padded up to the smallest captured size that holds it, None when none does (hypothesis);
+* static buffers: after each of a random sequence of decode batches of growing and shrinking size,
+  the static tensors' first `num_rows` rows hold the batch (last token, position, slot, context
+  length, block table then -1) and padding (token 0, position 0, the dummy slot, length 1,
+  `[dummy, -1, ...]`), in the same tensors as before; a padded step writes only its own tokens'
+  KV-cache slots and the dummy slot;
+* replay: one graph per capture size, largest first, each warmed up then captured into one shared
+  pool; for random decode batches one after another (hypothesis), `run` replays the graph of the
+  padded size once and returns the real rows' logits, a view of the static logits, bit for bit those
+  of the eager model step on the same padded inputs, with the same KV cache afterwards;
+* the runner in the engine on a CPU (`StandInGraph` replays the recorded steps): greedy tokens equal
+  transformers' on a tiny float64 model (no near-tie can flip a token), every decode batch replayed
+  from the graph of its padded size, a batch larger than every captured size run eagerly.
 """
 from __future__ import annotations
 
+import functools
 import random
+import tempfile
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -32,16 +40,18 @@ from hypothesis import strategies as st
 
 import minivllm.worker.cuda_graph as cg
 from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine
+from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.block_manager import BlockManager
-from minivllm.worker.cuda_graph import CapturablePagedAttention, CUDAGraphModelRunner, DecodeBuffers
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model_executor.model_loader import load_model
-from minivllm.worker.model_runner import ModelRunner, prepare_batch
-from minivllm.attention.paged_attention import PagedAttention
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
+from minivllm.worker.cuda_graph import CapturablePagedAttention, CUDAGraphModelRunner, DecodeBuffers, DecodeGraphs
+from minivllm.worker.model_runner import ModelRunner, prepare_batch
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+SIZES, BUFFERS, REPLAY, ENGINE = (name for name, _ in GRADED["ch08_ex1"].groups)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -49,7 +59,20 @@ def _expect(ok: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-# --- the grader's versions of the three pieces ---------------------------------------------------
+@contextmanager
+def your_code(what: str):
+    """Within: an error raised by the code under grading, other than a stub's NotImplementedError (its
+    message names the exercise and the task) or a check's AssertionError, becomes an AssertionError
+    naming ch08_ex1 and what was running (the traceback still shows where)."""
+    try:
+        yield
+    except (NotImplementedError, AssertionError):
+        raise
+    except Exception as e:  # noqa: BLE001  (an error in the student's code: say whose and where)
+        raise AssertionError(f"ch08_ex1: {what} raised {type(e).__name__}: {e} (the traceback shows where)") from e
+
+
+# --- the grader's stand-ins for the build's pieces ------------------------------------------------
 def _rule_sizes(max_num_seqs: int, max_capture_size: int = cg.MAX_CAPTURE_SIZE) -> list[int]:
     """The capture sizes as the chapter states them."""
     top = min(max_num_seqs, max_capture_size)
@@ -74,60 +97,129 @@ def _grader_prepare(buffers: DecodeBuffers, seqs: list[Sequence], num_rows: int)
     buffers.block_tables[n:num_rows, 0] = buffers.dummy_block
 
 
-STAND_INS = {"ch08_ex1": ("cudagraph_capture_sizes", _rule_sizes),
-             "ch08_ex2": ("padded_batch_size", _grader_padded),
-             "ch08_ex3": ("prepare_decode_inputs", _grader_prepare)}
+class _GraderGraphs(DecodeGraphs):
+    """The grader's capture, step and replay (module functions looked up at call time, so that the part
+    under grading is the one they use)."""
+
+    def __init__(self, model, attn, buffers, capture_sizes, graph_cls):
+        self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
+        self.graphs, pool = {}, cg.graph_pool(buffers.device)
+        with torch.inference_mode():
+            for size in sorted(capture_sizes, reverse=True):
+                fn = self.step(size)
+                fn()
+                self.graphs[size] = graph_cls()
+                self.graphs[size].capture(fn, pool)
+
+    def step(self, num_rows):
+        b = self.buffers
+        views = (b.metadata(num_rows), b.input_ids[:num_rows], b.positions[:num_rows], b.logits[:num_rows])
+
+        def fn():
+            md, ids, pos, out = views
+            self.attn.metadata = md
+            out.copy_(self.model.compute_logits(self.model(ids, pos, self.attn)))
+            self.attn.metadata = None
+        return fn
+
+    def run(self, seqs):
+        rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+        if rows is None:
+            return None
+        cg.prepare_decode_inputs(self.buffers, seqs, rows)
+        self.graphs[rows].replay()
+        return self.buffers.logits.narrow(0, 0, len(seqs))
+
+
+class _GraderRunner(CUDAGraphModelRunner):
+    """The grader's dummy block and decode dispatch."""
+
+    def allocate_kv_cache(self, num_blocks, block_size):
+        return ModelRunner.allocate_kv_cache(self, num_blocks + 1, block_size)
+
+    def forward_logits(self, seqs, is_prefill):
+        if not is_prefill and self.decode_graphs is not None:
+            logits = self.decode_graphs.run(seqs)
+            if logits is not None:
+                return logits
+        return ModelRunner.forward_logits(self, seqs, is_prefill)
+
+
+PIECES = {  # part -> (owner, attribute, the grader's stand-in)
+    "sizes": [(cg, "cudagraph_capture_sizes", _rule_sizes), (cg, "padded_batch_size", _grader_padded)],
+    "buffers": [(cg, "prepare_decode_inputs", _grader_prepare)],
+    "replay": [(DecodeGraphs, name, getattr(_GraderGraphs, name)) for name in ("__init__", "step", "run")],
+    "runner": [(CUDAGraphModelRunner, name, getattr(_GraderRunner, name)) for name in ("allocate_kv_cache",
+                                                                                       "forward_logits")],
+}
+PART_GROUP = {"sizes": SIZES, "buffers": BUFFERS, "replay": REPLAY, "runner": ENGINE}
+STAND_INS = {"ch08_ex1": [patch for patches in PIECES.values() for patch in patches]}
 
 
 @contextmanager
-def _graded(ex: str, **replace):
-    """`minivllm.worker.cuda_graph` with the package's (the student's) piece for `ex` and the grader's for the
-    other two (`replace` overrides a stand-in by name)."""
+def graded(part: str):
+    """The package's (the student's) pieces of `part`, the grader's stand-ins for the build's others."""
     with ExitStack() as stack:
-        for other, (name, fn) in STAND_INS.items():
-            if other != ex:
-                stack.enter_context(mock.patch.object(cg, name, replace.get(name, fn)))
+        for other, patches in PIECES.items():
+            if other != part:
+                for owner, name, fn in patches:
+                    stack.enter_context(mock.patch.object(owner, name, fn))
         yield
 
 
-# --- ch08_ex1 ------------------------------------------------------------------------------------
-@pytest.mark.ch08
-@pytest.mark.ch08_ex1
-@settings(max_examples=150, deadline=None)
+@functools.lru_cache(maxsize=None)
+def _tiny():
+    """A tiny random float64 Llama saved in a temporary folder: (folder, the transformers model)."""
+    folder = Path(tempfile.mkdtemp(prefix="minivllm-grading-ch08-"))
+    return folder, make_model(folder, "llama")
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_ours(device: str = "cpu"):
+    return load_model(_tiny()[0], dtype=torch.float64).to(device)
+
+
+# --- capture sizes and padding --------------------------------------------------------------------
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(max_num_seqs=st.integers(1, 600), max_capture_size=st.integers(1, 600))
-def test_ch08_ex1_capture_sizes_follow_the_rule(max_num_seqs, max_capture_size):
+def check_capture_sizes(max_num_seqs, max_capture_size):
     got = cg.cudagraph_capture_sizes(max_num_seqs, max_capture_size)
     want = _rule_sizes(max_num_seqs, max_capture_size)
     _expect(isinstance(got, list) and got == want,
             f"ch08_ex1: cudagraph_capture_sizes({max_num_seqs}, max_capture_size={max_capture_size}): expected "
             f"{want} (sizes of {cg.SMALL_CAPTURE_SIZES} below top={min(max_num_seqs, max_capture_size)}, the "
             f"multiples of {cg.CAPTURE_SIZE_STEP} below it, then top; ascending), got {got!r}")
-
-
-@pytest.mark.ch08
-@pytest.mark.ch08_ex1
-def test_ch08_ex1_capture_sizes_default_cap():
     got = cg.cudagraph_capture_sizes(1000)
-    _expect(got == _rule_sizes(1000, cg.MAX_CAPTURE_SIZE),
-            f"ch08_ex1: cudagraph_capture_sizes(1000) must stop at MAX_CAPTURE_SIZE={cg.MAX_CAPTURE_SIZE}: "
-            f"expected ...{_rule_sizes(1000)[-3:]}, got {got!r}")
+    _expect(got == _rule_sizes(1000), f"ch08_ex1: cudagraph_capture_sizes(1000) must stop at MAX_CAPTURE_SIZE="
+            f"{cg.MAX_CAPTURE_SIZE}: expected ...{_rule_sizes(1000)[-3:]}, got {got!r}")
 
 
-# --- ch08_ex2 ------------------------------------------------------------------------------------
-@pytest.mark.ch08
-@pytest.mark.ch08_ex2
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(sizes=st.sets(st.integers(1, 100), min_size=1, max_size=12), num_seqs=st.integers(1, 120))
-def test_ch08_ex2_padding_takes_the_smallest_size_that_holds_the_batch(sizes, num_seqs):
+def check_padding(sizes, num_seqs):
     sizes = sorted(sizes)
     got = cg.padded_batch_size(num_seqs, sizes)
     want = _grader_padded(num_seqs, sizes)
     _expect(got == want and (got is None or isinstance(got, int)),
-            f"ch08_ex2: padded_batch_size({num_seqs}, {sizes}): expected {want} (the smallest captured size >= "
-            f"{num_seqs}; None when none holds it), got {got!r}")
+            f"ch08_ex1: padded_batch_size({num_seqs}, {sizes}): expected {want} (the smallest captured size >= "
+            f"{num_seqs}, padding up; None when none holds it), got {got!r}")
 
 
-# --- ch08_ex3 ------------------------------------------------------------------------------------
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(SIZES)
+def test_ch08_ex1_capture_sizes_follow_the_rule():
+    check_capture_sizes()
+
+
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(SIZES)
+def test_ch08_ex1_padding_takes_the_smallest_size_that_holds_the_batch():
+    check_padding()
+
+
+# --- static buffers -------------------------------------------------------------------------------
 BS, NUM_BLOCKS, MAX_ROWS, MAX_BLOCKS = 4, 64, 8, 12  # block size, cache blocks, buffer rows, table width
 
 
@@ -148,48 +240,48 @@ def _check_rows(buffers: DecodeBuffers, seqs: list[Sequence], num_rows: int, ste
     for name, rows in want.items():
         got = getattr(buffers, name)[:num_rows].tolist()
         for r, (g, w) in enumerate(zip(got, rows)):
-            _expect(g == w, f"ch08_ex3: after {step}: {name} row {r} ({'a sequence' if r < n else 'padding'}; "
+            _expect(g == w, f"ch08_ex1: after {step}: {name} row {r} ({'a sequence' if r < n else 'padding'}; "
                             f"{n} sequences in {num_rows} rows, dummy block {dummy}): expected {w}, got {g}")
 
 
-@pytest.mark.ch08
-@pytest.mark.ch08_ex3
-@settings(max_examples=25, deadline=None)
+def _pool_of_sequences(rng: random.Random, bm: BlockManager, count: int) -> list[Sequence]:
+    pool = [Sequence([rng.randrange(1, 50) for _ in range(rng.randint(1, 16))], block_size=BS) for _ in range(count)]
+    for s in pool:
+        bm.allocate(s)
+    return pool
+
+
+def _grow(rng: random.Random, bm: BlockManager, pool: list[Sequence], grow: int) -> None:
+    for s in pool:
+        for _ in range(grow if len(s.block_table) < bm.num_blocks // len(pool) else 0):  # never runs dry
+            s.append_token(rng.randrange(1, 50))
+            bm.may_append(s)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(steps=st.lists(st.tuples(st.integers(1, MAX_ROWS), st.integers(0, 3)), min_size=1, max_size=8),
        seed=st.integers(0, 2**16))
-def test_ch08_ex3_rows_hold_the_batch_then_padding(steps, seed):
+def check_rows_hold_the_batch_then_padding(steps, seed):
     """Batches of random sizes one after another (rows of a larger batch must become padding again),
     sequences growing between steps (their tables widen): the static tensors' first `num_rows` rows
     hold exactly the batch and padding, and are the same tensors as before."""
     rng = random.Random(seed)
     bm = BlockManager(NUM_BLOCKS, BS)
-    pool = [Sequence([rng.randrange(1, 50) for _ in range(rng.randint(1, 16))], block_size=BS) for _ in range(MAX_ROWS)]
-    for s in pool:
-        bm.allocate(s)
+    pool = _pool_of_sequences(rng, bm, MAX_ROWS)
     buffers = DecodeBuffers(MAX_ROWS, MAX_BLOCKS, BS, NUM_BLOCKS, 7, torch.float64, torch.device("cpu"))
     names = (*cg.DECODE_INPUTS, "block_tables")
     addresses = {name: getattr(buffers, name).data_ptr() for name in names}
-    sizes = _rule_sizes(MAX_ROWS)
     history = []
     for n, grow in steps:
-        for s in pool:
-            for _ in range(grow if len(s.block_table) < NUM_BLOCKS // MAX_ROWS else 0):  # the pool never runs dry
-                s.append_token(rng.randrange(1, 50))
-                bm.may_append(s)
+        _grow(rng, bm, pool, grow)
         seqs = rng.sample(pool, n)
-        num_rows = _grader_padded(n, sizes)
+        num_rows = _grader_padded(n, _rule_sizes(MAX_ROWS))
         history.append(f"{n} sequences in {num_rows} rows")
         cg.prepare_decode_inputs(buffers, seqs, num_rows)
         _check_rows(buffers, seqs, num_rows, "; ".join(history))
     moved = [name for name in names if getattr(buffers, name).data_ptr() != addresses[name]]
-    _expect(not moved, f"ch08_ex3: {moved} are new tensors: a captured graph reads the static ones; "
+    _expect(not moved, f"ch08_ex1: {moved} are new tensors: a captured graph reads the static ones; "
                        "write into them in place")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-ch08-grading")
-    return folder, make_model(folder, "llama")
 
 
 def _written_slots(cache: torch.Tensor, before: torch.Tensor) -> list[int]:
@@ -197,16 +289,12 @@ def _written_slots(cache: torch.Tensor, before: torch.Tensor) -> list[int]:
     return (cache != before).any(-1).any(-1).any(0).any(0).flatten().nonzero().flatten().tolist()
 
 
-@pytest.mark.ch08
-@pytest.mark.ch08_ex3
-def test_ch08_ex3_padded_rows_write_only_the_dummy_slot(tiny):
+def check_padded_rows_write_only_the_dummy_slot():
     """5 sequences in the 8 rows of a captured size right after a step of 8 (rows 5-7 still hold other
     sequences' slots), on a cache of random values: only the 5 new slots and the dummy slot change,
     and the logits equal the eager runner's on a copy of the cache."""
-    folder, _ = tiny
-    model = load_model(folder, dtype=torch.float64)
-    rng = random.Random(13)
-    with _graded("ch08_ex3"), torch.inference_mode():
+    model, rng = _tiny_ours(), random.Random(13)
+    with torch.inference_mode():
         bm = BlockManager(64, 4)
         runner = CUDAGraphModelRunner(model, bm, attention_backend=CapturablePagedAttention, max_num_seqs=8,
                                       max_model_len=128)
@@ -226,20 +314,195 @@ def test_ch08_ex3_padded_rows_write_only_the_dummy_slot(tiny):
     new_slots = sorted(s.block_table[(s.num_tokens - 1) // 4] * 4 + (s.num_tokens - 1) % 4 for s in batch[:5])
     written = _written_slots(runner.kv_cache, before)
     _expect(written == sorted(new_slots + [runner.dummy_block * 4]),
-            f"ch08_ex3: a step of 5 sequences padded to 8 rows wrote KV-cache slots {written}; expected only the "
+            f"ch08_ex1: a step of 5 sequences padded to 8 rows wrote KV-cache slots {written}; expected only the "
             f"sequences' new slots {new_slots} and the dummy slot {runner.dummy_block * 4}")
     # float64; a padded batch multiplies matrices of another shape, whose summation order may differ
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10,
-                               msg=lambda m: f"ch08_ex3: the padded step's logits against the eager runner's: {m}")
+                               msg=lambda m: f"ch08_ex1: the padded step's logits against the eager runner's: {m}")
 
 
-# --- each piece in the engine ---------------------------------------------------------------------
-def _graph_engine(folder, max_num_seqs: int) -> LLMEngine:
-    return LLMEngine(model=folder, dtype="float64", device="cpu", block_manager_cls=BlockManager, block_size=4,
-                     max_model_len=128, num_kvcache_blocks=400, max_num_seqs=max_num_seqs,
-                     attention_backend=CapturablePagedAttention, model_runner_cls=CUDAGraphModelRunner)
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(BUFFERS)
+def test_ch08_ex1_rows_hold_the_batch_then_padding():
+    with graded("buffers"):
+        check_rows_hold_the_batch_then_padding()
 
 
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(BUFFERS)
+def test_ch08_ex1_padded_rows_write_only_the_dummy_slot():
+    with graded("buffers"):
+        check_padded_rows_write_only_the_dummy_slot()
+
+
+# --- replay ---------------------------------------------------------------------------------------
+class _Log:
+    """What the graphs under grading did: ("capture", graph, pool), ("replay", graph, None) and the model's
+    calls ("call", rows, None), in order."""
+
+    entries: list = []
+
+
+def _recording(base: type) -> type:
+    """A subclass of the graph class `base` that logs its captures (with their pool) and replays."""
+
+    class Recorded(base):
+        def capture(self, step, pool=None):
+            _Log.entries.append(("capture", self, pool))
+            super().capture(step, pool)
+            _Log.entries.append(("captured", self, None))
+
+        def replay(self):
+            _Log.entries.append(("replay", self, None))
+            super().replay()
+    return Recorded
+
+
+_Recorded = _recording(cg.StandInGraph)
+
+
+def _graphs_on(model, sizes: list[int], max_rows: int, graph_cls: type = _Recorded):
+    """A runner's KV cache and backend (eager), and a `DecodeGraphs` of the package over fresh buffers on the
+    model's device, its graphs `graph_cls` (a `_recording` class); the model's calls are logged too."""
+    runner = ModelRunner(model, BlockManager(NUM_BLOCKS + 1, BS), attention_backend=CapturablePagedAttention)
+    buffers = DecodeBuffers(max_rows, MAX_BLOCKS, BS, NUM_BLOCKS, model.config.vocab_size, torch.float64,
+                            runner.device)
+    _Log.entries = []
+    hook = model.register_forward_pre_hook(lambda m, args: _Log.entries.append(("call", args[0].shape[0], None)))
+    try:
+        graphs = DecodeGraphs(model, runner.attn, buffers, sizes, graph_cls)
+    finally:
+        hook.remove()
+    return runner, graphs
+
+
+def check_captures_one_graph_per_size():
+    """Sizes [1, 2, 4, 8]: one `graph_cls` graph per size in `graphs`, captured largest first, each
+    after a warm-up run of its own step (the model over that many rows, outside any capture), all into the
+    pool `graph_pool` gave."""
+    pool = object()
+    sizes = _rule_sizes(MAX_ROWS)
+    with mock.patch.object(cg, "graph_pool", lambda device: pool), torch.inference_mode():
+        _, graphs = _graphs_on(_tiny_ours(), sizes, MAX_ROWS)
+    log = _Log.entries
+    got = graphs.graphs if isinstance(graphs.graphs, dict) else {}
+    _expect(sorted(got) == sizes and all(isinstance(g, _Recorded) for g in got.values())
+            and len({id(g) for g in got.values()}) == len(sizes),
+            f"ch08_ex1: DecodeGraphs(..., capture_sizes={sizes}, graph_cls).graphs should map each size to its own "
+            f"graph_cls() graph, got {got!r}")
+    captures = [i for i, e in enumerate(log) if e[0] == "capture"]
+    _expect(len(captures) == len(sizes), f"ch08_ex1: {len(captures)} captures for capture sizes {sizes}; one per size")
+    ends = [i for i, e in enumerate(log) if e[0] == "captured"]
+    inside_any = {j for a, b in zip(captures, ends) for j in range(a, b + 1)}
+    order = []
+    for k, (i, end) in enumerate(zip(captures, ends)):
+        inside = [e[1] for e in log[i + 1:end] if e[0] == "call"]
+        size = inside[0] if inside else None
+        order.append(size)
+        _expect(size is not None and got.get(size) is log[i][1],
+                f"ch08_ex1: capture {k + 1} ran the model over rows {inside}: a graph of size s records the step over "
+                f"the static buffers' first s rows (and graphs[s] is that graph)")
+        warm = [j for j in range(i) if j not in inside_any and log[j][0] == "call" and log[j][1] == size]
+        _expect(bool(warm), f"ch08_ex1: the graph of size {size} was captured without a warm-up: run its step once, "
+                f"eagerly, before capturing it (on a GPU lazy initialisation must not happen inside a capture)")
+        _expect(log[i][2] is pool, f"ch08_ex1: the graph of size {size} was captured with pool {log[i][2]!r}; every "
+                f"graph goes into the one pool graph_pool(buffers.device) returned")
+    _expect(order == sorted(sizes, reverse=True), f"ch08_ex1: sizes captured in the order {order}; capture the "
+            f"largest first (the smaller graphs then fit in the memory it leaves in the shared pool)")
+    _expect(not any(e[0] == "replay" for e in log), "ch08_ex1: a graph was replayed while capturing")
+
+
+def check_replay_equals_the_eager_step(device: str = "cpu"):
+    """Decode batches of random sizes one after another on a cache of random values (hypothesis; the
+    graphs are captured once and replayed across the examples): each `run` replays the graph of the
+    padded size once, and returns the real rows' logits (a view of the static logits), bit for bit the
+    eager model step's on the same padded inputs; the KV cache afterwards is the same."""
+    model, sizes = _tiny_ours(device), _rule_sizes(MAX_ROWS)
+    graph_cls = _Recorded if device == "cpu" else _recording(cg.CUDAGraph)
+    with torch.inference_mode():
+        runner, graphs = _graphs_on(model, sizes, MAX_ROWS, graph_cls)
+        ref = DecodeBuffers(MAX_ROWS, MAX_BLOCKS, BS, NUM_BLOCKS, model.config.vocab_size, torch.float64,
+                            runner.device)
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None)
+    @given(steps=st.lists(st.tuples(st.integers(1, MAX_ROWS), st.integers(0, 2)), min_size=1, max_size=6),
+           seed=st.integers(0, 2**16))
+    def replays(steps, seed):
+        rng = random.Random(seed)
+        with torch.inference_mode():
+            bm = BlockManager(NUM_BLOCKS, BS)
+            pool = _pool_of_sequences(rng, bm, MAX_ROWS)
+            runner.kv_cache.normal_(generator=torch.Generator(runner.kv_cache.device).manual_seed(seed))
+            ref_kv = runner.kv_cache.clone()
+            ref_attn = CapturablePagedAttention(ref_kv, runner.attn.scale)
+            history = []
+            for n, grow in steps:
+                _grow(rng, bm, pool, grow)
+                seqs = rng.sample(pool, n)
+                rows = _grader_padded(n, sizes)
+                history.append(f"{n} sequences (graph of {rows})")
+                check_one_replay(graphs, seqs, rows, ref, ref_attn, runner.kv_cache, ref_kv, "; ".join(history))
+
+    replays()
+
+
+def check_one_replay(graphs, seqs, rows, ref, ref_attn, kv, ref_kv, at):
+    model, n = graphs.model, len(seqs)
+    _Log.entries = []
+    logits = graphs.run(seqs)
+    replays = [e[1] for e in _Log.entries if e[0] == "replay"]
+    which = [next((s for s, g in graphs.graphs.items() if g is r), None) for r in replays]
+    _expect(which == [rows], f"ch08_ex1: after {at}: run replayed the graphs of sizes {which}; expected the "
+            f"graph of {rows} once ({n} sequences padded up to the next captured size)")
+    _expect(isinstance(logits, torch.Tensor) and tuple(logits.shape) == (n, model.config.vocab_size),
+            f"ch08_ex1: after {at}: run returned {getattr(logits, 'shape', logits)!r}; expected the real "
+            f"rows' logits, [{n}, {model.config.vocab_size}] (padded rows' logits are not returned)")
+    _expect(logits.untyped_storage().data_ptr() == graphs.buffers.logits.untyped_storage().data_ptr(),
+            f"ch08_ex1: after {at}: run's logits are not a view of buffers.logits, which the graph writes")
+    _grader_prepare(ref, seqs, rows)
+    ref_attn.metadata = ref.metadata(rows)
+    want = model.compute_logits(model(ref.input_ids[:rows], ref.positions[:rows], ref_attn))[:n]
+    ref_attn.metadata = None
+    diff = (logits - want).abs().max().item()
+    _expect(torch.equal(logits, want), f"ch08_ex1: after {at}: the replayed logits differ from the eager "
+            f"step's on the same padded inputs (largest difference {diff:.3g}); a replay must compute "
+            f"exactly the captured step over the buffers' current rows")
+    bad = _written_slots(kv, ref_kv)
+    _expect(not bad, f"ch08_ex1: after {at}: the replay left KV-cache slots {bad[:8]} different from the eager "
+            f"step's (a graph of the wrong size writes the K/V of rows an earlier step left there)")
+
+
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(REPLAY)
+def test_ch08_ex1_captures_one_graph_per_size():
+    with graded("replay"):
+        check_captures_one_graph_per_size()
+
+
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(REPLAY)
+def test_ch08_ex1_replay_equals_the_eager_step():
+    with graded("replay"):
+        check_replay_equals_the_eager_step()
+
+
+@pytest.mark.gpu
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(REPLAY)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs (on a CPU the stand-in "
+                    "graph grades the same replay)")
+def test_ch08_ex1_cuda_graph_replay_equals_the_eager_step():
+    """The same check with `CUDAGraph`: captured kernels replayed on the GPU, float64."""
+    with graded("replay"):
+        check_replay_equals_the_eager_step("cuda")
+
+
+# --- the engine -----------------------------------------------------------------------------------
 def _record_replays(runner) -> list[list]:
     """[batch size, size of the graph replayed or None] for each decode step."""
     steps = []
@@ -259,32 +522,134 @@ def _record_replays(runner) -> list[list]:
     return steps
 
 
-ENGINE_CASES = {  # exercise: (max_num_seqs, the grader's stand-ins to override)
-    "ch08_ex1": (20, {}),
-    "ch08_ex2": (10, {"cudagraph_capture_sizes": lambda m, c=cg.MAX_CAPTURE_SIZE: _rule_sizes(m, min(c, 6))}),
-    "ch08_ex3": (10, {}),
-}
+ENGINE_CASES = {"all sizes": (10, cg.MAX_CAPTURE_SIZE), "sizes up to 6": (10, 6)}  # max_num_seqs, largest size
+
+
+def check_engine_equals_transformers(case: str):
+    """Prompts generating different lengths: decode batches of every size from max_num_seqs down to 1,
+    each replayed from the graph of its padded size (with sizes up to 6, larger batches run eagerly)."""
+    folder, hf = _tiny()
+    max_num_seqs, largest = ENGINE_CASES[case]
+    sizes = _rule_sizes(max_num_seqs, largest)
+    with mock.patch.object(cg, "cudagraph_capture_sizes", lambda m, c=cg.MAX_CAPTURE_SIZE: _rule_sizes(m, min(c, largest))), \
+            your_code("building the engine with your CUDAGraphModelRunner (its KV cache, then the capture)"):
+        eng = LLMEngine(model=folder, dtype="float64", device="cpu", block_manager_cls=BlockManager, block_size=4,
+                        max_model_len=128, num_kvcache_blocks=400, max_num_seqs=max_num_seqs,
+                        attention_backend=CapturablePagedAttention, model_runner_cls=CUDAGraphModelRunner)
+        runner = eng.model_runner
+        _expect(runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == sizes,
+                f"ch08_ex1: the engine's runner captured {runner.decode_graphs and sorted(runner.decode_graphs.graphs)}"
+                f", expected graphs of sizes {sizes}")
+        _expect(runner.kv_cache.shape[2] == eng.block_manager.num_blocks + 1,
+                f"ch08_ex1: the KV cache has {runner.kv_cache.shape[2]} blocks for a block manager of "
+                f"{eng.block_manager.num_blocks}: one more, the dummy block (id {eng.block_manager.num_blocks}), is "
+                "for padded rows")
+        steps = _record_replays(runner)
+        prompts = random_prompts(max_num_seqs, 3, 30, seed=21)
+        params = [SamplingParams(temperature=0, max_tokens=2 + k, ignore_eos=True) for k in range(max_num_seqs)]
+        with your_code("the engine's steps with your CUDAGraphModelRunner"):
+            out = [o.outputs[0].token_ids for o in run_engine(eng, prompts, params)]
+    want_steps = [[n, _grader_padded(n, sizes)] for n, _ in steps]
+    _expect(steps == want_steps, f"ch08_ex1: decode steps ran [batch size, graph replayed (None: eager)] {steps}, "
+            f"expected {want_steps}")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        want = hf_greedy(hf, p, sp.max_tokens)
+        _expect(out[i] == want, f"ch08_ex1: prompt {i} ({len(p)} tokens, {sp.max_tokens} new, decode batches padded "
+                                f"to captured sizes {sizes}): the engine gave {out[i]}, transformers {want}")
 
 
 @pytest.mark.ch08
-@pytest.mark.parametrize("ex", [pytest.param(ex, marks=getattr(pytest.mark, ex)) for ex in ENGINE_CASES])
-def test_ch08_engine_with_the_piece_equals_transformers(ex, tiny):
-    """Prompts generating different lengths: decode batches of every size from max_num_seqs down to 1,
-    padded to captured sizes (for ch08_ex2 sizes 1, 2, 4, 6 only: larger batches run eagerly)."""
-    folder, hf = tiny
-    max_num_seqs, replace = ENGINE_CASES[ex]
-    with _graded(ex, **replace):
-        eng = _graph_engine(folder, max_num_seqs)
-        sizes = _rule_sizes(max_num_seqs) if ex != "ch08_ex2" else _rule_sizes(max_num_seqs, 6)
-        captured = sorted(eng.model_runner.decode_graphs.graphs)
-        _expect(captured == sizes, f"{ex}: the engine captured sizes {captured}, expected {sizes}")
-        steps = _record_replays(eng.model_runner)
-        prompts = random_prompts(max_num_seqs, 3, 30, seed=21)
-        params = [SamplingParams(temperature=0, max_tokens=2 + k, ignore_eos=True) for k in range(max_num_seqs)]
-        out = [o.outputs[0].token_ids for o in run_engine(eng, prompts, params)]
-    want_steps = [[n, _grader_padded(n, sizes)] for n, _ in steps]
-    _expect(steps == want_steps, f"{ex}: decode steps ran [batch size, graph replayed] {steps}, expected {want_steps}")
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        want = hf_greedy(hf, p, sp.max_tokens)
-        _expect(out[i] == want, f"{ex}: prompt {i} ({len(p)} tokens, {sp.max_tokens} new, decode batches padded to "
-                                f"captured sizes {sizes}): the engine gave {out[i]}, transformers {want}")
+@pytest.mark.ch08_ex1
+@pytest.mark.group(ENGINE)
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_ch08_ex1_engine_equals_transformers_with_graphs(case):
+    with graded("runner"):
+        check_engine_equals_transformers(case)
+
+
+# --- plausible wrong answers lose exactly their part (not graded: they check the graders) ------------
+CHECKS = {"sizes": [check_capture_sizes, check_padding],
+          "buffers": [check_rows_hold_the_batch_then_padding, check_padded_rows_write_only_the_dummy_slot],
+          "replay": [check_captures_one_graph_per_size, check_replay_equals_the_eager_step],
+          "runner": [functools.partial(check_engine_equals_transformers, case) for case in ENGINE_CASES]}
+
+
+def _pads_down(num_seqs, capture_sizes):
+    """The largest captured size <= the batch (padding down: the graph drops sequences)."""
+    return max((s for s in capture_sizes if s <= num_seqs), default=None)
+
+
+def _leaves_stale_rows(buffers, seqs, num_rows):
+    """Writes the batch's rows but leaves rows [len(seqs):num_rows] as an earlier step left them."""
+    n = len(seqs)
+    input_ids, positions, md, _ = prepare_batch(seqs, False, buffers.block_size, torch.device("cpu"))
+    for name, value in zip(cg.DECODE_INPUTS, (input_ids, positions, md.slot_mapping, md.context_lens)):
+        getattr(buffers, name)[:n] = value
+    buffers.block_tables[:n] = -1
+    buffers.block_tables[:n, :md.block_tables.shape[1]] = md.block_tables
+
+
+def _replays_the_largest(self, seqs):
+    """Fills the padded rows, then replays the largest graph (rows past the padded size: stale)."""
+    rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+    if rows is None:
+        return None
+    cg.prepare_decode_inputs(self.buffers, seqs, rows)
+    self.graphs[max(self.graphs)].replay()
+    return self.buffers.logits[:len(seqs)]
+
+
+def _returns_padding_rows(self, seqs):
+    """Returns the logits of every replayed row, padding included."""
+    rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+    if rows is None:
+        return None
+    cg.prepare_decode_inputs(self.buffers, seqs, rows)
+    self.graphs[rows].replay()
+    return self.buffers.logits[:rows]
+
+
+def _no_warm_up(self, model, attn, buffers, capture_sizes, graph_cls):
+    """Captures each step without running it first."""
+    self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
+    self.graphs, pool = {}, cg.graph_pool(buffers.device)
+    with torch.inference_mode():
+        for size in reversed(capture_sizes):
+            self.graphs[size] = graph_cls()
+            self.graphs[size].capture(self.step(size), pool)
+
+
+def _always_eager(self, seqs, is_prefill):
+    """Never replays: every step eager (the tokens are right, the graphs unused)."""
+    return ModelRunner.forward_logits(self, seqs, is_prefill)
+
+
+def _no_dummy_block(self, num_blocks, block_size):
+    """The KV cache without the dummy block."""
+    return ModelRunner.allocate_kv_cache(self, num_blocks, block_size)
+
+
+WRONG = [("sizes", cg, "padded_batch_size", _pads_down),
+         ("buffers", cg, "prepare_decode_inputs", _leaves_stale_rows),
+         ("replay", DecodeGraphs, "run", _replays_the_largest),
+         ("replay", DecodeGraphs, "run", _returns_padding_rows),
+         ("replay", DecodeGraphs, "__init__", _no_warm_up),
+         ("runner", CUDAGraphModelRunner, "forward_logits", _always_eager),
+         ("runner", CUDAGraphModelRunner, "allocate_kv_cache", _no_dummy_block)]
+
+
+@pytest.mark.parametrize("part, owner, name, wrong", WRONG, ids=[w[3].__name__ for w in WRONG])
+def test_ch08_ex1_wrong_answers_lose_their_part(part, owner, name, wrong):
+    """Each wrong piece, put in the package's place, fails its own part's checks and passes every other
+    part's (which run the grader's stand-in in its place): it loses exactly its part's points."""
+    failed = {}
+    with mock.patch.object(owner, name, wrong):
+        for other, checks in CHECKS.items():
+            with graded(other):
+                for check in checks:
+                    try:
+                        check()
+                    except Exception as e:  # noqa: BLE001  (a failure of any kind loses the part)
+                        failed.setdefault(other, f"{type(e).__name__}: {e}" if not isinstance(e, AssertionError) else str(e))
+    assert list(failed) == [part], f"{wrong.__name__}: parts failed {failed}; expected only {part!r}"
+    assert failed[part].startswith("ch08_ex1: "), failed[part]

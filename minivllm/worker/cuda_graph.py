@@ -38,7 +38,7 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTU
     """
     top = min(require_int("max_num_seqs", max_num_seqs, minimum=1),
               require_int("max_capture_size", max_capture_size, minimum=1))
-    # EXERCISE ch08_ex1 (2 points): the sizes of SMALL_CAPTURE_SIZES below top, the multiples of CAPTURE_SIZE_STEP below top, then top; ascending
+    # EXERCISE ch08_ex1 (14 points): SMALL_CAPTURE_SIZES below top, multiples of CAPTURE_SIZE_STEP below top, then top
     ### BEGIN SOLUTION
     small = [s for s in SMALL_CAPTURE_SIZES if s < top]
     return small + list(range(CAPTURE_SIZE_STEP, top, CAPTURE_SIZE_STEP)) + [top]
@@ -49,10 +49,12 @@ def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
     """The smallest captured size that holds `num_seqs` sequences; None when none does (run eagerly).
 
     Args: num_seqs, sequences in the decode step (>= 1); capture_sizes, ascending (`cudagraph_capture_sizes`).
+    Returns: the size to pad up to, never below `num_seqs` (a graph of fewer rows would drop sequences).
     Called on every decode step with the engine's own count, so it asserts rather than validates.
+    Source: vLLM's and nano-vllm's padding of a decode batch to the next captured size.
     """
     assert num_seqs >= 1, num_seqs
-    # EXERCISE ch08_ex2 (2 points): the smallest size in capture_sizes (ascending) that is >= num_seqs; None if there is none
+    # EXERCISE ch08_ex1 (14 points): the smallest size in capture_sizes that is >= num_seqs; None if none is
     ### BEGIN SOLUTION
     i = bisect.bisect_left(capture_sizes, num_seqs)
     return capture_sizes[i] if i < len(capture_sizes) else None
@@ -113,6 +115,14 @@ class DecodeBuffers:
 def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows: int) -> None:
     """Write a decode batch into rows `[:len(seqs)]` of `buffers` and padding into rows `[len(seqs):num_rows]`.
 
+    After the call, rows `[:num_rows]` of the static tensors (the same tensor objects, written in place:
+    a captured graph reads those addresses) hold, for row i < len(seqs), sequence i's last token,
+    its position `num_tokens - 1`, its new token's slot, `num_tokens` and its block table then -1 in
+    every other column; for a padded row, token 0, position 0, `buffers.dummy_slot`, length 1 and
+    `[dummy_block, -1, ...]`, whatever an earlier step left there (so a padded row writes K/V into
+    the dummy block only). Rows from `num_rows` on are not read. On CUDA the values go through the
+    pinned `buffers.host` tensors and non-blocking copies.
+
     Raises:
         ValueError: not `1 <= len(seqs) <= num_rows <= max_num_seqs`, or a block table wider than
             `max_blocks_per_seq`.
@@ -127,7 +137,7 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
                          "(ceil(max_model_len / block_size))")
     if buffers.last_copy is not None:
         buffers.last_copy.synchronize()  # the host tensors are about to change: the last copies must be done
-    # EXERCISE ch08_ex3 (4 points): fill the host rows (the batch, then padding up to num_rows) and copy rows [:num_rows] to the static tensors
+    # EXERCISE ch08_ex1 (14 points): host rows: the batch, then padding up to num_rows; copy rows [:num_rows] in place
     ### BEGIN SOLUTION
     h, buffers.table_width = buffers.host, max(buffers.table_width, width)
     for name, value in zip(DECODE_INPUTS, (input_ids, positions, md.slot_mapping, md.context_lens)):
@@ -148,17 +158,17 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
 class CUDAGraph:
     """One decode step as a CUDA graph (`torch.cuda.CUDAGraph`); needs CUDA.
 
-    `capture(step, pool)` runs `step` once (warm-up: lazy initialisation must not happen inside a
-    capture), then records its kernels into the memory pool `pool` (`graph_pool`); `replay()`
-    launches them. Source: PyTorch's `torch.cuda.graph`, nano-vllm's `capture_cudagraph`.
+    `capture(step, pool)` records the kernels `step` launches into the memory pool `pool`
+    (`graph_pool`); the caller has run `step` once before (warm-up: lazy initialisation, such as
+    cuBLAS handles or a Triton compilation, must not happen inside a capture). `replay()` launches
+    them. Source: PyTorch's `torch.cuda.graph`, nano-vllm's `capture_cudagraph`.
     """
 
     def __init__(self):
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, step: Callable[[], None], pool=None) -> None:
-        step()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the warm-up's kernels are done before the capture starts
         with torch.cuda.graph(self.graph, pool=pool):
             step()
 
@@ -252,26 +262,35 @@ CUDAGRAPH_BACKENDS: frozenset[type] = frozenset({TritonPagedAttention})  # captu
 class DecodeGraphs:
     """Captured decode steps, one per batch size, over shared `DecodeBuffers`.
 
-    Args:
-        model: our decoder. attn: the attention backend instance (its decode path must be capturable).
-        buffers: the static buffers (`max_num_seqs` >= the largest capture size).
-        capture_sizes: ascending batch sizes (`cudagraph_capture_sizes`).
-        graph_cls: `CUDAGraph` or `StandInGraph`.
-    Attributes: graphs, `{size: graph}`. Capturing happens here, in the constructor.
+    Args: model, our decoder; attn, the attention backend instance (with a capturable decode path);
+        buffers, the static buffers (`max_num_seqs` >= the largest size); capture_sizes, ascending
+        (`cudagraph_capture_sizes`); graph_cls, `CUDAGraph` or `StandInGraph` (`capture(step, pool)`, `replay()`).
+    Attributes: graphs, `{size: graph}`, one per size, captured here: under `torch.inference_mode()`, from the
+    largest size down, `step(size)` runs once eagerly (the warm-up), then a new `graph_cls()` captures it, every
+    graph into the one pool `graph_pool(buffers.device)`. Source: nano-vllm's `ModelRunner.capture_cudagraph`.
     """
 
     def __init__(self, model, attn, buffers: DecodeBuffers, capture_sizes: list[int], graph_cls: type):
         self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
         self.graphs = {}
+        # EXERCISE ch08_ex1 (14 points): per size, largest first: warm up step(size), capture it into the shared pool
+        ### BEGIN SOLUTION
         pool = graph_pool(buffers.device)
         with torch.inference_mode():
             for size in reversed(capture_sizes):
-                graph = graph_cls()
-                graph.capture(self.step(size), pool)
-                self.graphs[size] = graph
+                step = self.step(size)
+                step()  # the warm-up
+                self.graphs[size] = graph = graph_cls()
+                graph.capture(step, pool)
+        ### END SOLUTION
 
     def step(self, num_rows: int) -> Callable[[], None]:
-        """The step a graph records: the model over the buffers' first `num_rows` rows, logits into `buffers.logits`."""
+        """The step a graph records, as a function of no arguments: with `attn.metadata` set to
+        `buffers.metadata(num_rows)` (None again afterwards), the model over the static `input_ids` and
+        `positions` rows `[:num_rows]`, its logits copied into `buffers.logits[:num_rows]`. Everything it
+        reads and writes is a view of the static buffers, taken once, here, outside the step."""
+        # EXERCISE ch08_ex1 (14 points): views of rows [:num_rows]; a step: the model over them, logits copied in
+        ### BEGIN SOLUTION
         b, md = self.buffers, self.buffers.metadata(num_rows)
         input_ids, positions, logits = b.input_ids[:num_rows], b.positions[:num_rows], b.logits[:num_rows]
 
@@ -282,32 +301,33 @@ class DecodeGraphs:
             finally:
                 self.attn.metadata = None
         return step
+        ### END SOLUTION
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Replay the graph of `len(seqs)` padded to a captured size: `[num_seqs, vocab_size]` logits (a
-        view of `buffers.logits`, valid until the next run); None when no captured size holds the batch."""
+        """One decode step from a graph: pad `len(seqs)` up to a captured size (`padded_batch_size`), fill the
+        buffers (`prepare_decode_inputs`), replay that size's graph once. Returns: the real rows' logits,
+        `[len(seqs), vocab_size]` in the model's dtype, a view of `buffers.logits` (valid until the next run; never
+        padded rows'); None, with nothing run, when no captured size holds the batch (the caller runs it eagerly)."""
+        # EXERCISE ch08_ex1 (14 points): pad up, fill the buffers, replay that size's graph, return the real rows
+        ### BEGIN SOLUTION
         num_rows = padded_batch_size(len(seqs), self.capture_sizes)
         if num_rows is None:
             return None
         prepare_decode_inputs(self.buffers, seqs, num_rows)
         self.graphs[num_rows].replay()
         return self.buffers.logits[:len(seqs)]
+        ### END SOLUTION
 
 # %% ../../notebooks/08_cuda_graphs.ipynb #e08960ee
 class CUDAGraphModelRunner(ModelRunner):
     """Chapter 04's `ModelRunner` whose decode steps replay captured graphs (prefill stays eager).
 
-    Args: as `ModelRunner`, and
-        max_num_seqs: most sequences in a decode step (captured up to `MAX_CAPTURE_SIZE`).
-        max_model_len: most tokens per sequence (None: the model's max_position_embeddings); sizes the
-            static block tables.
-        enforce_eager: capture nothing (vLLM's name): every step runs as in `ModelRunner`.
-    Attributes:
-        graph_cls: class switch (None: `CUDAGraph` on CUDA, `StandInGraph` elsewhere).
-        compile_small_ops: class switch (False): `compile_small_ops(model)` before capture.
-        dummy_block: the KV-cache block only padded rows use (`block_manager.num_blocks`).
-        decode_graphs: the `DecodeGraphs`; None when nothing is captured: `enforce_eager`, a backend
-            that `supports_cudagraph` rejects, or a capture that raised (both warn), and decode runs eagerly.
+    Args: as `ModelRunner`, and max_num_seqs (captured up to `MAX_CAPTURE_SIZE`), max_model_len (None: the
+        model's max_position_embeddings; sizes the static block tables), enforce_eager (capture nothing).
+    Attributes: graph_cls and compile_small_ops, class switches (None: `CUDAGraph` on CUDA, `StandInGraph`
+        elsewhere; False: no `compile_small_ops(model)` before capture); dummy_block, the KV-cache block only
+        padded rows use (`block_manager.num_blocks`); decode_graphs, the `DecodeGraphs`, None when nothing is
+        captured (`enforce_eager`, a backend `supports_cudagraph` rejects, a capture that raised: both warn).
     Source: nano-vllm's `ModelRunner.capture_cudagraph` and `run_model`; vLLM's GPU model runner.
     """
 
@@ -344,12 +364,20 @@ class CUDAGraphModelRunner(ModelRunner):
                    max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        return super().allocate_kv_cache(num_blocks + 1, block_size)  # + the dummy block
+        """`ModelRunner`'s KV cache and one block more, the dummy block `num_blocks`: only padded rows write it."""
+        # EXERCISE ch08_ex1 (14 points): chapter 04's KV cache and the dummy block
+        ### BEGIN SOLUTION
+        return super().allocate_kv_cache(num_blocks + 1, block_size)
+        ### END SOLUTION
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Decode: `DecodeGraphs.run` (a view of the static logits); else `ModelRunner.forward_logits`."""
+        """Logits `[len(seqs), vocab_size]`: a decode step with graphs, `decode_graphs.run(seqs)`; a prefill, nothing
+        captured, or a batch no captured size holds (`run` gives None): `ModelRunner.forward_logits`, eagerly."""
+        # EXERCISE ch08_ex1 (14 points): a decode step replays a graph; prefill and batches without one run eagerly
+        ### BEGIN SOLUTION
         logits = None if is_prefill or self.decode_graphs is None else self.decode_graphs.run(seqs)
         return super().forward_logits(seqs, is_prefill) if logits is None else logits
+        ### END SOLUTION
 
 # %% ../../notebooks/08_cuda_graphs.ipynb #a46057fe
 COMPILE_OPTIONS = {"emulate_precision_casts": True}  # round where the code casts (see the text)
