@@ -39,10 +39,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minivllm.worker.cuda_graph as cg
-from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine
+from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine, speed_ratio
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.block_manager import BlockManager
-from minivllm.course.grade import EXERCISES as GRADED
+from minivllm.course.grade import EXERCISES as GRADED, SPEED_RATIO
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ from minivllm.worker.cuda_graph import CapturablePagedAttention, CUDAGraphModelR
 from minivllm.worker.model_runner import ModelRunner, prepare_batch
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
-SIZES, BUFFERS, REPLAY, ENGINE = (name for name, _ in GRADED["ch08_ex1"].groups)
+SIZES, BUFFERS, REPLAY, ENGINE, SPEED = (name for name, _ in GRADED["ch08_ex1"].groups)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -565,6 +565,71 @@ def check_engine_equals_transformers(case: str):
 def test_ch08_ex1_engine_equals_transformers_with_graphs(case):
     with graded("runner"):
         check_engine_equals_transformers(case)
+
+
+# --- the speed part (a GPU only) -------------------------------------------------------------------
+@contextmanager
+def graders_runner():
+    """Every piece of the build the grader's (the speed part's reference)."""
+    with ExitStack() as stack:
+        for patches in PIECES.values():
+            for owner, name, fn in patches:
+                stack.enter_context(mock.patch.object(owner, name, fn))
+        yield
+
+
+def check_decode_speed(device: str = "cuda", launches: int = 20, timer=speed_ratio) -> float:
+    """The package's (the student's) `CUDAGraphModelRunner` and one built and run with the grader's pieces,
+    on the tiny float64 Llama on `device`, graphs up to 8 rows: a decode step of 5 sequences (padded to
+    8), first the same logits (1e-12), then timed side by side (`timer`: `speed_ratio`, `launches` steps
+    per timing, each timing ending in a synchronisation). Returns the student's time over the grader's."""
+    model, rng = _tiny_ours(device), random.Random(31)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        with your_code("building your CUDAGraphModelRunner (its KV cache, then the capture)"):
+            yours = CUDAGraphModelRunner(model, BlockManager(NUM_BLOCKS, BS), attention_backend=CapturablePagedAttention,
+                                         max_num_seqs=MAX_ROWS)
+        with graders_runner():
+            theirs = CUDAGraphModelRunner(model, BlockManager(NUM_BLOCKS, BS),
+                                          attention_backend=CapturablePagedAttention, max_num_seqs=MAX_ROWS)
+        seqs = _pool_of_sequences(rng, BlockManager(NUM_BLOCKS, BS), 5)  # block ids valid in both caches
+        kv = torch.randn(yours.kv_cache.shape, generator=torch.Generator().manual_seed(5), dtype=yours.kv_cache.dtype)
+        yours.kv_cache.copy_(kv)
+        theirs.kv_cache.copy_(kv)
+
+        def steps(runner, graders: bool):
+            with graders_runner() if graders else ExitStack():
+                for _ in range(launches):
+                    out = runner.forward_logits(seqs, False)
+                sync()
+            return out
+
+        with your_code("a decode step of 5 sequences with your CUDAGraphModelRunner"):
+            got = steps(yours, False).clone()
+        want = steps(theirs, True)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=lambda m: (
+            f"ch08_ex1: the speed part's decode step (5 sequences, graphs up to {MAX_ROWS}) differs from the "
+            f"grader's runner's (so it is not timed): {m}"))
+        return timer(lambda: steps(yours, False), lambda: steps(theirs, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(SPEED)
+def test_ch08_ex1_decode_step_speed_on_a_gpu(record_property):
+    """The speed part: on a CUDA GPU only (on a CPU the stand-in graph runs the step eagerly, so there is no
+    launch cost to save), `check_decode_speed`'s ratio, scored by `EXERCISES["ch08_ex1"].speed`'s bands."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the speed part times real CUDA graphs")
+    record_property(SPEED_RATIO, check_decode_speed("cuda"))
+
+
+def test_ch08_ex1_speed_check_runs_on_a_cpu():
+    """The speed part's check, on a CPU with the stand-in graph and one round (not graded: it shows the
+    check itself runs, and that the book's runner matches the grader's logits there)."""
+    ratio = check_decode_speed("cpu", launches=2, timer=lambda a, b: speed_ratio(a, b, rounds=1, calls=1, warmup=0))
+    assert ratio > 0
 
 
 # --- plausible wrong answers lose exactly their part (not graded: they check the graders) ------------

@@ -176,14 +176,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              speed=(("decodes at the reference kernels' speed on a GPU", ((1.5, 3), (3.0, 2), (6.0, 1))),)),
     Exercise("ch07_ex3", 3, "extend", "copy_blocks as a Triton kernel (copy-on-write)",
              "exercises/ch07_triton_kernels.py", ("tests/test_grading_ch07_extend.py",)),
-    Exercise("ch08_ex1", 14, "rebuild", "build the capture-and-replay runner: cudagraph_capture_sizes, "
+    Exercise("ch08_ex1", 17, "rebuild", "build the capture-and-replay runner: cudagraph_capture_sizes, "
              "padded_batch_size, prepare_decode_inputs, DecodeGraphs (capture, step, run), CUDAGraphModelRunner's "
              "allocate_kv_cache and forward_logits", "notebooks/08_cuda_graphs.ipynb",
              ("tests/test_grading_ch08_regions.py",),
              groups=(("capture sizes and padding", 3),
                      ("static buffers hold the batch, padding rows are inert", 4),
                      ("replay equals the eager step", 4),
-                     ("the engine equals transformers with graphs", 3))),
+                     ("the engine equals transformers with graphs", 3),
+                     ("a decode step at the reference's speed on a GPU", 3)),
+             speed=(("a decode step at the reference's speed on a GPU", ((1.5, 3), (3.0, 2), (6.0, 1))),)),
     Exercise("ch08_ex2", 3, "extend", "capture sizes chosen from observed batch sizes",
              "exercises/ch08_cuda_graphs.py", ("tests/test_grading_ch08_extend.py",)),
     Exercise("ch09_ex1", 11, "rebuild", "build the roofline from a model config: model_cost, step_cost, roofline, "

@@ -38,7 +38,7 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTU
     """
     top = min(require_int("max_num_seqs", max_num_seqs, minimum=1),
               require_int("max_capture_size", max_capture_size, minimum=1))
-    # EXERCISE ch08_ex1 (14 points): SMALL_CAPTURE_SIZES below top, multiples of CAPTURE_SIZE_STEP below top, then top
+    # EXERCISE ch08_ex1 (17 points): SMALL_CAPTURE_SIZES below top, multiples of CAPTURE_SIZE_STEP below top, then top
     ### BEGIN SOLUTION
     small = [s for s in SMALL_CAPTURE_SIZES if s < top]
     return small + list(range(CAPTURE_SIZE_STEP, top, CAPTURE_SIZE_STEP)) + [top]
@@ -54,7 +54,7 @@ def padded_batch_size(num_seqs: int, capture_sizes: list[int]) -> int | None:
     Source: vLLM's and nano-vllm's padding of a decode batch to the next captured size.
     """
     assert num_seqs >= 1, num_seqs
-    # EXERCISE ch08_ex1 (14 points): the smallest size in capture_sizes that is >= num_seqs; None if none is
+    # EXERCISE ch08_ex1 (17 points): the smallest size in capture_sizes that is >= num_seqs; None if none is
     ### BEGIN SOLUTION
     i = bisect.bisect_left(capture_sizes, num_seqs)
     return capture_sizes[i] if i < len(capture_sizes) else None
@@ -137,7 +137,7 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
                          "(ceil(max_model_len / block_size))")
     if buffers.last_copy is not None:
         buffers.last_copy.synchronize()  # the host tensors are about to change: the last copies must be done
-    # EXERCISE ch08_ex1 (14 points): host rows: the batch, then padding up to num_rows; copy rows [:num_rows] in place
+    # EXERCISE ch08_ex1 (17 points): host rows: the batch, then padding up to num_rows; copy rows [:num_rows] in place
     ### BEGIN SOLUTION
     h, buffers.table_width = buffers.host, max(buffers.table_width, width)
     for name, value in zip(DECODE_INPUTS, (input_ids, positions, md.slot_mapping, md.context_lens)):
@@ -273,7 +273,7 @@ class DecodeGraphs:
     def __init__(self, model, attn, buffers: DecodeBuffers, capture_sizes: list[int], graph_cls: type):
         self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
         self.graphs = {}
-        # EXERCISE ch08_ex1 (14 points): per size, largest first: warm up step(size), capture it into the shared pool
+        # EXERCISE ch08_ex1 (17 points): per size, largest first: warm up step(size), capture it into the shared pool
         ### BEGIN SOLUTION
         pool = graph_pool(buffers.device)
         with torch.inference_mode():
@@ -289,7 +289,7 @@ class DecodeGraphs:
         `buffers.metadata(num_rows)` (None again afterwards), the model over the static `input_ids` and
         `positions` rows `[:num_rows]`, its logits copied into `buffers.logits[:num_rows]`. Everything it
         reads and writes is a view of the static buffers, taken once, here, outside the step."""
-        # EXERCISE ch08_ex1 (14 points): views of rows [:num_rows]; a step: the model over them, logits copied in
+        # EXERCISE ch08_ex1 (17 points): views of rows [:num_rows]; a step: the model over them, logits copied in
         ### BEGIN SOLUTION
         b, md = self.buffers, self.buffers.metadata(num_rows)
         input_ids, positions, logits = b.input_ids[:num_rows], b.positions[:num_rows], b.logits[:num_rows]
@@ -308,7 +308,7 @@ class DecodeGraphs:
         buffers (`prepare_decode_inputs`), replay that size's graph once. Returns: the real rows' logits,
         `[len(seqs), vocab_size]` in the model's dtype, a view of `buffers.logits` (valid until the next run; never
         padded rows'); None, with nothing run, when no captured size holds the batch (the caller runs it eagerly)."""
-        # EXERCISE ch08_ex1 (14 points): pad up, fill the buffers, replay that size's graph, return the real rows
+        # EXERCISE ch08_ex1 (17 points): pad up, fill the buffers, replay that size's graph, return the real rows
         ### BEGIN SOLUTION
         num_rows = padded_batch_size(len(seqs), self.capture_sizes)
         if num_rows is None:
@@ -365,7 +365,7 @@ class CUDAGraphModelRunner(ModelRunner):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """`ModelRunner`'s KV cache and one block more, the dummy block `num_blocks`: only padded rows write it."""
-        # EXERCISE ch08_ex1 (14 points): chapter 04's KV cache and the dummy block
+        # EXERCISE ch08_ex1 (17 points): chapter 04's KV cache and the dummy block
         ### BEGIN SOLUTION
         return super().allocate_kv_cache(num_blocks + 1, block_size)
         ### END SOLUTION
@@ -373,7 +373,7 @@ class CUDAGraphModelRunner(ModelRunner):
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits `[len(seqs), vocab_size]`: a decode step with graphs, `decode_graphs.run(seqs)`; a prefill, nothing
         captured, or a batch no captured size holds (`run` gives None): `ModelRunner.forward_logits`, eagerly."""
-        # EXERCISE ch08_ex1 (14 points): a decode step replays a graph; prefill and batches without one run eagerly
+        # EXERCISE ch08_ex1 (17 points): a decode step replays a graph; prefill and batches without one run eagerly
         ### BEGIN SOLUTION
         logits = None if is_prefill or self.decode_graphs is None else self.decode_graphs.run(seqs)
         return super().forward_logits(seqs, is_prefill) if logits is None else logits
