@@ -30,7 +30,8 @@ REQUEST_PATH = ("llm.py", "engine/", "core/", "worker/", "model_executor/", "sam
 
 
 # %% auto #0
-__all__ = ['PACKAGE_MAP', 'REQUEST_PATH', 'draw_package_map', 'draw_tokens', 'draw_blocks', 'draw_category_grid']
+__all__ = ['PACKAGE_MAP', 'REQUEST_PATH', 'draw_package_map', 'draw_tokens', 'draw_blocks', 'draw_category_grid', 'show_in',
+           'observe_all']
 
 # %% ../../notebooks/01_sequences.ipynb #7df38a45
 def draw_package_map(chapter: int | None = None, ax=None):
@@ -183,3 +184,30 @@ def draw_category_grid(grid, names: list[str], colours: list[str], ax=None):
     ax.legend(handles=[Patch(color=c, label=n) for n, c in zip(names, colours)], loc="upper left",
               bbox_to_anchor=(1.01, 1), fontsize=8)
     return ax
+
+
+def show_in(out, draw) -> None:
+    """Replace what the ipywidgets `Output` `out` shows by the figure `draw()` makes, then close it
+    (an explorer redraws on every change; closed figures do not pile up). `draw` returns the Figure,
+    an Axes, or a sequence of Axes."""
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    with out:
+        out.clear_output(wait=True)
+        first = draw()
+        while not hasattr(first, "figure"):  # a sequence or an array of Axes
+            first = next(iter(first))
+        fig = first.figure  # a Figure's `figure` is itself
+        display(fig)
+        plt.close(fig)
+
+
+def observe_all(box, controls: dict, update):
+    """An explorer's wiring: `update` on every change of each control's value, the controls kept as
+    `box.controls` (tests and readers drive them), one first `update()`. Returns `box`."""
+    for control in controls.values():
+        control.observe(update, names="value")
+    box.controls = controls
+    update()
+    return box

@@ -108,7 +108,7 @@ def attention_explorer(model, tokenizer, text: str = "The cat sat on the mat bec
     Attributes: `controls` (name -> widget), `state` (`attention_state`'s result, with "num_tokens"
     the sentence's tokens before the cut at `max_tokens`)."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import observe_all, show_in
 
     heads = model.model.layers[0].self_attn.num_heads
     controls = {
@@ -128,21 +128,14 @@ def attention_explorer(model, tokenizer, text: str = "The cat sat on the mat bec
             runs[sentence] = (attention_maps(model, ids[:max_tokens]) if ids else None,
                               token_labels(tokenizer, ids[:max_tokens]), len(ids))
         maps, labels, num_tokens = runs[sentence]
-        with out:
-            out.clear_output(wait=True)
-            if maps is None:
-                box.state, summary.value = {"tokens": [], "num_tokens": 0}, "type a sentence"
-                return
-            box.state = attention_state(maps, labels, controls["layer"].value, controls["head"].value)
-            box.state["num_tokens"] = num_tokens
-            cut = f" (the first {max_tokens} of {num_tokens} tokens)" if num_tokens > max_tokens else ""
-            summary.value = describe_heads(box.state) + cut
-            ax = draw_attention(box.state)
-            plt.show()
-            plt.close(ax.figure)
+        if maps is None:
+            out.clear_output()
+            box.state, summary.value = {"tokens": [], "num_tokens": 0}, "type a sentence"
+            return
+        box.state = attention_state(maps, labels, controls["layer"].value, controls["head"].value)
+        box.state["num_tokens"] = num_tokens
+        cut = f" (the first {max_tokens} of {num_tokens} tokens)" if num_tokens > max_tokens else ""
+        summary.value = describe_heads(box.state) + cut
+        show_in(out, lambda: draw_attention(box.state))
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)

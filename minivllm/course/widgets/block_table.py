@@ -178,7 +178,7 @@ def block_table_explorer(lengths: str = "6 4 9 3", block_size: int = 4, num_bloc
     whenever a control changes (Reset forgets them). Attributes: `controls` (name -> widget), `state`
     (`block_table_run`'s result with "actions", the clicks; or {"error": message} for a bad input)."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import show_in
 
     controls = {
         "lengths": widgets.Text(value=lengths, description="prompt lengths", continuous_update=False,
@@ -205,11 +205,7 @@ def block_table_explorer(lengths: str = "6 4 9 3", block_size: int = 4, num_bloc
             return
         box.state["actions"] = "".join(clicks)
         summary.value = describe_block_tables(box.state)
-        with out:
-            out.clear_output(wait=True)
-            fig = draw_block_tables(box.state)
-            plt.show()
-            plt.close(fig)
+        show_in(out, lambda: draw_block_tables(box.state))
 
     def click(letter):
         def on_click(_):

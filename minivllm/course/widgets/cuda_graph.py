@@ -87,7 +87,7 @@ def capture_size_explorer(max_num_seqs: int = 256, batch_size: int = 100,
     the picture of `draw_capture_sizes`. Attributes: `controls` (name -> slider), `state`
     (`capture_size_state`'s result for the current values)."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import observe_all, show_in
 
     style = {"description_width": "120px"}
     controls = {
@@ -104,14 +104,6 @@ def capture_size_explorer(max_num_seqs: int = 256, batch_size: int = 100,
         box.state = capture_size_state(controls["max_num_seqs"].value, controls["batch_size"].value,
                                        controls["max_capture_size"].value)
         summary.value = "<pre>" + describe_capture_sizes(box.state) + "</pre>"
-        with out:
-            out.clear_output(wait=True)
-            axes = draw_capture_sizes(box.state)
-            plt.show()
-            plt.close(axes[0].figure)
+        show_in(out, lambda: draw_capture_sizes(box.state))
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)

@@ -100,7 +100,7 @@ def padding_explorer(prompt_lens: list[int] | None = None, output_lens: list[int
     the text of `describe_padding` and the picture of `draw_padding`. Attributes: `controls` (name ->
     widget: "prompt_lens", "output_lens", "batch_size"), `state` (`padding_state` for the current values)."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import observe_all, show_in
 
     prompt_lens = prompt_lens or [5, 12, 3, 9, 30, 2]
     output_lens = output_lens or [4, 1, 7, 2, 3, 12]
@@ -127,14 +127,6 @@ def padding_explorer(prompt_lens: list[int] | None = None, output_lens: list[int
         controls["batch_size"].max = len(lens[0])  # clamps the value (and calls again)
         box.state = padding_state(*lens, controls["batch_size"].value)
         summary.value = "<pre>" + describe_padding(box.state) + "</pre>"
-        with out:
-            out.clear_output(wait=True)
-            ax = draw_padding(box.state)
-            plt.show()
-            plt.close(ax.figure)
+        show_in(out, lambda: draw_padding(box.state))
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)

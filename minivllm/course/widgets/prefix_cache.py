@@ -132,7 +132,7 @@ def prefix_cache_explorer(text: str | None = None, block_size: int = 4, num_bloc
     prompts keep running; the picture of `draw_prefix_cache`. Attributes: `controls` (name -> widget),
     `state` (`prefix_cache_state`'s result for the current values, with "words")."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import show_in
 
     controls = {
         "preset": widgets.Dropdown(options=list(PRESETS), description="prompts"),
@@ -153,12 +153,10 @@ def prefix_cache_explorer(text: str | None = None, block_size: int = 4, num_bloc
                                        controls["keep_running"].value)
         box.state["words"] = words
         summary.value = "<pre>" + describe_prefix_cache(box.state) + "</pre>"
-        with out:
-            out.clear_output(wait=True)
-            if ids:
-                ax = draw_prefix_cache(box.state, words)
-                plt.show()
-                plt.close(ax.figure)
+        if ids:
+            show_in(out, lambda: draw_prefix_cache(box.state, words))
+        else:
+            out.clear_output()
 
     controls["preset"].observe(lambda change: setattr(controls["prompts"], "value", PRESETS[change["new"]]),
                                names="value")

@@ -78,7 +78,8 @@ def sampling_explorer(logits: torch.Tensor, label: Callable[[int], str] | None =
     """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from minivllm.course.viz import observe_all, show_in
 
     def slider(value, lo, hi, step, name):
         return widgets.FloatSlider(value, min=lo, max=hi, step=step, description=name, continuous_update=False)
@@ -97,16 +98,12 @@ def sampling_explorer(logits: torch.Tensor, label: Callable[[int], str] | None =
     def update(change=None) -> None:
         params = SamplingParams(**{name: c.value for name, c in controls.items()})
         box.state = dict(filter_distribution(logits, params, output_token_ids), params=params)
-        with out:
-            out.clear_output(wait=True)
+
+        def draw():
             fig, ax = plt.subplots(figsize=(12, 3.6))
             draw_filtered(ax, box.state, label, show, "greedy: " if params.greedy else "")
             fig.tight_layout()
-            display(fig)
-            plt.close(fig)
+            return fig
+        show_in(out, draw)
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)

@@ -119,7 +119,7 @@ def split_k_explorer(context_len: int = 1000, block_size: int = 16, num_splits: 
     picture of `draw_split_k`. Attributes: `controls` (name -> widget), `state` (`split_k_state`'s
     result for the current values). It launches no kernel."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from minivllm.course.viz import observe_all, show_in
 
     style = {"description_width": "110px"}
     controls = {
@@ -145,14 +145,6 @@ def split_k_explorer(context_len: int = 1000, block_size: int = 16, num_splits: 
                                   None if auto else controls["num_splits"].value, controls["block_n"].value,
                                   controls["num_seqs"].value, controls["num_kv_heads"].value)
         summary.value = "<pre>" + describe_split_k(box.state) + "</pre>"
-        with out:
-            out.clear_output(wait=True)
-            ax = draw_split_k(box.state)
-            plt.show()
-            plt.close(ax.figure)
+        show_in(out, lambda: draw_split_k(box.state))
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)
