@@ -141,7 +141,8 @@ def free_prefill_chunk(cost: ModelCost, decode_context_lens: list[int], prefix_l
 
     def memory_bound(k: int) -> bool:
         pairs = k * prefix_len + k * (k + 1) // 2
-        flops = decode_flops + 2 * cost.matmul_params * k + 2 * cost.lm_head_params + cost.attention_flops_per_pair * pairs
+        flops = (decode_flops + 2 * cost.matmul_params * k + 2 * cost.lm_head_params
+                 + cost.attention_flops_per_pair * pairs)
         num_bytes = decode_bytes + cost.kv_bytes_per_token * (prefix_len + 2 * k)
         return num_bytes * peak >= flops * bandwidth
 

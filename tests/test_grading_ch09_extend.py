@@ -169,7 +169,8 @@ def test_ch09_ex2_sequences_that_fit_the_engines_cache(ch09, tiny_folders, kind,
 # --- ch09_ex2: the batch from which decode is compute-bound --------------------------------------
 def _check_batch(mod, cost, context_len, peaks) -> None:
     got = mod.compute_bound_batch(cost, context_len, peaks)
-    what = f"compute_bound_batch({cost}, {context_len}, matmul {peaks.matmul_flops_per_s}, copy {peaks.copy_bytes_per_s})"
+    what = (f"compute_bound_batch({cost}, {context_len}, matmul {peaks.matmul_flops_per_s}, "
+            f"copy {peaks.copy_bytes_per_s})")
 
     def decode(b):  # b identical sequences: b times one sequence's terms, the weights once
         flops, num_bytes = _step(cost, [1], [context_len])
