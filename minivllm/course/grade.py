@@ -194,6 +194,10 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("a step's FLOPs and bytes", 3),
                      ("the roofline of a run", 2),
                      ("the least time of a workload", 2))),
+    Exercise("ch09_ex2", 4, "extend", "how many sequences fit, and from which batch decode is compute-bound",
+             "exercises/ch09_benchmark.py", ("tests/test_grading_ch09_extend.py",)),
+    Exercise("ch09_ex3", 4, "extend", "the prefill chunk that rides along a decode step for free",
+             "exercises/ch09_benchmark.py", ("tests/test_grading_ch09_extend.py",)),
     Exercise("ch10_ex1", 11, "rebuild", "build the sampler's filters: apply_penalties, apply_min_p, apply_top_k_top_p, "
              "the pivot draw's ranking and keep test (ranked_before, mass_ranked_before)", "notebooks/10_sampling.ipynb",
              ("tests/test_grading_ch10_regions.py",),
