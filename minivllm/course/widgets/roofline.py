@@ -91,7 +91,8 @@ def roofline_explorer(configs: dict, devices: dict[str, DevicePeaks], batch_size
     """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-    from IPython.display import display
+
+    from minivllm.course.viz import observe_all, show_in
 
     costs: dict[tuple[str, torch.dtype], ModelCost] = {}  # counted once per model and dtype
     controls = dict(
@@ -112,17 +113,13 @@ def roofline_explorer(configs: dict, devices: dict[str, DevicePeaks], batch_size
             costs[model, dtype] = model_cost(configs[model], dtype)
         point = decode_point(costs[model, dtype], peaks, controls["batch_size"].value, controls["context_len"].value)
         box.state = dict(point, model=model, device=device, dtype=str(dtype).removeprefix("torch."))
-        with out:
-            out.clear_output(wait=True)
+
+        def draw():
             fig, (ax_roof, ax_rate) = plt.subplots(1, 2, figsize=(11, 3.8))
             draw_decode_roofline(ax_roof, ax_rate, costs[model, dtype], peaks, point,
                                  f"{model} on {device} ({box.state['dtype']})")
             fig.tight_layout()
-            display(fig)
-            plt.close(fig)
+            return fig
+        show_in(out, draw)
 
-    for control in controls.values():
-        control.observe(update, names="value")
-    box.controls = controls
-    update()
-    return box
+    return observe_all(box, controls, update)
