@@ -152,10 +152,10 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
         "    bm, seq = BlockManager(4, 2), Sequence([1, 2, 3], block_size=2)\n"
         "    bm.allocate(seq)\n    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2\n")
     rep = grading.grade(REBUILD, edition, private_tests=private, verbose=False)["exercises"]["ch05_ex1"]
-    allocs, appends, preempts, decodes, engine = (g for g, _ in EXERCISES["ch05_ex1"].groups)
+    allocs, appends, preempts, decodes, engine, speed = (g for g, _ in EXERCISES["ch05_ex1"].groups)
     points = {g: r["points"] for g, r in rep["groups"].items()}
     full = dict(EXERCISES["ch05_ex1"].groups)
-    assert points == {**full, decodes: 0, engine: 0}, rep["groups"]
+    assert points == {**full, decodes: 0, engine: 0, speed: 0}, rep["groups"]  # an empty decode is not timed
     assert rep["points"] == sum(points.values()) and not rep["passed"]
     assert rep["tests"] - sum(g["tests"] for g in rep["groups"].values()) == 1  # the private test, in no part
     assert rep["failed"] and all("NotImplementedError" not in f["message"] for f in rep["failed"]), rep["failed"]
@@ -167,7 +167,8 @@ def test_a_filled_exercise_passes_and_wrong_ones_fail(edition, tmp_path):
     fill_build(second, "ch05_ex1", {**book, "deallocate": leaky, "may_append": "return super().may_append(seq)"})
     rep = grading.grade(REBUILD, second, verbose=False)["exercises"]["ch05_ex1"]
     points = {g: r["points"] for g, r in rep["groups"].items()}
-    assert points == {**{g: 0 for g in full}, decodes: full[decodes]}, rep["groups"]
+    assert points[speed] > 0, rep["groups"][speed]  # the book's decode: its band depends on this machine's noise
+    assert {**points, speed: 0} == {**{g: 0 for g in full}, decodes: full[decodes]}, rep["groups"]
     messages = " ".join(f["message"] for f in rep["failed"])
     assert "ch05_ex1: " in rep["groups"][allocs]["message"] and "never freed" in messages, (rep["groups"], messages)
     details = " ".join(f["details"] for f in rep["failed"])
