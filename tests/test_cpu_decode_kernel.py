@@ -150,6 +150,25 @@ def test_every_head_tile_and_head_dim_path(group, head_dim, block_size, dtype):
         torch.testing.assert_close(out.double(), exact, atol=1e-12 if dtype == torch.float64 else 2e-6, rtol=0)
 
 
+# The softmax runs eight float32 scores at a time with a scalar rest: every context length from 1 to
+# 2 * 8 + 1, with scores that span far more than exp's range (query and keys scaled up: most
+# probabilities underflow to the clamp at exp(-87), a few carry the sum), against float64.
+@needs_kernel
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_softmax_lanes_and_rest_over_every_length_and_a_wide_score_range(spread):
+    g = torch.Generator().manual_seed(11)
+    lens = torch.arange(1, 18)
+    k_cache = spread * torch.randn(18, 17, 1, 16, generator=g)
+    v_cache = torch.randn(18, 17, 1, 16, generator=g)
+    q = spread * torch.randn(len(lens), 2, 16, generator=g)
+    tables = torch.arange(17)[:, None]  # one block of 17 slots per sequence
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.25)
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(out.double(), exact, atol=2e-6, rtol=0)
+    wrong = paged_decode_attention_cpu(q, k_cache, v_cache, tables, (lens - 1).clamp(min=1), 0.25)
+    assert (wrong.double() - exact).abs().max() > 1e-3  # the check can fail: one slot short
+
+
 @needs_kernel
 def test_kernel_on_an_empty_batch():
     q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)

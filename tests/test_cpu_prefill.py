@@ -1,7 +1,7 @@
-"""Chapter 05's CPU backend prefill: in bfloat16, `CPUPagedAttention` runs each sequence's causal
-attention through torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`), which
-accumulates in float32; float32 and float64 go through `prefill_attention_grouped` (one product per
-K/V head and query chunk).
+"""Chapter 05's CPU backend prefill: `CPUPagedAttention` runs each sequence's causal attention through
+torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`, a batch of one so that torch's
+fused CPU kernel takes it), which accumulates in float32 for bfloat16; `prefill_attention_grouped`
+(one product per K/V head and query chunk), the unfused alternative the chapter measures, is checked too.
 
 Oracle: `attention_reference` in float64 on the same bfloat16-rounded inputs."""
 import pytest
@@ -48,6 +48,15 @@ def test_sdpa_prefill_in_float64_equals_the_reference(tq, tk):
     q, k, v = qkv(tq, tk, 9, 3, 64, seed=1)
     torch.testing.assert_close(prefill_attention_sdpa(q, k, v, 0.125), attention_reference(q, k, v, 0.125),
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tq,tk", CASES)
+def test_sdpa_prefill_in_float32_is_close_to_the_float64_reference(tq, tk):
+    """float32 throughout: 1e-5 relative, as the grouped products below."""
+    q, k, v = qkv(tq, tk, 9, 3, 64, seed=6)
+    out = prefill_attention_sdpa(q.float(), k.float(), v.float(), 0.125)
+    assert out.dtype == torch.float32 and out.shape == (tq, 9, 64)
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_the_check_can_fail():
@@ -101,9 +110,9 @@ def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backend_prefill_over_a_cached_prefix(dtype):
     """The whole backend call: the new tokens of three sequences, two of them over a cached prefix read
-    through shuffled block tables. bfloat16 goes through the fused path (within one rounding of plain
-    torch in float64 on the same inputs); float32 through the grouped products (within 1e-5 of plain
-    torch in float32: the same sums in another order)."""
+    through shuffled block tables, through the fused path: bfloat16 within one rounding of plain torch
+    in float64 on the same inputs; float32 within 1e-5 of plain torch in float32 (the same sums in
+    another order)."""
     lens_q, lens, block_size, num_blocks = [6, 1, 33], [6, 20, 50], 16, 16
     md = metadata(lens_q, lens, block_size, num_blocks)
     q, k, v = qkv(sum(lens_q), sum(lens_q), 9, 3, 64, seed=2)

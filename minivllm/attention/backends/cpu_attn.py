@@ -194,9 +194,11 @@ def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     """
     tq, tk = q.shape[0], k.shape[0]
     mask = None if tq == tk else torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    # [1, heads, tokens, head_dim]: a batch of one, the layout torch's fused CPU kernel takes (3-D: unfused)
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 # %% ../../../notebooks/05_paged_attention.ipynb #7c3d9e41
@@ -213,7 +215,7 @@ def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: multiplies q·k. chunk: queries per product (>= 1).
     Returns:
         `[Tq, num_heads, head_dim]`, dtype of `q`; query `i` sees keys `0 .. Tk - Tq + i`. Softmax in
-        the inputs' dtype: for float32 and float64 (bfloat16 goes to `prefill_attention_sdpa`).
+        the inputs' dtype: meant for float32 and float64 (in bfloat16 it rounds scores and probabilities).
     """
     tq, num_heads, head_dim = q.shape
     tk, num_kv_heads, _ = k.shape
@@ -234,12 +236,10 @@ def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in bfloat16 (float32 inside),
-    `prefill_attention_grouped` otherwise (the fastest of the three in float32 in chapter 05's timing;
-    float64: equal to the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
-    if q.dtype == torch.bfloat16:
-        return prefill_attention_sdpa(q, k, v, scale)
-    return prefill_attention_grouped(q, k, v, scale)
+    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in every dtype (the fastest of
+    the three in chapter 05's timing in float32 and bfloat16; bfloat16 accumulates in float32; float64
+    equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
+    return prefill_attention_sdpa(q, k, v, scale)
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

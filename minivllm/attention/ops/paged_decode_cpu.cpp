@@ -11,7 +11,7 @@
 // one tile), so each cached row is read once per tile rather than once per query head. A tile's sums
 // stay in SIMD registers: across a K row for its scores (reduced once per row), across a block's
 // tokens for its weighted sum of V (loaded and stored once per block, not once per token). The
-// softmax's exp is a polynomial the compiler vectorises. The next block is prefetched while one is
+// softmax's exp is a polynomial computed a register at a time. The next block is prefetched while one is
 // worked on.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -28,7 +28,7 @@ constexpr int64_t kMaxTile = 4;  // query heads per tile: 4 heads x 2 registers 
 
 // exp(x) for x <= 0 in float32 (a softmax's scores minus their max), to about 2 float32 ulp: x =
 // n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial, 2**n put into the exponent bits.
-// Plain arithmetic, so a loop of it is vectorised (one of std::exp is not, without -ffast-math).
+// Plain arithmetic, so it can be written on SIMD registers too (std::exp cannot, without -ffast-math).
 static inline float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : x;  // keeps 2**n a normal float (exp(-87) ~ 1.6e-38); a NaN stays NaN
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -46,20 +46,6 @@ static inline float exp_approx(float x) {
   return p * two_n;
 }
 static inline double exp_approx(double x) { return std::exp(x); }  // float64: as exact as the reference
-
-// Softmax numerators in place, exp(s[t] - max s), and their sum.
-template <typename acc_t>
-static acc_t softmax_numerators(acc_t* __restrict s, int64_t len) {
-  acc_t mx = -INFINITY, total = 0;
-#pragma omp simd reduction(max : mx)
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < len; ++t) {
-    s[t] = exp_approx(s[t] - mx);
-    total += s[t];
-  }
-  return total;
-}
 
 // A SIMD register's worth of acc_t values, with the GCC/Clang vector extension: the compiler maps it
 // onto what -march=native offers (AVX2 or AVX-512 on x86, NEON on Arm), no intrinsics named.
@@ -103,6 +89,63 @@ static inline auto sum_lanes(V v) {
   for (int64_t w = L / 2; w >= 1; w /= 2)
     for (int64_t l = 0; l < w; ++l) t[l] += t[l + w];
   return t[0];
+}
+
+// exp_approx on a register of float32 lanes, the same steps lane by lane (floor from truncation:
+// a lane whose truncation lies above its value steps down by one). Written on registers because
+// GCC does not vectorise the scalar function's loop, even under `omp simd`.
+static inline Vec<float> exp_approx(Vec<float> x) {
+  using Ints = int32_t __attribute__((vector_size(kVecBytes)));
+  const Vec<float> lowest = Vec<float>{} - 87.0f;
+  x = x < lowest ? lowest : x;  // a NaN lane compares false and stays NaN
+  const Vec<float> t = x * 1.44269504088896341f + 0.5f;
+  Vec<float> n = __builtin_convertvector(__builtin_convertvector(t, Ints), Vec<float>);
+  n = n > t ? n - 1.0f : n;
+  const Vec<float> r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec<float> p = Vec<float>{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  Vec<float> two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// Softmax numerators in place, exp(s[t] - max s), and their sum: float32 a register at a time
+// (the max and the sum kept per lane, combined once), float64 lane by lane (std::exp).
+template <typename acc_t>
+static acc_t softmax_numerators(acc_t* __restrict s, int64_t len) {
+  acc_t mx = -INFINITY, total = 0;
+  int64_t t = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    constexpr int64_t L = kVecLen<float>;
+    const int64_t len_vec = len / L * L;
+    Vec<float> v, m = Vec<float>{} + mx, sum = {};
+    for (; t < len_vec; t += L) {
+      std::memcpy(&v, s + t, sizeof(v));
+      m = v > m ? v : m;
+    }
+    for (int64_t l = 0; l < L; ++l) mx = std::max(mx, m[l]);
+    for (int64_t u = len_vec; u < len; ++u) mx = std::max(mx, s[u]);
+    for (t = 0; t < len_vec; t += L) {
+      std::memcpy(&v, s + t, sizeof(v));
+      v = exp_approx(v - mx);
+      std::memcpy(s + t, &v, sizeof(v));
+      sum += v;
+    }
+    total = sum_lanes(sum);
+  } else {
+    for (int64_t u = 0; u < len; ++u) mx = std::max(mx, s[u]);
+  }
+  for (; t < len; ++t) {  // the rest (float32) or all (float64)
+    s[t] = exp_approx(s[t] - mx);
+    total += s[t];
+  }
+  return total;
 }
 
 // Scores of a tile of kTile query heads q [kTile, D] against one cached K row k [D]:
