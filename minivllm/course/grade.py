@@ -133,6 +133,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              groups=(("left padding and positions", 3),
                      ("the mask hides padding and the future", 4),
                      ("the loop runs each row to its own end", 3))),
+    Exercise("ch03_ex3", 4, "extend", "sort before batching: the batches that pad least, outputs in arrival order "
+             "(length_sorted_batches, sorted_static_generate)", "exercises/ch03_batching.py", _T3),
     Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
     Exercise("ch04_ex2", 2, "rebuild", "the slot mapping", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
