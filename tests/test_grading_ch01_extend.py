@@ -12,7 +12,7 @@ calls it fails):
   listing every occurrence of every stop string in the whole text;
 * the default model's tokenizer decoding an answer token by token: stop strings that start inside a
   token and span tokens, the text cut where the contract says;
-* a text of 10**7 characters checked 200 times with a few new characters each within `WINDOW_LIMIT_S`
+* a text of 10**7 characters checked 200 times, one new character each, within `WINDOW_LIMIT_S`
   (searching the whole text each time takes seconds: only the new characters and a tail can hold a
   stop string that counts);
 * the ValueError of each invalid `new_char_count`.
