@@ -4,8 +4,24 @@ Exercise 1 (ch03_ex1) — batch without padding: attention over prompts laid end
 token list (FlashAttention's varlen layout). Graded by its contract: equal to torch's
 `scaled_dot_product_attention` on each sequence alone, and, plugged into the tiny model's prefill,
 equal to transformers' logits for each prompt: `pytest -m ch03_ex1 --impl=exercises`.
+
+Exercise 3 (ch03_ex3) — sort before batching. A static batch pads every prompt to its longest, so a
+batch that mixes long and short prompts pays for the longest in every row. An offline job that has
+all its requests up front can group prompts of similar lengths: `length_sorted_batches` orders the
+requests longest prompt first and cuts them into batches of `batch_size`, with the batch of the rest
+(when `batch_size` does not divide their number) placed where it pads least; `sorted_static_generate`
+runs each batch through chapter 03's `static_generate` and gives the outputs back in the order the
+requests came. Graded on fixed cases, on random lengths (hypothesis) against the order the contract
+gives and against every split of a few requests into batches of the same sizes (none pads less), and
+on the tiny model: transformers' greedy tokens and the seeded draws of each request alone, in arrival
+order, with each request's padding within its own batch: `python -m minivllm.course.grade ch03_ex3`.
 """
+from dataclasses import dataclass
+
 import torch
+
+from minivllm.baselines import static_batching
+from minivllm.sampling_params import SamplingParams
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -32,4 +48,104 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
+    ### END SOLUTION
+
+
+@dataclass
+class SortedBatchesResult:
+    """What `sorted_static_generate` returns (given).
+
+    Attributes:
+        outputs: per request, in arrival order (the order of `prompts`), its generated token ids.
+        pad_lens: per request, in arrival order, the padding slots of its row: the longest prompt of
+            its own batch minus its prompt's length.
+        batches: the request indices (into `prompts`) of each static batch, in the order they ran.
+        num_steps: forward passes over all the batches (each batch's prefill and decode steps).
+    """
+
+    outputs: list[list[int]]
+    pad_lens: list[int]
+    batches: list[list[int]]
+    num_steps: int
+
+
+def length_sorted_batches(prompt_lens: list[int], batch_size: int) -> list[list[int]]:
+    """Split requests into static batches of `batch_size` (and one of the rest) that pad the fewest slots.
+
+    The request indices are ordered longest prompt first (equal lengths in arrival order: the lower
+    index first) and that order is cut into consecutive batches: all of `batch_size` requests, except,
+    when `batch_size` does not divide their number `n`, one batch of the rest (`n % batch_size`
+    requests), which may sit at any place in the order. It goes where the padding is least (of equal
+    paddings, at the latest place). A batch pads each prompt to its longest. No other split into batches
+    of these sizes pads fewer slots.
+
+    Args:
+        prompt_lens: each request's prompt length in tokens, ints >= 1, in arrival order; at least one.
+        batch_size: requests per batch, an int >= 1.
+    Returns:
+        the batches, each a list of request indices (into `prompt_lens`), in that order.
+    Raises:
+        ValueError: naming the argument, for no requests, a length or `batch_size` not an int (bools are
+            not ints) or below 1.
+    """
+    # TODO: check the arguments (ValueError), order the indices longest prompt first, then try each place of the batch of the rest
+    ### BEGIN SOLUTION
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not prompt_lens:
+        raise ValueError("prompt_lens is empty: no requests to batch")
+    for i, n in enumerate(prompt_lens):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"prompt_lens[{i}] must be an int >= 1, got {n!r}")
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-prompt_lens[i], i))
+    full, rest = divmod(len(order), batch_size)
+    best = None  # (padding, batches)
+    for place in range(full, -1, -1) if rest else [full]:  # the latest place first: it wins ties
+        sizes = [batch_size] * place + [rest] * (rest > 0) + [batch_size] * (full - place)
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        batches = [order[s:s + size] for s, size in zip(starts, sizes)]
+        # sorted longest first, a batch's first prompt is its longest
+        padding = sum(prompt_lens[b[0]] * len(b) - sum(prompt_lens[i] for i in b) for b in batches)
+        if best is None or padding < best[0]:
+            best = (padding, batches)
+    return best[1]
+    ### END SOLUTION
+
+
+def sorted_static_generate(model, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+                           batch_size: int, eos_token_id: int | None = None,
+                           pad_token_id: int = 0) -> SortedBatchesResult:
+    """Static batching after sorting: the requests split by `length_sorted_batches`, each batch run by
+    chapter 03's `static_generate` (`minivllm.baselines.static_batching`), one batch after the other,
+    and each request's outputs given back in arrival order.
+
+    Each request generates what it would generate alone: greedy tokens are the model's, a seeded request
+    draws with its own generator; the batches change only the padding and the steps.
+
+    Args:
+        model: our decoder. prompts: token-id lists, each non-empty, in arrival order.
+        sampling_params: one for all requests, or one per request (in arrival order).
+        batch_size: requests per batch, an int >= 1. eos_token_id, pad_token_id: as `static_generate`'s.
+    Returns:
+        A `SortedBatchesResult`: outputs and pad_lens in arrival order, the batches, the forward passes.
+    Raises:
+        ValueError: as `length_sorted_batches` (an empty prompt is a length below 1), a list of sampling
+            params of another length than `prompts`, and as `static_generate`.
+    """
+    # TODO: split the requests into batches, run static_generate on each, put outputs and padding back in arrival order
+    ### BEGIN SOLUTION
+    if not isinstance(sampling_params, SamplingParams) and len(sampling_params) != len(prompts):
+        raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+    params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+    batches = length_sorted_batches([len(p) for p in prompts], batch_size)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    pad_lens = [0] * len(prompts)
+    num_steps = 0
+    for batch in batches:
+        result = static_batching.static_generate(model, [prompts[i] for i in batch], [params[i] for i in batch],
+                                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        for row, i in enumerate(batch):
+            outputs[i], pad_lens[i] = result.outputs[row], result.pad_lens[row]
+        num_steps += result.num_steps
+    return SortedBatchesResult(outputs, pad_lens, batches, num_steps)
     ### END SOLUTION

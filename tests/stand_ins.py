@@ -147,6 +147,7 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
 # grader's reference in the same test) they work as usual.
 OTHER_IMPLEMENTATIONS = {
+    "ch01_ex3": ("ch01_sequences.py", [("minivllm.engine.detokenizer", "check_stop_strings")]),
     "ch10_ex3": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer.decode_next"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer._step")]),

@@ -236,3 +236,18 @@ def test_the_chapters_detokenizer_trips_from_the_exercise_file():
         with pytest.raises(AttributeError):  # the real __init__ ran (and failed on the None tokenizer)
             IncrementalDetokenizer(None, [1], None)
     assert len(tripped) == 1
+
+
+def test_the_engines_stop_string_check_trips_from_the_exercise_file():
+    """ch01_ex3 asks for `check_stop_strings`: the engine's own (chapter 10's), called from the exercise's
+    file, fails the test; called from elsewhere it answers as usual."""
+    from minivllm.engine import detokenizer
+
+    src = "check_stop_strings('ab', 1, ['b'], False)"
+    with stand_ins.tripwires(["ch01_ex3"]) as tripped:
+        with pytest.raises(stand_ins.GradersAnswerCalled, match="ch01_ex3: your ch01_sequences.py called the "
+                                                                "chapter's other implementation"):
+            exec(compile(src, str(ROOT / "exercises" / "ch01_sequences.py"), "exec"),
+                 {"check_stop_strings": detokenizer.check_stop_strings})
+        assert detokenizer.check_stop_strings("ab", 1, ["b"], False) == ("b", 1)
+    assert len(tripped) == 1

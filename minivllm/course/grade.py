@@ -113,6 +113,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("stops by the rules", 4))),
     Exercise("ch01_ex2", 3, "rebuild", "the sampling filters' ranges (check_sampling_filters)",
              "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",)),
+    Exercise("ch01_ex3", 3, "extend", "stop strings, checked in the new text and a tail (check_stop_strings)",
+             "exercises/ch01_sequences.py", ("tests/test_grading_ch01_extend.py",)),
     Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
     Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
     Exercise("ch02_ex3", 15, "rebuild", "build the decoder layer: RMSNorm, rotary embedding, attention with GQA "
@@ -131,6 +133,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              groups=(("left padding and positions", 3),
                      ("the mask hides padding and the future", 4),
                      ("the loop runs each row to its own end", 3))),
+    Exercise("ch03_ex3", 4, "extend", "sort before batching: the batches that pad least, outputs in arrival order "
+             "(length_sorted_batches, sorted_static_generate)", "exercises/ch03_batching.py", _T3),
     Exercise("ch04_ex1", 5, "extend", "shortest-prompt-first admission", "exercises/ch04_scheduler.py", _T46),
     Exercise("ch04_ex2", 2, "rebuild", "the slot mapping", "notebooks/04_scheduler.ipynb",
              ("tests/test_grading_ch04_regions.py", "tests/test_grading_default_model.py")),
