@@ -162,6 +162,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("keeps freed blocks cached and evicts the least recently freed", 3),
                      ("the engine equals transformers with prefix caching", 2))),
     Exercise("ch06_ex2", 5, "extend", "token-granular prefix caching", "exercises/ch06_prefix_caching.py", _T46),
+    Exercise("ch06_ex3", 4, "extend", "cache isolation: requests share cached blocks only within their cache_salt",
+             "exercises/ch06_prefix_caching.py", ("tests/test_grading_ch06_extend.py",)),
     Exercise("ch07_ex1", 3, "rebuild", "the KV-store kernel", "notebooks/07_triton_kernels.ipynb",
              ("tests/test_grading_ch07_regions.py",)),
     Exercise("ch07_ex2", 16, "rebuild", "build paged decode attention with split-K in Triton: the online-softmax "
