@@ -131,7 +131,7 @@ class SaltedPrefixCachingBlockManager(PrefixCachingBlockManager):
           first block's salt (e.g. an attribute of the block, set whenever you cache one) and compare it,
           as `_is_hit` compares tokens and parent.
         * `num_cached_tokens` as in the chapter: the shared whole blocks, never the block holding the
-          prompt's last token. Fresh full blocks are cached with `self._cache(block_id, h, tokens, parent)`.
+          prompt's last token. A fresh full block is entered with `self._cache` (its id, name, tokens, parent).
         Raises: ValueError for an invalid salt (`cache_salt_of`).
         """
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
