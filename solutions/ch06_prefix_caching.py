@@ -102,8 +102,9 @@ def cache_salt_of(seq: Sequence) -> str | None:
 class SaltedPrefixCachingBlockManager(PrefixCachingBlockManager):
     """Prefix caching with cache isolation: a request's `cache_salt` (`cache_salt_of(seq)`) takes part in
     the name of its first block, hence (the names are chained) of every block after it, and a request
-    finds only blocks cached under its own salt (vLLM's `cache_salt`, in its prefix-caching design notes:
-    "Cache Isolation for Security"). You write `salted_parent_hash`, `allocate` and `may_append`; keep the chapter's rules
+    finds only blocks cached under its own salt (vLLM's `cache_salt`: an extra key of the first block's hash
+    only, `generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`; its prefix-caching design
+    notes: "to isolate caches in multi-tenant environments"). You write `salted_parent_hash`, `allocate` and `may_append`; keep the chapter's rules
     otherwise (whole blocks, never the block of the prompt's last token, first come first kept)."""
 
     def salted_parent_hash(self, cache_salt: str | None) -> int:
