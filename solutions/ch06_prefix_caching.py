@@ -14,8 +14,8 @@ Exercise 3 (ch06_ex3) — cache isolation with a salt (vLLM's `cache_salt`). A s
 a request that hits runs measurably faster, so one tenant can test whether another sent a given prompt
 (a timing side channel). vLLM lets a request carry a `cache_salt`, mixed into the name of its first
 block and, through the chain, of every block after it: requests share cached blocks only when their
-salts are equal. Write `SaltedPrefixCachingBlockManager`'s `salted_parent_hash`, `allocate` and `may_append`. Graded by its
-contract, not by the chapter's code: hits and misses on fixed sequences of salted and unsalted requests
+salts are equal. Write `SaltedPrefixCachingBlockManager`'s `salted_parent_hash`, `allocate` and
+`may_append`. Graded by its contract, not by the chapter's code: hits and misses on fixed sequences of salted and unsalted requests
 (prompts and blocks filled in decode steps), the names of unsalted blocks equal to the chapter's, a
 hash collision between salts forced by hand (it must cost a miss), and `num_cached_tokens` under
 random requests and salts (hypothesis): `python -m minivllm.course.grade ch06_ex3`.
@@ -104,8 +104,9 @@ class SaltedPrefixCachingBlockManager(PrefixCachingBlockManager):
     the name of its first block, hence (the names are chained) of every block after it, and a request
     finds only blocks cached under its own salt (vLLM's `cache_salt`: an extra key of the first block's hash
     only, `generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`; its prefix-caching design
-    notes: "to isolate caches in multi-tenant environments"). You write `salted_parent_hash`, `allocate` and `may_append`; keep the chapter's rules
-    otherwise (whole blocks, never the block of the prompt's last token, first come first kept)."""
+    notes: "to isolate caches in multi-tenant environments"). You write `salted_parent_hash`, `allocate`
+    and `may_append`; keep the chapter's rules otherwise (whole blocks, never the block of the prompt's
+    last token, first come first kept)."""
 
     def salted_parent_hash(self, cache_salt: str | None) -> int:
         """The hash a sequence's first block chains from, as if it were the hash of a block before it:
@@ -171,7 +172,7 @@ class SaltedPrefixCachingBlockManager(PrefixCachingBlockManager):
         if salt is None or seq.num_tokens != self.block_size:  # later blocks chain from a salted parent already
             super().may_append(seq)
             return
-        BlockManager.may_append(self, seq)  # chapter 05's: room for the token; the chapter's would name block 0 unsalted
+        BlockManager.may_append(self, seq)  # chapter 05's room for the token (the chapter's names block 0 unsalted)
         block_id = seq.block_table[0]
         self._cache(block_id, compute_hash(seq.block(0), self.salted_parent_hash(salt)), seq.block(0), NO_PARENT)
         self.blocks[block_id].cache_salt = salt

@@ -254,7 +254,8 @@ def _check_random(mod, max_examples: int = 200) -> None:
             _expect(seq.num_cached_tokens == want, f"{EX}: {what}: num_cached_tokens should be {want} (whole blocks "
                     f"written before by requests of the same salt), got {seq.num_cached_tokens}")
             _expect(len(set(seq.block_table)) == len(seq.block_table) == seq.num_blocks,
-                    f"{EX}: {what}: the block table should hold {seq.num_blocks} distinct blocks, got {seq.block_table}")
+                    f"{EX}: {what}: the block table should hold {seq.num_blocks} distinct blocks, got "
+                    f"{seq.block_table}")
             k = seq.num_cached_tokens // block_size
             foreign = [b for b in seq.block_table[:k] if writer.get(b, salt) != salt]
             _expect(not foreign, f"{EX}: {what}: it shares blocks {foreign}, written by requests of another salt")
@@ -300,7 +301,8 @@ class _GraderSalted(PrefixCachingBlockManager):
         hits, parent = [], NO_PARENT
         for i in range((seq.num_tokens - 1) // self.block_size):
             b = self.hash_to_block_id.get(names[i], -1)
-            if not self._is_hit(b, seq.block(i), parent) or (i == 0 and self.check_salt and self.salt_of.get(b) != salt):
+            salt_differs = i == 0 and self.check_salt and self.salt_of.get(b) != salt
+            if not self._is_hit(b, seq.block(i), parent) or salt_differs:
                 break
             hits.append(b)
             parent = b

@@ -393,7 +393,8 @@ def test_ch08_ex3_budget_invalid_input(ch08, block_size, max_model_len, budget, 
 # --- plausible wrong answers fail (not graded: they check the graders) -----------------------------
 def _wrong_static(no_cap=False, floor_width=False, no_dummy=False, heads_only=False, float32_logits=False):
     def cudagraph_static_bytes(config, dtype, block_size, max_num_seqs, max_model_len=None):
-        rows, length = (max_num_seqs if no_cap else min(max_num_seqs, CAP)), max_model_len or config.max_position_embeddings
+        rows = max_num_seqs if no_cap else min(max_num_seqs, CAP)
+        length = max_model_len or config.max_position_embeddings
         width = length // block_size if floor_width else -(-length // block_size)
         item = torch.empty((), dtype=dtype).element_size()
         hd = config.hidden_size // config.num_attention_heads if heads_only else _head_dim(config)
@@ -405,8 +406,11 @@ def _wrong_static(no_cap=False, floor_width=False, no_dummy=False, heads_only=Fa
 
 def _wrong_budget(first_that_does_not_fit=False, no_cap=False):
     def largest_capture_size_within(config, dtype, block_size, max_model_len, device_budget_bytes):
+        def fits(rows):
+            return _bytes(config, dtype, block_size, rows, max_model_len)["device"] <= device_budget_bytes
+
         r = 0
-        while (no_cap or r < CAP) and _bytes(config, dtype, block_size, r + 1, max_model_len)["device"] <= device_budget_bytes:
+        while (no_cap or r < CAP) and fits(r + 1):
             r += 1
             if no_cap and r > 4 * CAP:
                 break
