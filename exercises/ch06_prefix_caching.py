@@ -10,7 +10,20 @@ its contract, not by the chapter's code: the cache invariants under random opera
 `num_cached_tokens` exactly as large as the rule allows for requests that follow each other on a
 cache that keeps everything, and the engine's greedy outputs against transformers on prompts sent
 more than once: `pytest -m ch06_ex2 --impl=exercises`.
+
+Exercise 3 (ch06_ex3) — cache isolation with a salt (vLLM's `cache_salt`). A shared prefix cache leaks:
+a request that hits runs measurably faster, so one tenant can test whether another sent a given prompt
+(a timing side channel). vLLM lets a request carry a `cache_salt`, mixed into the name of its first
+block and, through the chain, of every block after it: requests share cached blocks only when their
+salts are equal. Write `SaltedPrefixCachingBlockManager`'s `salted_parent_hash`, `allocate` and
+`may_append`. Graded by its contract, not by the chapter's code: hits and misses on fixed sequences of salted and unsalted requests
+(prompts and blocks filled in decode steps), the names of unsalted blocks equal to the chapter's, a
+hash collision between salts forced by hand (it must cost a miss), and `num_cached_tokens` under
+random requests and salts (hypothesis): `python -m minivllm.course.grade ch06_ex3`.
 """
+import xxhash
+
+from minivllm.core.block_manager import BlockManager
 from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
 
@@ -42,3 +55,61 @@ class MyPrefixCachingBlockManager(PrefixCachingBlockManager):
         assert not seq.block_table, "allocate() on a sequence that already holds blocks"
         # TODO: share the hits, take and cache fresh blocks for the rest, count the cached tokens
         raise NotImplementedError('ch06_prefix_caching.allocate: share the hits, take and cache fresh blocks for the rest, count the cached tokens')
+
+
+def cache_salt_of(seq: Sequence) -> str | None:
+    """The salt a sequence's request carries: its `cache_salt` attribute, None when it has none (the
+    request is not salted). Given, not graded.
+
+    Raises:
+        ValueError: a salt that is neither None nor a non-empty str (vLLM's API refuses an empty salt).
+    """
+    salt = getattr(seq, "cache_salt", None)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be None or a non-empty str, got {salt!r}")
+    return salt
+
+
+class SaltedPrefixCachingBlockManager(PrefixCachingBlockManager):
+    """Prefix caching with cache isolation: a request's `cache_salt` (`cache_salt_of(seq)`) takes part in
+    the name of its first block, hence (the names are chained) of every block after it, and a request
+    finds only blocks cached under its own salt (vLLM's `cache_salt`: an extra key of the first block's hash
+    only, `generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`; its prefix-caching design
+    notes: "to isolate caches in multi-tenant environments"). You write `salted_parent_hash`, `allocate`
+    and `may_append`; keep the chapter's rules otherwise (whole blocks, never the block of the prompt's
+    last token, first come first kept)."""
+
+    def salted_parent_hash(self, cache_salt: str | None) -> int:
+        """The hash a sequence's first block chains from, as if it were the hash of a block before it:
+        `NO_HASH` without a salt (the chapter's names), else an int in `[0, 2**64)` that depends only on
+        the salt (the same in every manager). Hint: `xxhash.xxh64(some_bytes).intdigest()`, on bytes that
+        say what they are (e.g. a prefix such as `b"cache_salt:"` before the salt's UTF-8)."""
+        # TODO: NO_HASH for None, else a 64-bit hash of the salt
+        raise NotImplementedError('ch06_prefix_caching.salted_parent_hash: NO_HASH for None, else a 64-bit hash of the salt')
+
+    def allocate(self, seq: Sequence) -> None:
+        """As the chapter's `allocate`, with the salt.
+
+        * A request without a salt is cached exactly as in the chapter: its blocks are named by
+          `compute_hash` chained from `NO_HASH`, so unsalted requests share with one another as before.
+        * A salted request's first block is named `compute_hash(tokens, self.salted_parent_hash(salt))`, and
+          the blocks after it chain from it: no block of a salted request has the name of the same block
+          unsalted or under another salt.
+        * A hit needs the same salt, checked, not only a matching name: with a hash collision between
+          two salts' first blocks, the name would point at the other tenant's block. Remember each cached
+          first block's salt (e.g. an attribute of the block, set whenever you cache one) and compare it,
+          as `_is_hit` compares tokens and parent.
+        * `num_cached_tokens` as in the chapter: the shared whole blocks, never the block holding the
+          prompt's last token. A fresh full block is entered with `self._cache` (its id, name, tokens, parent).
+        Raises: ValueError for an invalid salt (`cache_salt_of`).
+        """
+        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
+        # TODO: the chapter's allocate, chained from a salted start, a hit also checking the first block's salt
+        raise NotImplementedError("ch06_prefix_caching.allocate: the chapter's allocate, chained from a salted start, a hit also checking the first block's salt")
+
+    def may_append(self, seq: Sequence) -> None:
+        """As the chapter's `may_append`, with the salt: when a decode step's token fills a salted
+        request's first block (a prompt shorter than a block), that block is cached under its salted name
+        and with its salt, never under the unsalted one."""
+        # TODO: make room as chapter 05 does; cache a block the newest token fills, the first one under its salted name
+        raise NotImplementedError('ch06_prefix_caching.may_append: make room as chapter 05 does; cache a block the newest token fills, the first one under its salted name')

@@ -1,4 +1,4 @@
-"""Chapter 08's extend exercise. Your answer goes between the TODO lines; see the chapter notebook
+"""Chapter 08's extend exercises. Your answers go between the TODO lines; see the chapter notebook
 (the rebuild exercise ch08_ex1, the build, is in the chapter's export cells).
 
 Exercise 2 (ch08_ex2) — capture sizes chosen from the workload instead of by a fixed rule. Given how
@@ -9,10 +9,24 @@ smallest captured size that holds it (`padded_batch_size`). Write `choose_captur
 against the optimum found by trying every choice on small histograms (hypothesis), on a histogram of
 256 sizes that trying every choice could not finish in time, and by the ValueError each invalid
 input must raise: `python -m minivllm.course.grade ch08_ex2`.
+
+Exercise 3 (ch08_ex3) — what the graphs' static tensors cost in memory. Besides the graph pool (the
+activations of the largest captured step), `CUDAGraphModelRunner` keeps static tensors for every batch it
+may replay: the inputs and attention metadata, the logits, pinned host copies of the inputs, and one more
+KV-cache block, the dummy block padded rows write into. Write `cudagraph_static_bytes`, their bytes for a
+model config, and `largest_capture_size_within`, the most rows a device budget affords. Graded against the
+bytes of the tensors the runner itself allocates (tiny models, several dtypes, block sizes and lengths,
+`max_num_seqs` past `MAX_CAPTURE_SIZE`), against `DecodeBuffers` built for random configs (hypothesis),
+by the budget's edge (the answer fits, one row more does not), and by the ValueError of each invalid
+input: `python -m minivllm.course.grade ch08_ex3`.
 """
 from __future__ import annotations
 
 import bisect
+
+import torch
+
+from minivllm.worker.cuda_graph import DECODE_INPUTS, MAX_CAPTURE_SIZE
 
 
 def padded_rows(batch_size_counts: dict[int, int], capture_sizes: list[int]) -> int:
@@ -92,3 +106,78 @@ def choose_capture_sizes(batch_size_counts: dict[int, int], max_num_seqs: int, m
         j, t = choice[t][j], t - 1
     return out[::-1]
     ### END SOLUTION
+
+
+def cudagraph_static_bytes(config, dtype: torch.dtype, block_size: int, max_num_seqs: int,
+                           max_model_len: int | None = None) -> dict[str, int]:
+    """The bytes of the static tensors `CUDAGraphModelRunner(model, block_manager, max_num_seqs=...,
+    max_model_len=...)` sets aside for its graphs (the graph pool, the captured steps' activations, left out).
+
+    The runner captures batch sizes up to `rows = min(max_num_seqs, MAX_CAPTURE_SIZE)` and sizes its
+    `DecodeBuffers` for `rows`: on the device, an int64 vector `[rows]` per name in `DECODE_INPUTS`, the
+    int64 block tables `[rows, ceil(max_model_len / block_size)]` and the logits `[rows, vocab_size]` in
+    `dtype`; on the host, int64 copies of the inputs and the block tables (pinned on CUDA). The KV cache
+    holds one block more than the block manager's, the dummy block: `[2, num_layers, 1, block_size,
+    num_kv_heads, head_dim]` in `dtype` (`head_dim`: `config.head_dim` where it is set, else
+    `hidden_size // num_attention_heads`, as the model's attention takes it).
+
+    Args:
+        config: the model's config (transformers'): `vocab_size`, `num_hidden_layers`, `num_key_value_heads`,
+            `num_attention_heads`, `hidden_size`, `max_position_embeddings`, maybe `head_dim`.
+        dtype: the model's dtype (logits and KV cache). block_size: tokens per KV-cache block, an int >= 1.
+        max_num_seqs: the scheduler's largest batch, an int >= 1.
+        max_model_len: tokens per sequence at most, an int >= 1; None: `config.max_position_embeddings`.
+    Returns:
+        `{"device": bytes on the model's device (buffers and the dummy block), "host": bytes of the host copies}`.
+    Raises:
+        ValueError: naming the argument, for `block_size`, `max_num_seqs` or `max_model_len` not an int (bools
+            are not ints) >= 1 (`max_model_len` may be None).
+    Source: the runner's constructor and `DecodeBuffers` (chapter 08); nano-vllm's and vLLM's static
+    graph buffers.
+    """
+    # TODO: check the arguments (ValueError), then count the rows, the table width, each tensor's bytes
+    ### BEGIN SOLUTION
+    _require("block_size", block_size)
+    _require("max_num_seqs", max_num_seqs)
+    if max_model_len is None:
+        max_model_len = config.max_position_embeddings
+    _require("max_model_len", max_model_len)
+    rows, width = min(max_num_seqs, MAX_CAPTURE_SIZE), -(-max_model_len // block_size)
+    int64, item = torch.int64.itemsize, dtype.itemsize
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    host = int64 * rows * (len(DECODE_INPUTS) + width)
+    logits = rows * config.vocab_size * item
+    dummy_block = 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * item
+    return {"device": host + logits + dummy_block, "host": host}
+    ### END SOLUTION
+
+
+def largest_capture_size_within(config, dtype: torch.dtype, block_size: int, max_model_len: int,
+                                device_budget_bytes: int) -> int:
+    """The largest `max_num_seqs` in `[1, MAX_CAPTURE_SIZE]` whose static tensors on the device
+    (`cudagraph_static_bytes(...)["device"]`) take at most `device_budget_bytes`; 0 when not even one row fits.
+
+    Args: as `cudagraph_static_bytes` (`max_model_len` an int >= 1); device_budget_bytes, an int >= 0.
+    Returns: an int in `[0, MAX_CAPTURE_SIZE]`.
+    Raises: ValueError, naming the argument, for an argument not an int (bools are not ints) in its range.
+    """
+    # TODO: check the budget (ValueError); the bytes grow with the rows: find the last row count that fits
+    ### BEGIN SOLUTION
+    if isinstance(device_budget_bytes, bool) or not isinstance(device_budget_bytes, int) or device_budget_bytes < 0:
+        raise ValueError(f"device_budget_bytes must be an int >= 0, got {device_budget_bytes!r}")
+    _require("max_model_len", max_model_len)
+
+    def device(rows: int) -> int:
+        return cudagraph_static_bytes(config, dtype, block_size, rows, max_model_len)["device"]
+
+    fixed, per_row = device(1), device(2) - device(1)  # the dummy block, then the same bytes per row
+    if device_budget_bytes < fixed:
+        return 0
+    return min(MAX_CAPTURE_SIZE, 1 + (device_budget_bytes - fixed) // per_row)
+    ### END SOLUTION
+
+
+def _require(name: str, value, minimum: int = 1) -> None:
+    """Given: a ValueError naming `name` unless `value` is an int (not a bool) >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

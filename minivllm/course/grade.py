@@ -166,6 +166,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("keeps freed blocks cached and evicts the least recently freed", 3),
                      ("the engine equals transformers with prefix caching", 2))),
     Exercise("ch06_ex2", 5, "extend", "token-granular prefix caching", "exercises/ch06_prefix_caching.py", _T46),
+    Exercise("ch06_ex3", 4, "extend", "cache isolation: requests share cached blocks only within their cache_salt",
+             "exercises/ch06_prefix_caching.py", ("tests/test_grading_ch06_extend.py",)),
     Exercise("ch07_ex1", 3, "rebuild", "the KV-store kernel", "notebooks/07_triton_kernels.ipynb",
              ("tests/test_grading_ch07_regions.py",)),
     Exercise("ch07_ex2", 16, "rebuild", "build paged decode attention with split-K in Triton: the online-softmax "
@@ -192,6 +194,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              speed=(("a decode step at the reference's speed on a GPU", ((1.5, 3), (3.0, 2), (6.0, 1))),)),
     Exercise("ch08_ex2", 3, "extend", "capture sizes chosen from observed batch sizes",
              "exercises/ch08_cuda_graphs.py", ("tests/test_grading_ch08_extend.py",)),
+    Exercise("ch08_ex3", 3, "extend", "the graphs' static tensors in bytes, and the capture size a memory budget "
+             "affords", "exercises/ch08_cuda_graphs.py", ("tests/test_grading_ch08_extend.py",)),
     Exercise("ch09_ex1", 11, "rebuild", "build the roofline from a model config: model_cost, step_cost, roofline, "
              "workload_bound", "notebooks/09_benchmark.ipynb", ("tests/test_grading_ch09_regions.py",),
              groups=(("weights and KV bytes per token from the config", 4),
