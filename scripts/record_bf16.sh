@@ -6,10 +6,12 @@
 #
 #   scripts/record_bf16.sh                              # small workload -> results/cpu_bf16_small_{float32,bfloat16}.json
 #   scripts/record_bf16.sh headline results/cpu_amx    # the README's headline workload (on a CPU with AMX or
-#                                                       # AVX512-BF16) -> results/cpu_amx_headline_{float32,bfloat16}.json
+#                                                       # AVX512-BF16) -> results/cpu_amx_headline_{float32,bfloat16}.json,
+#                                                       # and scripts/profile_engine.py's record of each dtype
+#                                                       # -> results/cpu_amx_profile_headline_{float32,bfloat16}.json
 #
 # Small: a few minutes on 2 cores without fast bfloat16. Headline: about 5 minutes per dtype where
-# bfloat16 is fast; far longer where it is emulated. Run it on a quiet machine: other programs are
+# bfloat16 is fast (the profile another minute or two); far longer where it is emulated. Run it on a quiet machine: other programs are
 # the largest source of noise on a CPU. THREADS=N adds `--threads N` (on a machine that other
 # programs keep busy, THREADS=1 with OMP_NUM_THREADS=1 avoids OpenMP threads waiting on each other).
 set -euo pipefail
@@ -29,3 +31,9 @@ esac
 for DTYPE in float32 bfloat16; do
     record "${PREFIX}_${WORKLOAD}_${DTYPE}.json" "$PY" -m minivllm bench "${ARGS[@]}" "${THREAD_ARGS[@]}" --dtype "$DTYPE" --compare hf --json
 done
+if [ "$WORKLOAD" = headline ]; then  # where each dtype's time goes, attention against its bound included
+    for DTYPE in float32 bfloat16; do
+        "$PY" scripts/profile_engine.py "${ARGS[@]}" "${THREAD_ARGS[@]}" --dtype "$DTYPE" \
+            --out "${PREFIX}_profile_${WORKLOAD}_${DTYPE}.json"
+    done
+fi
