@@ -20,3 +20,18 @@ def load(chapter_file: str, impl: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def raises_value_error(call, what: str) -> None:
+    """A grader's check that `call()` raises ValueError, `what` naming the call in the failure. A stub's
+    NotImplementedError passes through (so a stub fails with its task); anything else raised, or a
+    return, fails the check with what happened instead."""
+    try:
+        got = call()
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the message names what was raised instead
+        raise AssertionError(f"{what} must raise ValueError, raised {type(e).__name__}: {e}") from e
+    raise AssertionError(f"{what} must raise ValueError, returned {got!r}")

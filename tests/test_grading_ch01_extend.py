@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters import load
+from adapters import load, raises_value_error
 
 HYPOTHESIS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 WINDOW_LIMIT_S = 2.0  # 200 checks of a 10**7-character text: a window takes milliseconds, the whole text seconds
@@ -180,23 +180,12 @@ def test_ch01_ex3_looks_only_at_the_new_characters_and_a_tail(ch01):
     _check_window(ch01)
 
 
-def _raises_value_error(call, what: str) -> None:
-    try:
-        got = call()
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the message names what was raised instead
-        raise AssertionError(f"{what} must raise ValueError, raised {type(e).__name__}: {e}") from e
-    raise AssertionError(f"{what} must raise ValueError, returned {got!r}")
-
 
 @pytest.mark.ch01
 @pytest.mark.ch01_ex3
 @pytest.mark.parametrize("new", [-1, 6, True, 2.0, "2", None])
 def test_ch01_ex3_invalid_new_char_count(ch01, new):
-    _raises_value_error(lambda: ch01.check_stop_strings("hello", new, ["lo"], False),
+    raises_value_error(lambda: ch01.check_stop_strings("hello", new, ["lo"], False),
                         f"ch01_ex3: check_stop_strings('hello', new_char_count={new!r})")
 
 

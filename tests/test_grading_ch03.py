@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters import load
+from adapters import load, raises_value_error
 from minivllm.baselines import static_batching
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sampling_params import SamplingParams
@@ -183,17 +183,6 @@ def test_ch03_ex3_no_split_of_the_same_sizes_pads_less(ch03):
     _check_least_padding(ch03)
 
 
-def _raises_value_error(call, what: str) -> None:
-    try:
-        got = call()
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the message names what was raised instead
-        raise AssertionError(f"{what} must raise ValueError, raised {type(e).__name__}: {e}") from e
-    raise AssertionError(f"{what} must raise ValueError, returned {got!r}")
-
 
 _INVALID = [([], 2, "no requests"), ([3, 0], 2, "a length 0"), ([3, 2.0], 2, "a float length"),
             ([3, True], 2, "a bool length"), ([3, 4], 0, "batch_size 0"), ([3, 4], True, "batch_size a bool"),
@@ -204,7 +193,7 @@ _INVALID = [([], 2, "no requests"), ([3, 0], 2, "a length 0"), ([3, 2.0], 2, "a 
 @pytest.mark.ch03_ex3
 @pytest.mark.parametrize("lens,batch_size,what", _INVALID, ids=[c[-1] for c in _INVALID])
 def test_ch03_ex3_batches_invalid_input(ch03, lens, batch_size, what):
-    _raises_value_error(lambda: ch03.length_sorted_batches(lens, batch_size),
+    raises_value_error(lambda: ch03.length_sorted_batches(lens, batch_size),
                         f"ch03_ex3: length_sorted_batches({lens!r}, batch_size={batch_size!r}) ({what})")
 
 
@@ -262,7 +251,7 @@ def _check_generate(mod, tiny) -> None:
     _expect(one.outputs == [f[:2] for f in full[:4]] and one.batches == [[1, 3, 0, 2]],
             f"ch03_ex3: one SamplingParams for four requests in one batch: expected outputs "
             f"{[f[:2] for f in full[:4]]} and batches [[1, 3, 0, 2]], got {one.outputs} and {one.batches}")
-    _raises_value_error(lambda: mod.sorted_static_generate(model, prompts[:3], params[:2], 2),
+    raises_value_error(lambda: mod.sorted_static_generate(model, prompts[:3], params[:2], 2),
                         "ch03_ex3: sorted_static_generate with 2 sampling params for 3 prompts")
 
 

@@ -33,7 +33,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters import load
+from adapters import load, raises_value_error
 from minivllm.benchmarks.roofline import DevicePeaks, ModelCost
 from minivllm.course.testing import make_tiny_model
 
@@ -242,17 +242,6 @@ def test_ch09_ex2_compute_bound_batch_known_cases(ch09):
     _check_batch_known(ch09)
 
 
-def _raises_value_error(call, what: str) -> None:
-    try:
-        got = call()
-    except ValueError:
-        return
-    except NotImplementedError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the message names what was raised instead
-        raise AssertionError(f"{what} must raise ValueError, raised {type(e).__name__}: {e}") from e
-    raise AssertionError(f"{what} must raise ValueError, returned {got!r}")
-
 
 _COST = ModelCost(10, 40, 5, 3, 2, 4)
 _FIT_INVALID = [(-1, 4, 8, "memory_bytes < 0"), (100, 0, 8, "block_size = 0"), (100, 4, 0, "context_len = 0"),
@@ -263,7 +252,7 @@ _FIT_INVALID = [(-1, 4, 8, "memory_bytes < 0"), (100, 0, 8, "block_size = 0"), (
 @pytest.mark.ch09_ex2
 @pytest.mark.parametrize("memory,block_size,context_len,what", _FIT_INVALID, ids=[c[-1] for c in _FIT_INVALID])
 def test_ch09_ex2_sequences_that_fit_invalid_input(ch09, memory, block_size, context_len, what):
-    _raises_value_error(lambda: ch09.sequences_that_fit(_COST, torch.float32, memory, block_size, context_len),
+    raises_value_error(lambda: ch09.sequences_that_fit(_COST, torch.float32, memory, block_size, context_len),
                         f"ch09_ex2: sequences_that_fit(memory_bytes={memory!r}, block_size={block_size!r}, "
                         f"context_len={context_len!r}) ({what})")
 
@@ -272,7 +261,7 @@ def test_ch09_ex2_sequences_that_fit_invalid_input(ch09, memory, block_size, con
 @pytest.mark.ch09_ex2
 @pytest.mark.parametrize("context_len", [0, -3, 2.5, True, "7"])
 def test_ch09_ex2_compute_bound_batch_invalid_input(ch09, context_len):
-    _raises_value_error(lambda: ch09.compute_bound_batch(_COST, context_len, _peaks(1.0, 1.0)),
+    raises_value_error(lambda: ch09.compute_bound_batch(_COST, context_len, _peaks(1.0, 1.0)),
                         f"ch09_ex2: compute_bound_batch(context_len={context_len!r})")
 
 
@@ -352,7 +341,7 @@ _CHUNK_INVALID = [([3], -1, 4, "prefix_len < 0"), ([3], 0, -1, "max_chunk < 0"),
 @pytest.mark.ch09_ex3
 @pytest.mark.parametrize("decodes,prefix_len,max_chunk,what", _CHUNK_INVALID, ids=[c[-1] for c in _CHUNK_INVALID])
 def test_ch09_ex3_free_chunk_invalid_input(ch09, decodes, prefix_len, max_chunk, what):
-    _raises_value_error(lambda: ch09.free_prefill_chunk(_COST, decodes, prefix_len, _peaks(1.0, 1.0), max_chunk),
+    raises_value_error(lambda: ch09.free_prefill_chunk(_COST, decodes, prefix_len, _peaks(1.0, 1.0), max_chunk),
                         f"ch09_ex3: free_prefill_chunk({decodes!r}, prefix_len={prefix_len!r}, "
                         f"max_chunk={max_chunk!r}) ({what})")
 
