@@ -35,3 +35,15 @@ def raises_value_error(call, what: str) -> None:
     except Exception as e:  # noqa: BLE001 - the message names what was raised instead
         raise AssertionError(f"{what} must raise ValueError, raised {type(e).__name__}: {e}") from e
     raise AssertionError(f"{what} must raise ValueError, returned {got!r}")
+
+
+def failed_checks(checks, *args) -> list[str]:
+    """The messages of the `checks` that fail when called with `args` (a check fails by raising
+    AssertionError; anything else propagates). A wrong-answer test asserts this list is not empty."""
+    failures = []
+    for check in checks:
+        try:
+            check(*args)
+        except AssertionError as e:
+            failures.append(str(e))
+    return failures

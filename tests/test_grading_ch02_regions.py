@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters import failed_checks
 from minivllm.baselines.naive import CausalAttention
 from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.model_executor.model_loader import load_model
@@ -586,11 +587,6 @@ def test_ch02_ex3_wrong_answers_lose_their_part(part, cls, name, wrong, ch02_mod
             "attention": lambda: [check_attention(kind, 6) for kind in KINDS],
             "mlp": lambda: check_mlp(torch.float64, 6), "layer": lambda: None}[part]
     checks = [unit] + [lambda kind=kind: check_decoder(part, kind, *ch02_models[kind]) for kind in KINDS]
-    failures = []
-    for check in checks:
-        try:
-            check()
-        except AssertionError as e:
-            failures.append(str(e))
+    failures = failed_checks(checks)
     assert failures, f"{wrong.__name__}: a wrong {part} passed every check of its part"
     assert all(f.startswith(EX) for f in failures), failures

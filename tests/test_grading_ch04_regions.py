@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 import minivllm.core.kv_cache_manager as kvm
 import minivllm.worker.model_runner as mr
 from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
+from adapters import failed_checks
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.core.block_manager import BlockManager
 from minivllm.engine.llm_engine import LLMEngine
@@ -580,12 +581,7 @@ def test_ch04_ex3_wrong_answers_lose_their_part(wrong, fails):
     other parts run the grader's code in place of the wrong method, or, for the whole, all of it)."""
     checks = [check_contract, check_memory_pressure] + {"admission": [check_token_budget],
                                                         "decode": [check_preempts_the_newest]}.get(fails, [])
-    failures = []
-    for check in checks:
-        try:
-            check(wrong)
-        except AssertionError as e:
-            failures.append(str(e))
+    failures = failed_checks(checks, wrong)
     assert failures, f"{wrong.__name__}: a wrong {fails} passed every check of its part"
 
 

@@ -25,7 +25,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters import load
+from adapters import failed_checks, load
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.prefix_caching import NO_HASH, NO_PARENT, PrefixCachingBlockManager, compute_hash
 from minivllm.sequence import Sequence
@@ -357,12 +357,7 @@ WRONG = [_IgnoresTheSalt, _DecodeUnsalted, _NoSaltCheck, _SaltsEveryone]
 @pytest.mark.parametrize("wrong", WRONG, ids=[w.__name__ for w in WRONG])
 def test_ch06_ex3_wrong_answers_fail(wrong):
     mod = SimpleNamespace(SaltedPrefixCachingBlockManager=wrong)
-    failures = []
-    for check in CH06_EX3_CHECKS:
-        try:
-            check(mod)
-        except AssertionError as e:
-            failures.append(str(e))
+    failures = failed_checks(CH06_EX3_CHECKS, mod)
     assert failures, f"a wrong answer passed every check of ch06_ex3: {wrong.__doc__}"
 
 

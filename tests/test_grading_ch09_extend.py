@@ -33,7 +33,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters import load, raises_value_error
+from adapters import failed_checks, load, raises_value_error
 from minivllm.benchmarks.roofline import DevicePeaks, ModelCost
 from minivllm.course.testing import make_tiny_model
 
@@ -420,12 +420,7 @@ WRONG_IDS = ["fit-ignores-weights", "fit-counts-tokens", "batch-tie-compute-boun
 
 @pytest.mark.parametrize("wrong,checks", WRONG, ids=WRONG_IDS)
 def test_ch09_ex2_ex3_wrong_answers_fail(wrong, checks):
-    failures = []
-    for check in checks:
-        try:
-            check(wrong)
-        except AssertionError as e:
-            failures.append(str(e))
+    failures = failed_checks(checks, wrong)
     assert failures, f"a wrong answer passed every check of its exercise: {wrong}"
 
 

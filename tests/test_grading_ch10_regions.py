@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters import failed_checks
 import minivllm.sample.ops as ops
 import minivllm.sample.sampler as sampler_module
 from minivllm.course.grade import EXERCISES as GRADED
@@ -657,10 +658,5 @@ def _ranked_before_ties_by_larger_id(logits, token_ids):
 def test_ch10_ex1_wrong_answers_lose_their_part(name, wrong, checks, monkeypatch):
     """Each wrong piece, put in the package's place, fails at least one check of its own part."""
     monkeypatch.setattr(ops, name, wrong)
-    failures = []
-    for check in checks:
-        try:
-            check()
-        except AssertionError as e:
-            failures.append(str(e))
+    failures = failed_checks(checks)
     assert failures, f"a wrong {name} passed every check of its part"
