@@ -7,7 +7,7 @@ executes the same notebooks again with nbmake (outputs there are not saved). The
 saved too (so JupyterLab and static viewers draw the controls, not `VBox(children=...)`), and the
 kernelspec is the one JupyterLab writes, so a freshly opened chapter is not marked modified.
 """
-import sys
+import argparse
 import time
 
 import nbformat
@@ -26,7 +26,9 @@ config = Config()
 if zmq.has("curve"):
     config.KernelManager.transport_encryption = "auto"
 
-for path in sys.argv[1:]:
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("notebooks", nargs="+", help="the chapters to execute, in this order")
+for path in parser.parse_args().notebooks:
     t0 = time.perf_counter()
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)  # the state of this run only, not a stale one from the last

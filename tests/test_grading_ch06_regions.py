@@ -255,8 +255,9 @@ class _Drive:
             bm.allocate(seq)
         table, n = list(seq.block_table), len(tokens)
         k, rest = divmod(seq.num_cached_tokens, bs)
-        _expect(rest == 0 and 0 <= seq.num_cached_tokens < n, f"{at}: num_cached_tokens is {seq.num_cached_tokens}; "
-                f"it counts whole blocks of {bs} and never the block holding the last token (at most {n - 1})")
+        _expect(rest == 0 and 0 <= seq.num_cached_tokens < n, f"{at}: num_cached_tokens is {seq.num_cached_tokens} "
+                f"after allocate (it was 3 before the call: allocate sets it, from 0); it counts whole blocks of {bs} "
+                f"and never the block holding the last token (at most {n - 1})")
         for i in range(min(k, len(table))):
             holds = self.content.get(table[i])
             _expect(holds == tuple(tokens[:(i + 1) * bs]), f"{at}: block {table[i]} was handed out as cached for "
@@ -634,6 +635,29 @@ def check_freed_blocks_found_again(cls: type) -> None:
             f"and block_table {b.block_table}. A freed block keeps its content and name until it is taken again")
 
 
+def check_discard_keeps_the_cached_prefix(cls: type) -> None:
+    """Blocks of 2: [1, 2, 3, 4, 5] runs and finishes (its two full blocks stay cached); [1, 2, 3, 4, 6, 7, 8]
+    finds them, gets one more full block and a partial one, then its step fails before writing:
+    discard_unwritten uncaches the new full block, and the two found blocks, written earlier, stay cached."""
+    with _hashing("exact"):
+        bm = cls(8, 2)
+        a, b = Sequence([1, 2, 3, 4, 5], block_size=2), Sequence([1, 2, 3, 4, 6, 7, 8], block_size=2)
+        bm.allocate(a)
+        bm.deallocate(a)
+        bm.allocate(b)
+        table = list(b.block_table)
+        _expect(b.num_cached_tokens == 4, f"{EX}: [1, 2, 3, 4, 6, 7, 8] should find the two cached blocks of "
+                f"[1, 2, 3, 4, 5] (4 cached tokens), got {b.num_cached_tokens}")
+        with your_code(EX, f"discard_unwritten of block_table {table} with 4 cached tokens (blocks of 2)"):
+            bm.discard_unwritten([b])
+    lost = [x for x in table[:2] if bm.blocks[x].hash == NO_HASH]
+    kept = [x for x in table[2:] if bm.blocks[x].hash != NO_HASH]
+    _expect(not lost and not kept, f"{EX}: after a failed step, discard_unwritten uncaches the blocks past the "
+            f"cached prefix ({table[2:]}, from num_cached_tokens // block_size = 2 on) and keeps the prefix's "
+            f"blocks {table[:2]}, whose K/V was written earlier; still cached past the prefix: {kept}, "
+            f"uncached in the prefix: {lost}")
+
+
 def check_least_recently_freed_goes_first(cls: type) -> None:
     """Six blocks of 2; the prompts A, B, C (one full block and one token each) run and finish in that
     order; then D, then E (two new full blocks each, nothing cached): D's blocks come from A (freed
@@ -737,6 +761,13 @@ def test_ch06_ex1_freed_blocks_are_found_again():
 @pytest.mark.group(KEEPS)
 def test_ch06_ex1_the_least_recently_freed_goes_first():
     check_least_recently_freed_goes_first(_graded("keeps"))
+
+
+@pytest.mark.ch06
+@pytest.mark.ch06_ex1
+@pytest.mark.group(KEEPS)
+def test_ch06_ex1_a_failed_step_keeps_the_cached_prefix():
+    check_discard_keeps_the_cached_prefix(_graded("keeps"))
 
 
 # --- the engine on the whole build, against transformers -------------------------------------------
@@ -875,6 +906,13 @@ def _evicts_the_newest(self):
     return block
 
 
+def _discards_the_whole_table(self, seqs) -> None:
+    """Uncaches every block of a failed step's sequences, the cached prefix's too (only hits are lost)."""
+    for seq in seqs:
+        for block_id in seq.block_table:
+            self._uncache(block_id)
+
+
 def _uncaches_only_itself(self, block_id) -> None:
     """Removes the block from the cache but leaves the blocks below it cached (orphans)."""
     block = self.blocks[block_id]
@@ -895,7 +933,7 @@ CHECKS = {  # part -> its checks, each on (graded class); a hash part checks the
               lambda cls: check_hits_follow_the_rule(cls, "exact"), check_collision, check_decode_fills_are_cached],
     "keeps": [lambda cls: check_random_operations(cls, "keeps", "exact"),
               lambda cls: check_random_operations(cls, "keeps", "weak"), check_uncache_forest, check_deep_chain,
-              check_freed_blocks_found_again, check_least_recently_freed_goes_first],
+              check_freed_blocks_found_again, check_least_recently_freed_goes_first, check_discard_keeps_the_cached_prefix],
 }
 WRONG = {  # name -> (part, the wrong piece: a hash function, or (method name, function))
     "unchained hash": ("hash", _unchained_hash),
@@ -906,6 +944,7 @@ WRONG = {  # name -> (part, the wrong piece: a hash function, or (method name, f
     "free forgets the block": ("keeps", ("_free_block", _free_forgets)),
     "evicts the most recently freed": ("keeps", ("_allocate_block", _evicts_the_newest)),
     "uncaches only the block itself": ("keeps", ("_uncache", _uncaches_only_itself)),
+    "discard uncaches the cached prefix": ("keeps", ("discard_unwritten", _discards_the_whole_table)),
 }
 
 
@@ -921,7 +960,8 @@ def _failures(checks, cls, first_only: bool = False) -> list[str]:
     return failed
 
 
-SILENT = {"unchained hash", "built-in hash", "free forgets the block", "evicts the most recently freed"}
+SILENT = {"unchained hash", "built-in hash", "free forgets the block", "evicts the most recently freed",
+          "discard uncaches the cached prefix"}
 
 
 @pytest.mark.parametrize("wrong", list(WRONG))

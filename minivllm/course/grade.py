@@ -582,6 +582,10 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     if isinstance(ids, str):
         ids = [ids]
     wanted = resolve(ids or (edition["exercises"] if edition else None))
+    unassigned = [e for e in wanted if edition and e not in edition["exercises"]]
+    if unassigned and verbose:  # e.g. a chapter's grader cell of an exercise this edition did not release
+        print(f"{', '.join(unassigned)}: not in this edition's assignment ({EDITION_FILE} lists "
+              f"{', '.join(edition['exercises'])}); graded anyway")
     if edition is None and "ipykernel" in sys.modules and os.environ.get("PYTEST_CURRENT_TEST"):
         # a chapter of the book executed by the test suite (nbmake): the suite runs these graders itself
         if verbose:

@@ -236,9 +236,10 @@ def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in every dtype (the fastest of
-    the three in chapter 05's timing in float32 and bfloat16; bfloat16 accumulates in float32; float64
-    equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
+    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in every dtype (in chapter 05's
+    timing the fastest in bfloat16, and in float32 but for long prompts on one thread, where the grouped
+    products lead; bfloat16 accumulates in float32; float64 equals the reference to rounding). Shapes
+    and dtypes: as `prefill_attention_sdpa`."""
     return prefill_attention_sdpa(q, k, v, scale)
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01
