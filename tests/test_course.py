@@ -348,6 +348,22 @@ def test_grade_a_class_into_one_csv(edition, tmp_path):
     assert (tmp_path / "reports" / "bob.xml").exists()
 
 
+def test_grading_an_exercise_the_edition_did_not_release_says_so(tmp_path, monkeypatch, capsys):
+    """A chapter's grader cell of an exercise outside the edition's assignment still grades it, and says
+    first that it is not in the assignment (a tester saw only "FAIL 0/5" for an extend exercise)."""
+    (tmp_path / "minivllm").mkdir()
+    (tmp_path / grading.EDITION_FILE).write_text(json.dumps({"exercises": ["ch06_ex1"]}))
+    ran = []
+    monkeypatch.setattr(grading, "_run_graders", lambda root, ids, *a: ran.append(ids) or (
+        subprocess.CompletedProcess([], 5, "", ""), {}))
+    grading.grade("ch06_ex2", root=tmp_path, export=False, verbose=True)
+    out = capsys.readouterr().out
+    assert "ch06_ex2: not in this edition's assignment" in out and "lists ch06_ex1" in out, out
+    assert ran == [["ch06_ex2"]]
+    grading.grade("ch06_ex1", root=tmp_path, export=False, verbose=True)
+    assert "not in this edition's assignment" not in capsys.readouterr().out
+
+
 def test_graders_code_is_not_an_answer(tmp_path):
     """An answer that imports a grader's stand-in is found and named (in an edition it scores 0)."""
     root = tmp_path / "ed"
