@@ -34,7 +34,7 @@ demo: setup
 ## then every test and chapter notebook (what CI runs)
 test: setup
 	$(VENV)/bin/lint-imports
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --nbmake tests notebooks
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --durations=30 --nbmake tests notebooks
 
 ## read and run the chapters in JupyterLab (installed by the set-up with the `notebooks` extra); the chapters
 ## are marked trusted first, so JupyterLab draws their saved widgets (trust is kept per machine, not in the file)
