@@ -289,6 +289,25 @@ def test_a_speed_part_scores_by_its_bands(tmp_path):
         grading.Exercise("ch99_ex2", 4, "rebuild", "t", "w", (), groups=(("fast", 4),), speed=(("fast", ((3.0, 4), (1.5, 2))),))
 
 
+def test_tests_left_out_by_the_marker_are_not_counted_as_not_run(tmp_path):
+    """A grading run selects its exercise's tests with `-m`; the tests it leaves out (another
+    exercise's, or unmarked ones such as the wrong-answer meta-tests) are not in its outcomes, so a
+    run that passed every selected test does not read as one that stopped early (a tester's JSON
+    report said "stopped before it finished (exit status 0)" for full points)."""
+    tests_file = tmp_path / "test_marker_demo.py"
+    tests_file.write_text("import pytest\n\n\n@pytest.mark.ch06_ex1\ndef test_mine():\n    pass\n\n\n"
+                          "@pytest.mark.ch06_ex2\ndef test_other():\n    pass\n\n\ndef test_unmarked():\n    pass\n")
+    (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
+                                          "    for m in ('ch06_ex1', 'ch06_ex2'):\n"
+                                          "        config.addinivalue_line('markers', m)\n")
+    results = tmp_path / "outcomes.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                    "-m", "ch06_ex1", "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, check=True,
+                   capture_output=True, env={**os.environ, grading.RESULTS_ENV: str(results)})
+    ran = {n.split("::")[1]: o["outcome"] for n, o in json.loads(results.read_text()).items()}
+    assert ran == {"test_mine": "passed"}, ran
+
+
 def test_the_code_under_grading_may_not_reach_into_the_graders(tmp_path):
     """A line of the package or of an exercise that reaches a grader module at run time (by name or
     through `sys.modules`) is reported, as an import of one is."""

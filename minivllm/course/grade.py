@@ -387,6 +387,13 @@ NOT_RUN = ("did not run: the grading run stopped before this test finished (the 
            "or the run's time limit passed; an endless loop or a memory blow-up in the code under grading?)")
 
 
+def pytest_deselected(items):
+    """Tests that `-m` left out of the run are not in it: without this their records would stay "not
+    run", and a run that passed every selected test would read as one that stopped early."""
+    for item in items:
+        _outcomes.pop(item.nodeid, None)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Every collected test starts as not run (it scores nothing unless its report says it passed); a
     test marked with a part its exercise does not have fails at once, naming the parts there are."""
