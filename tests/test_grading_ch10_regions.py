@@ -698,7 +698,8 @@ def _ranked_before_ties_by_larger_id(logits, token_ids):
 
 
 @pytest.mark.parametrize("name, wrong, checks", [
-    ("apply_min_p", _min_p_absolute, [test_ch10_ex1_min_p_known_cases, lambda: test_ch10_ex1_min_p_equals_transformers()]),
+    ("apply_min_p", _min_p_absolute,
+     [test_ch10_ex1_min_p_known_cases, lambda: test_ch10_ex1_min_p_equals_transformers()]),
     ("apply_top_k_top_p", _top_p_drops_the_crossing_token,
      [lambda: test_ch10_ex1_top_k_top_p_equals_transformers(), test_ch10_ex1_rows_alone_and_known_cases]),
     ("apply_penalties", _penalties_on_outputs_only,
