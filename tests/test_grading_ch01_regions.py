@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minivllm.sampling_params as sp
@@ -143,6 +143,9 @@ def check_tokens() -> None:
     """Random prompts grown token by token: every view after every token, a new sequence's fields,
     a caller's prompt list left alone; the ValueErrors of a bad prompt or block size."""
     @settings(max_examples=150, **SETTINGS)
+    # a fixed case first (the draws depend on where the check is called from): a grown caller's list, one
+    # token generated
+    @example(prompt=[1, 2], numpy=False, generated=[3], seq_id=None)
     @given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=12), numpy=st.booleans(),
            generated=st.lists(st.integers(0, 50), max_size=12), seq_id=st.one_of(st.none(), st.integers(0, 9)))
     def run(prompt, numpy, generated, seq_id):
@@ -214,6 +217,7 @@ def check_blocks() -> None:
     """Growing sequences in random block sizes: num_blocks, each block, the last block's tokens, the
     cached blocks, IndexError outside the blocks; counts beyond 2**53 in integer arithmetic."""
     @settings(max_examples=150, **SETTINGS)
+    @example(prompt=[1, 2, 3], block_size=2, generated=[4], cached=2)  # a fixed case first: negative indices
     @given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=40), block_size=st.integers(1, 12),
            generated=st.lists(st.integers(0, 50), max_size=30), cached=st.integers(0, 80))
     def run(prompt, block_size, generated, cached):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adapters import load, raises_value_error
@@ -139,6 +139,10 @@ def _check_batches_known(mod) -> None:
 
 def _check_batches_random(mod) -> None:
     @settings(max_examples=150, **HYPOTHESIS)
+    # fixed cases first (the draws depend on where the check is called from): equal lengths, the rest's place
+    @example(lens=[3, 7, 3, 7, 3], batch_size=2)
+    @example(lens=[2, 2, 3], batch_size=2)
+    @example(lens=[5, 5, 1], batch_size=2)
     @given(lens=st.lists(st.integers(1, 9), min_size=1, max_size=40), batch_size=st.integers(1, 9))
     def run(lens, batch_size):
         got = mod.length_sorted_batches(list(lens), batch_size)
@@ -152,6 +156,9 @@ def _check_batches_random(mod) -> None:
 
 def _check_least_padding(mod) -> None:
     @settings(max_examples=120, **HYPOTHESIS)
+    @example(lens=[5, 5, 1], batch_size=2)  # fixed cases first: ascending, arrival order, the rest last pad more
+    @example(lens=[1, 5, 1, 5], batch_size=2)
+    @example(lens=[2, 2, 3], batch_size=2)
     @given(lens=st.lists(st.integers(1, 5), min_size=1, max_size=6), batch_size=st.integers(2, 4))
     def run(lens, batch_size):
         got = mod.length_sorted_batches(list(lens), batch_size)

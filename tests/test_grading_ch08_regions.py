@@ -35,7 +35,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minivllm.worker.cuda_graph as cg
@@ -195,6 +195,7 @@ def check_capture_sizes(max_num_seqs, max_capture_size):
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@example(sizes={1, 2, 4}, num_seqs=3)  # a fixed case first (the draws depend on where the check is called from)
 @given(sizes=st.sets(st.integers(1, 100), min_size=1, max_size=12), num_seqs=st.integers(1, 120))
 def check_padding(sizes, num_seqs):
     sizes = sorted(sizes)
@@ -427,6 +428,7 @@ def check_replay_equals_the_eager_step(device: str = "cpu"):
                             runner.device)
 
     @settings(max_examples=25, deadline=None, derandomize=True, database=None)
+    @example(steps=[(3, 0)], seed=0)  # a fixed case first: 3 sequences in the graph of 4 (one padding row)
     @given(steps=st.lists(st.tuples(st.integers(1, MAX_ROWS), st.integers(0, 2)), min_size=1, max_size=6),
            seed=st.integers(0, 2**16))
     def replays(steps, seed):

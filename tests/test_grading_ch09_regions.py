@@ -44,7 +44,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import minivllm.benchmarks.roofline as roofline_module
@@ -471,6 +471,10 @@ def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: 
 @pytest.mark.ch09_ex1
 @pytest.mark.group(WORKLOAD)
 @settings(max_examples=120, **HYPOTHESIS)
+# a fixed case first (the draws depend on where the test is called from): two requests of different output
+# lengths share the weights' reads of their decode steps
+@example(cost=ModelCost(1000, 10**6, 100, 100, 1, 1), lens=[(4, 3), (4, 2)],
+         peaks=DevicePeaks(matmul_flops_per_s=1e9, copy_bytes_per_s=1e9))
 @given(cost=_costs, lens=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), min_size=1, max_size=5),
        peaks=_peaks)
 def test_ch09_ex1_workload_bound_by_the_closed_form(cost, lens, peaks):

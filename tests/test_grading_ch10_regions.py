@@ -255,6 +255,26 @@ def test_ch10_ex1_penalties_equal_transformers(dtype, seed, vocab, data):
                     f"{_where_largest(got[i], logits[i])}")
 
 
+@pytest.mark.ch10
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PENALTIES)
+def test_ch10_ex1_penalties_known_cases():
+    """A fixed case (the random tests' draws depend on where they are called from): repetition 2 over the
+    prompt's tokens 0, 1 and the output's 2 (a positive logit halved, a negative one doubled), then
+    frequency 0.5 and presence 1 on token 2, generated twice; a second row with every penalty off."""
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5], [1.0, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    prompts, outputs = [[0, 1], [0, 1]], [[2, 2], [2, 2]]
+    pres, freq, rep = (torch.tensor(v, dtype=torch.float64) for v in ([1.0, 0.0], [0.5, 0.0], [2.0, 1.0]))
+    want = torch.tensor([[0.5, -2.0, -1.0, 0.5], [1.0, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    assert torch.allclose(_penalties_reference(logits, prompts, outputs, pres, freq, rep), want), "grader: known case"
+    got = ops.apply_penalties(logits, _padded(prompts, 4), _padded(outputs, 4), pres, freq, rep)
+    at = ("ch10_ex1: apply_penalties on logits [1, -1, 2, 0.5], prompt [0, 1], output [2, 2], repetition 2, "
+          "frequency 0.5, presence 1 (and a row with every penalty off)")
+    _tensor_of(got, logits.shape, torch.float64, at)
+    _expect(torch.allclose(got, want, rtol=0, atol=1e-12), f"{at}: expected {want.tolist()} (the repetition penalty "
+            f"covers the prompt's tokens too; then frequency times the count and presence once), got {got.tolist()}")
+
+
 # --- ch10_ex1, min-p ------------------------------------------------------------------------------
 @pytest.mark.ch10
 @pytest.mark.ch10_ex1
@@ -279,6 +299,22 @@ def test_ch10_ex1_min_p_equals_transformers(seed, vocab, rows, data):
                 f"transformers' MinPLogitsWarper keeps {_ids(want_kept)}")
         _expect(torch.equal(got[i][kept], logits[i][kept]), f"{at}: row {i}: a kept logit changed; "
                 f"{_where_largest(got[i], logits[i].masked_fill(~kept, INF))}")
+
+
+@pytest.mark.ch10
+@pytest.mark.ch10_ex1
+@pytest.mark.group(MIN_P)
+def test_ch10_ex1_min_p_known_cases():
+    """A fixed case (the random tests' draws depend on where they are called from): probabilities 0.5, 0.3,
+    0.15, 0.05 with min_p 0.2 keep every token of probability >= 0.2 * 0.5 = 0.1, the first three."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64).log()
+    got = ops.apply_min_p(logits, torch.tensor([0.2], dtype=torch.float64))
+    at = "ch10_ex1: apply_min_p over probabilities [0.5, 0.3, 0.15, 0.05] with min_p 0.2"
+    _tensor_of(got, logits.shape, torch.float64, at)
+    kept = _ids(got[0] > INF)
+    _expect(kept == [0, 1, 2], f"{at}: keeps tokens {kept}, expected [0, 1, 2] (min_p scales the likeliest token's "
+            "probability: the floor is 0.1, not 0.2)")
+    _expect(torch.equal(got[0, :3], logits[0, :3]), f"{at}: a kept logit changed")
 
 
 @pytest.mark.ch10
@@ -452,6 +488,21 @@ def test_ch10_ex1_ranked_before(dtype, seed, vocab, rows, ties, data):
         _expect(torch.equal(got[i], want.to(dtype)), f"{at}: row {i}, token {int(token_ids[i])}: marked "
                 f"{_ids(got[i] != 0)}, the tokens ranked before it are {_ids(want)} (larger logits, and equal "
                 "logits of smaller id)")
+
+
+@pytest.mark.ch10
+@pytest.mark.ch10_ex1
+@pytest.mark.group(PIVOT)
+def test_ch10_ex1_ranked_before_known_cases():
+    """A fixed case (the random tests' draws depend on where they are called from): logits [1, 3, 3, 0.5],
+    tokens 1, 2 and 0 asked about: ties rank the smaller id first, a token is never before itself."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]] * 3)
+    got = ops.ranked_before(logits, torch.tensor([1, 2, 0]))
+    at = "ch10_ex1: ranked_before on logits [1, 3, 3, 0.5] (three rows), tokens [1, 2, 0]"
+    _tensor_of(got, (3, 4), torch.float32, at)
+    want = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    _expect(torch.equal(got, want), f"{at}: expected {want.tolist()} (larger logits, and equal logits of smaller "
+            f"id), got {got.tolist()}")
 
 
 @pytest.mark.ch10
@@ -647,13 +698,14 @@ def _ranked_before_ties_by_larger_id(logits, token_ids):
 
 
 @pytest.mark.parametrize("name, wrong, checks", [
-    ("apply_min_p", _min_p_absolute, [lambda: test_ch10_ex1_min_p_equals_transformers()]),
+    ("apply_min_p", _min_p_absolute,
+     [test_ch10_ex1_min_p_known_cases, lambda: test_ch10_ex1_min_p_equals_transformers()]),
     ("apply_top_k_top_p", _top_p_drops_the_crossing_token,
      [lambda: test_ch10_ex1_top_k_top_p_equals_transformers(), test_ch10_ex1_rows_alone_and_known_cases]),
     ("apply_penalties", _penalties_on_outputs_only,
-     [lambda: test_ch10_ex1_penalties_equal_transformers(dtype=torch.float64)]),
+     [test_ch10_ex1_penalties_known_cases, lambda: test_ch10_ex1_penalties_equal_transformers(dtype=torch.float64)]),
     ("ranked_before", _ranked_before_ties_by_larger_id,
-     [lambda: test_ch10_ex1_ranked_before(dtype=torch.float32)]),
+     [test_ch10_ex1_ranked_before_known_cases, lambda: test_ch10_ex1_ranked_before(dtype=torch.float32)]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_ch10_ex1_wrong_answers_lose_their_part(name, wrong, checks, monkeypatch):
     """Each wrong piece, put in the package's place, fails at least one check of its own part."""

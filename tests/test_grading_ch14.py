@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from adapters import load
@@ -181,6 +181,10 @@ def _scripts(draw):
 @pytest.mark.ch14
 @pytest.mark.ch14_ex3
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
+# fixed cases first (the draws depend on where the test is called from): k=2, two one-token prompts; a draft
+# rejected, then one trimmed away by the budget (nothing verified: k_i unchanged)
+@example(script=(2, 1, 1, 7, [[0], [0]], [[(0, 0, 0), None], [(1, 0, 0), None]]))
+@example(script=(2, 1, 1, 7, [[0], [0]], [[(0, 0, 0), None], [(0, 0, 0), None]]))
 @given(script=_scripts())
 def test_ch14_ex3_k_adapts_on_random_scripts(ch14, script):
     """Several requests in one call, partial prefills (no new tokens), drafts trimmed to the budget before
