@@ -55,7 +55,8 @@ def your_code(what: str):
     except (NotImplementedError, AssertionError):
         raise
     except Exception as e:  # noqa: BLE001  (an error in the student's code: say whose and where)
-        raise AssertionError(f"{EX}: {what} raised {type(e).__name__}: {e} (the traceback shows where)") from e
+        named = what if what.startswith(EX) else f"{EX}: {what}"  # say the exercise once
+        raise AssertionError(f"{named} raised {type(e).__name__}: {e} (the traceback shows where)") from e
 
 
 def _where_largest(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -211,8 +212,10 @@ def check_rms_norm(dtype: torch.dtype, max_examples: int = 12) -> None:
                 f"{_where_largest(got, want)}")
         raise AssertionError(f"{at}: {int(differ.sum())} of {differ.numel()} elements differ from transformers' "
                              f"LlamaRMSNorm ({'all' if within else 'some by more than'} one unit in the last place; "
-                             f"at most {MAX_DIFFERING:.0%} may differ by one unit); {_where_largest(got, want)}. "
-                             "Take the statistics in float32 (STATS_DTYPE) and mind the order of the cast")
+                             f"at most {MAX_DIFFERING:.0%} may differ by one unit); {_where_largest(got, want)}. " + (
+                                 "Take the statistics in float32 (STATS_DTYPE) and mind the order of the cast" if within
+                                 else "More than rounding: check the formula itself (the mean of x**2 over the last "
+                                      "dimension, + eps inside the square root, the weight)"))
     run()
 
 
