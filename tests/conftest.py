@@ -13,7 +13,15 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+from hypothesis import settings  # noqa: E402
+
 from minivllm.course.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older imports)
+
+# Every hypothesis test draws the same examples on every run (derandomize: seeded from the test
+# itself) and replays no failure stored by an earlier run (no database): a grade, and the suite,
+# do not depend on the luck of a run. Tests that set their own settings keep them on top of this.
+settings.register_profile("minivllm", derandomize=True, database=None)
+settings.load_profile("minivllm")
 
 
 def pytest_addoption(parser):
