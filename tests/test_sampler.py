@@ -166,6 +166,22 @@ def test_top_p_0_6_over_four_probabilities_keeps_exactly_the_two_largest():
     assert set(tokens.tolist()) == {2, 3}
 
 
+def test_the_pivot_draw_stops_with_a_clear_error_when_no_token_can_be_accepted(monkeypatch):
+    """Each rejection drops the rejected token, so a right draw ends within vocab_size rounds. A
+    `mass_ranked_before` that also counts the token's own probability (a wrong answer to ch10_ex1)
+    rejects even the likeliest token, and the draw would loop forever: it stops with a RuntimeError
+    that says what to look at instead."""
+    import minivllm.sample.ops as ops
+
+    right = ops.mass_ranked_before
+    monkeypatch.setattr(ops, "mass_ranked_before", lambda logits, probs, ids: right(logits, probs, ids)
+                        + probs.gather(1, ids[:, None]).squeeze(1))
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64).log()
+    with pytest.raises(RuntimeError, match="did not finish in 4 rounds"):
+        sample_top_k_top_p(logits, None, torch.tensor([0.05], dtype=torch.float64),
+                           torch.tensor([0.99], dtype=torch.float64), [make_generator(0)])
+
+
 def test_top_k_1_with_tied_maxima_equals_greedy():
     logits = torch.tensor([[1.0, 5.0, 2.0, 5.0, 5.0]])
     seqs = [Sequence([1], SamplingParams(temperature=1.0, top_k=1, seed=s)) for s in range(40)]

@@ -66,7 +66,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     argmax, so `top_k=1` is greedy even with ties. A token is kept by top-p when the tokens ranked
     before it hold less than `top_p` of the probability: the likeliest token always stays.
     Args: logits `[num_seqs, vocab_size]`; top_k `[num_seqs]` int64 (vocab_size: off) or None;
-        top_p `[num_seqs]` in (0, 1] (1: off) or None. Sources: Fan et al. 2018 (top-k),
+        top_p `[num_seqs]` in (0, 1] (1: off: the row stays exactly as it is, whatever a running sum
+        of its probabilities rounds to, in bfloat16 too) or None. Sources: Fan et al. 2018 (top-k),
         Holtzman et al. 2020 (top-p); vLLM's `apply_top_k_top_p`.
     """
     # EXERCISE ch10_ex1 (11 points): stable sort; keep the top_k first, then those with < top_p before them
@@ -158,6 +159,8 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         (vocab_size: off) or None; top_p `[num_seqs]` in (0, 1] (1: off) or None; uniforms `[num_seqs]`
         in [0, 1), each row's first draw; generators, one per row, whose `random()` gives that row's
         further draws (a seeded request's own generator). Returns `[num_seqs]` int64.
+    Raises: RuntimeError if a row has not accepted after `vocab_size` rounds (only a `ranked_before`
+        or `mass_ranked_before` that counts the drawn token itself can do that: the loop would not end).
     """
     probs = logits.softmax(dim=-1)
     if top_k is not None and len(on := (top_k < logits.shape[1]).nonzero().squeeze(1)):
@@ -167,7 +170,7 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         return inverse_transform(probs, uniforms)
     sampled = torch.empty(len(probs), dtype=torch.int64, device=probs.device)
     rows, left = torch.arange(len(probs), device=probs.device), probs
-    while True:
+    for _ in range(probs.shape[1]):  # each rejection drops at least the rejected token: at most vocab_size rounds
         token_ids = inverse_transform(left, uniforms)
         accept = (mass_ranked_before(logits, probs, token_ids) < top_p) | (top_p >= 1)
         sampled[rows[accept]] = token_ids[accept]
@@ -178,6 +181,9 @@ def sample_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         left = probs * ranked_before(logits, token_ids[out])  # the pivot rises to the rejected token
         uniforms = torch.tensor([generators[i].random() for i in rows.tolist()], dtype=torch.float64,
                                 device=probs.device)
+    raise RuntimeError(f"the pivot draw did not finish in {probs.shape[1]} rounds: `ranked_before` and "
+                       "`mass_ranked_before` must count only the tokens ranked before the drawn one, never the "
+                       "token itself (so the likeliest token is accepted, and each rejection drops the token)")
 
 # %% ../../notebooks/10_sampling.ipynb #27b8e3ce
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list) -> list:
