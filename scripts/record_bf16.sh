@@ -11,8 +11,8 @@
 #                                                       # -> results/cpu_amx_profile_headline_{float32,bfloat16}.json
 #
 # Small: a few minutes on 2 cores without fast bfloat16. Headline: about 5 minutes per dtype where
-# bfloat16 is fast (the profile another minute or two); far longer where it is emulated. Run it on a quiet machine: other programs are
-# the largest source of noise on a CPU. THREADS=N adds `--threads N` (on a machine that other
+# bfloat16 is fast (the profile another minute or two); far longer where it is emulated. Run it on a
+# quiet machine: other programs are the largest source of noise on a CPU. THREADS=N adds `--threads N` (on a machine that other
 # programs keep busy, THREADS=1 with OMP_NUM_THREADS=1 avoids OpenMP threads waiting on each other).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -26,27 +26,6 @@
 
 constexpr int64_t kMaxTile = 4;  // query heads per tile: 4 heads x 2 registers of sums fit AVX2's 16
 
-// exp(x) for x <= 0 in float32 (a softmax's scores minus their max), to about 2 float32 ulp: x =
-// n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial, 2**n put into the exponent bits.
-// Plain arithmetic, so it can be written on SIMD registers too (std::exp cannot, without -ffast-math).
-static inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;  // keeps 2**n a normal float (exp(-87) ~ 1.6e-38); a NaN stays NaN
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts: n * ln2 exact
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2**n
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-static inline double exp_approx(double x) { return std::exp(x); }  // float64: as exact as the reference
-
 // A SIMD register's worth of acc_t values, with the GCC/Clang vector extension: the compiler maps it
 // onto what -march=native offers (AVX2 or AVX-512 on x86, NEON on Arm), no intrinsics named.
 constexpr int64_t kVecBytes = 32;
@@ -91,17 +70,19 @@ static inline auto sum_lanes(V v) {
   return t[0];
 }
 
-// exp_approx on a register of float32 lanes, the same steps lane by lane (floor from truncation:
-// a lane whose truncation lies above its value steps down by one). Written on registers because
-// GCC does not vectorise the scalar function's loop, even under `omp simd`.
+// exp(x) for x <= 0 in float32 (a softmax's scores minus their max), to about 2 float32 ulp, a
+// register of lanes at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial, 2**n
+// put into the exponent bits; floor from truncation (a lane whose truncation lies above its value
+// steps down by one). Plain arithmetic on SIMD registers, because GCC does not vectorise a loop of
+// the scalar steps, even under `omp simd` (nor one of std::exp, without -ffast-math).
 static inline Vec<float> exp_approx(Vec<float> x) {
   using Ints = int32_t __attribute__((vector_size(kVecBytes)));
   const Vec<float> lowest = Vec<float>{} - 87.0f;
-  x = x < lowest ? lowest : x;  // a NaN lane compares false and stays NaN
+  x = x < lowest ? lowest : x;  // keeps 2**n a normal float (exp(-87) ~ 1.6e-38); a NaN lane stays NaN
   const Vec<float> t = x * 1.44269504088896341f + 0.5f;
   Vec<float> n = __builtin_convertvector(__builtin_convertvector(t, Ints), Vec<float>);
   n = n > t ? n - 1.0f : n;
-  const Vec<float> r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const Vec<float> r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts: n * ln2 exact
   Vec<float> p = Vec<float>{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -114,6 +95,8 @@ static inline Vec<float> exp_approx(Vec<float> x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
+static inline float exp_approx(float x) { return exp_approx(Vec<float>{} + x)[0]; }  // one score: lane 0
+static inline double exp_approx(double x) { return std::exp(x); }  // float64: as exact as the reference
 
 // Softmax numerators in place, exp(s[t] - max s), and their sum: float32 a register at a time
 // (the max and the sum kept per lane, combined once), float64 lane by lane (std::exp).
