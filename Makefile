@@ -70,6 +70,7 @@ release:
 ## courses: grade exercises (IDS: exercise or chapter ids, default: the edition's) in this edition or EDITION=dir;
 ##   JSON=report.json JUNIT=report.xml PRIVATE=dir-of-extra-tests are optional
 grade:
+	@test -x $(PY) || { echo "no $(PY) here: run 'make setup' in this folder first, or point VENV= at a set-up environment"; exit 2; }
 	OMP_NUM_THREADS=1 $(PY) -m minivllm.course.grade $(IDS) $(if $(EDITION),--root $(EDITION)) $(if $(JSON),--json $(JSON)) \
 		$(if $(JUNIT),--junit $(JUNIT)) $(if $(PRIVATE),--private-tests $(PRIVATE))
 

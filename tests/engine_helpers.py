@@ -138,17 +138,22 @@ def one_thread():
 def require_cpu_kernel():
     """Return chapter 05's C++ CPU decode kernel, or skip the calling test where it cannot be built
     (it warns why). CI sets `MINIVLLM_REQUIRE_CPU_KERNEL=1` (`.ci/run`): there a missing kernel fails."""
+    from minivllm.attention.backends.cpu_attn import cpu_decode_kernel
+
+    return require_built(cpu_decode_kernel(), "the C++ CPU decode kernel")
+
+
+def require_built(kernel, what: str):
+    """`kernel` (a C++ library's function or module) if it is not None; else skip the calling test,
+    or fail it under `MINIVLLM_REQUIRE_CPU_KERNEL=1` (CI, where every C++ kernel must build)."""
     import os
 
     import pytest
 
-    from minivllm.attention.backends.cpu_attn import cpu_decode_kernel
-
-    kernel = cpu_decode_kernel()
     if kernel is None:
         if os.environ.get("MINIVLLM_REQUIRE_CPU_KERNEL") == "1":
-            pytest.fail("the C++ CPU decode kernel did not build, and MINIVLLM_REQUIRE_CPU_KERNEL=1")
-        pytest.skip("the C++ CPU decode kernel cannot be built here (see its warning); plain torch is tested")
+            pytest.fail(f"{what} did not build, and MINIVLLM_REQUIRE_CPU_KERNEL=1")
+        pytest.skip(f"{what} cannot be built here (see its warning); plain torch is tested")
     return kernel
 
 

@@ -143,20 +143,26 @@ def released_elsewhere(root: Path, markexpr: str) -> list[str]:
 # stand-in's text pasted into the answer (README's course section says so).
 
 # The chapter's other implementations of a graded function, which its answer must not call: X ->
-# (the graded function (module, name), or an extend exercise's file; [the functions, `Class.method`
-# included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
+# (the graded function (module, name), an extend exercise's file, or a module whose graded regions
+# fill it; [the functions, `Class.method` included, it must not call while it runs]). Called from elsewhere (the engine's own backend, the
 # grader's reference in the same test) they work as usual.
 OTHER_IMPLEMENTATIONS = {
     "ch01_ex3": ("ch01_sequences.py", [("minivllm.engine.detokenizer", "check_stop_strings")]),
     "ch10_ex3": ("ch10_sampling.py", [("minivllm.engine.detokenizer", "IncrementalDetokenizer.__init__"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer.decode_next"),
                                       ("minivllm.engine.detokenizer", "IncrementalDetokenizer._step")]),
+    # ch02_ex3's regions are methods all over llama.py: its whole file is the graded code
+    "ch02_ex3": ("minivllm.model_executor.models.llama",
+                 [("minivllm.model_executor.models.fused_layers", "cpu_fused_ops"),  # the C++ small ops
+                  ("minivllm.model_executor.models.fused_layers", "FusedRMSNorm.forward"),
+                  ("minivllm.model_executor.models.fused_layers", "FusedRotaryEmbedding.forward"),
+                  ("minivllm.model_executor.models.fused_layers", "FusedDecoderLayer.forward")]),
     "ch05_ex1": (("minivllm.attention.paged_attention", "paged_decode_attention"),
                  [("minivllm.attention.decode_planner", "paged_decode_attention_planned"),
                   ("minivllm.attention.decode_planner", "plan_decode"),
                   ("minivllm.attention.backends.cpu_attn", "paged_decode_attention_cpu"),
                   ("minivllm.attention.backends.cpu_attn", "cpu_decode_kernel"),  # the C++ kernel's entry
-                  ("minivllm.attention.backends.cpu_attn", "load_kernel_library")]),
+                  ("minivllm.model_executor.cpp_extension", "load_library")]),
 }
 
 
@@ -240,8 +246,10 @@ def _wire_stand_ins(mp, ex: str, tripped: list[str]) -> None:
 def _wire_other_implementations(mp, ex: str, tripped: list[str]) -> None:
     """Replace `OTHER_IMPLEMENTATIONS[ex]`'s functions by tripwires that go off when the graded code calls them."""
     graded, forbidden = OTHER_IMPLEMENTATIONS[ex]
-    if isinstance(graded, str):  # an extend exercise's file, in either implementation
+    if isinstance(graded, str) and graded.endswith(".py"):  # an extend exercise's file, in either implementation
         yours, graded = f"your {graded}", {str(ROOT / d / graded) for d in ("exercises", "solutions")}
+    elif isinstance(graded, str):  # a module whose regions are all graded: code anywhere in its file
+        yours, graded = f"your {graded}", {importlib.import_module(graded).__file__}
     else:
         yours = f"your {graded[1]}"
         graded = getattr(getattr(importlib.import_module(graded[0]), graded[1]), "__code__", None)

@@ -8,6 +8,7 @@ which CI sets: there they fail.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,11 +19,13 @@ import pytest
 import torch
 
 import minivllm.attention.backends.cpu_attn as cd
+import minivllm.model_executor.cpp_extension as ce
 from engine_helpers import require_cpu_kernel
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.decode_planner import paged_decode_attention_planned, plan_decode
-from minivllm.attention.backends.cpu_attn import (CPUPagedAttention, _build_lock, cpu_decode_kernel, cpu_kernel_build_dir,
+from minivllm.attention.backends.cpu_attn import (DECODE_KERNEL, CPUPagedAttention, cpu_decode_kernel,
                                          paged_decode_attention_cpu)
+from minivllm.model_executor.cpp_extension import _build_lock, build_dir, library_path
 from minivllm.attention.paged_attention import PagedAttention, paged_decode_attention
 
 
@@ -218,10 +221,10 @@ def fresh_kernel(monkeypatch, tmp_path):
 def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch, fresh_kernel):
     """Where the kernel cannot be built, `cpu_decode_kernel` warns and returns None, the direct call
     raises, `is_available` is False and `CPUPagedAttention` decodes with plain torch."""
-    def no_compiler(build_dir):
+    def no_compiler(ext, folder):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(cd, "build_kernel", no_compiler)
+    monkeypatch.setattr(ce, "build_extension", no_compiler)
     with pytest.warns(RuntimeWarning, match="could not be built or loaded"):
         assert cpu_decode_kernel() is None
     batch = random_batch(4, 2, 16, 4, torch.float64)
@@ -270,30 +273,29 @@ def test_backend_uses_the_kernel_only_for_cpu_float32_float64_and_bfloat16(monke
 
 def test_build_folder_is_per_source_flags_python_torch_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    folder = cpu_kernel_build_dir()
+    folder = build_dir(DECODE_KERNEL)
     assert folder.parent == tmp_path / "kernels" and torch.__version__ in folder.name
-    assert cpu_kernel_build_dir() == folder  # the same inputs, the same folder
+    assert build_dir(DECODE_KERNEL) == folder  # the same inputs, the same folder
     folders = {folder}
     for flags in ("flags : fpu sse2 avx2\n", "flags : fpu sse2 avx2 avx512f\n", "Features : fp asimd sve\n"):
         (tmp_path / "cpuinfo").write_text("processor : 0\n" + flags)
-        monkeypatch.setattr(cd, "CPUINFO", str(tmp_path / "cpuinfo"))
-        folders.add(cpu_kernel_build_dir())
+        monkeypatch.setattr(ce, "CPUINFO", str(tmp_path / "cpuinfo"))
+        folders.add(build_dir(DECODE_KERNEL))
     other_source = tmp_path / "other.cpp"
-    other_source.write_text(cd.KERNEL_SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cd, "KERNEL_SOURCE", other_source)
-    folders.add(cpu_kernel_build_dir())
-    monkeypatch.setattr(cd, "CPU_KERNEL_CFLAGS", [*cd.CPU_KERNEL_CFLAGS, "-DSOMETHING"])
-    folders.add(cpu_kernel_build_dir())
-    assert len(folders) == 6  # another instruction set, source or flag: another folder
+    other_source.write_text(DECODE_KERNEL.source.read_text() + "\n// changed\n")
+    folders.add(build_dir(dataclasses.replace(DECODE_KERNEL, source=other_source)))
+    folders.add(build_dir(dataclasses.replace(DECODE_KERNEL, cflags=(*DECODE_KERNEL.cflags, "-DSOMETHING"))))
+    folders.add(build_dir(dataclasses.replace(DECODE_KERNEL, name="another_module")))
+    assert len(folders) == 7  # another instruction set, source, flag or module: another folder
 
 
 def test_the_source_ships_in_the_package():
     import minivllm.attention.ops as ops
 
-    assert cd.KERNEL_SOURCE.is_file() and cd.KERNEL_SOURCE.parent == Path(ops.__file__).parent
+    assert DECODE_KERNEL.source.is_file() and DECODE_KERNEL.source.parent == Path(ops.__file__).parent
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '"minivllm.attention.ops" = ["*.cpp"]' in pyproject  # the wheel's package data
-    text = cd.KERNEL_SOURCE.read_text()
+    text = DECODE_KERNEL.source.read_text()
     assert "torch::Tensor paged_decode_attention(" in text and "PYBIND11_MODULE(TORCH_EXTENSION_NAME" in text
 
 
@@ -303,18 +305,18 @@ def test_built_once_then_loaded_without_building(monkeypatch, fresh_kernel, caps
     complete; later loads import the library and never call the builder, with or without a compiler."""
     built, loaded = [], []
 
-    def fake_build(build_dir):
-        built.append(build_dir)
-        (build_dir / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}").write_bytes(b"library")
-        return build_dir / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"
+    def fake_build(ext, folder):
+        built.append(folder)
+        library_path(ext, folder).write_bytes(b"library")
+        return library_path(ext, folder)
 
-    def fake_load(path):
+    def fake_load(ext, path):
         loaded.append(path)
         return SimpleNamespace(paged_decode_attention="the kernel")
 
-    monkeypatch.setattr(cd, "build_kernel", fake_build)
-    monkeypatch.setattr(cd, "load_kernel_library", fake_load)
-    folder = cpu_kernel_build_dir()
+    monkeypatch.setattr(ce, "build_extension", fake_build)
+    monkeypatch.setattr(ce, "load_library", fake_load)
+    folder = build_dir(DECODE_KERNEL)
     said = []
     for cxx in ("c++", "c++", "/nonexistent/c++"):  # once built, no compiler is needed
         monkeypatch.setenv("CXX", cxx)
@@ -322,17 +324,17 @@ def test_built_once_then_loaded_without_building(monkeypatch, fresh_kernel, caps
         assert cpu_decode_kernel() == "the kernel"
         said.append("compiling the C++ CPU decode kernel once" in capsys.readouterr().err)
     assert built == [folder] and said == [True, False, False]
-    assert loaded == [folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"] * 3 and (folder / cd.BUILT).exists()
+    assert loaded == [library_path(DECODE_KERNEL, folder)] * 3 and (folder / ce.BUILT).exists()
 
 
 def test_an_unfinished_build_is_built_again(monkeypatch, fresh_kernel):
     """A library without the completion mark (a build killed while linking) is not loaded."""
-    folder = cpu_kernel_build_dir()
+    folder = build_dir(DECODE_KERNEL)
     folder.mkdir(parents=True)
-    (folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}").write_bytes(b"half a library")
+    library_path(DECODE_KERNEL, folder).write_bytes(b"half a library")
     built = []
-    monkeypatch.setattr(cd, "build_kernel", lambda d: built.append(d))
-    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
+    monkeypatch.setattr(ce, "build_extension", lambda e, d: built.append(d))
+    monkeypatch.setattr(ce, "load_library", lambda e, p: SimpleNamespace(paged_decode_attention="ok"))
     assert cpu_decode_kernel() == "ok" and built == [folder]
 
 
@@ -347,8 +349,8 @@ def test_a_fresh_process_with_another_ninja_or_none_does_not_compile(tmp_path):
     """The whole fault, end to end: the kernel is built (by the fixture); a new process whose `PATH`
     holds a different `ninja` (one that records being run) or none at all loads it without building:
     no notice on stderr, the library file untouched, no ninja run."""
-    folder = cpu_kernel_build_dir()
-    library = folder / f"{cd.KERNEL_NAME}{cd.LIBRARY_SUFFIX}"
+    folder = build_dir(DECODE_KERNEL)
+    library = library_path(DECODE_KERNEL, folder)
     before = library.stat().st_mtime_ns
     other = tmp_path / "other-ninja"
     other.mkdir()
@@ -410,22 +412,22 @@ def test_building_leaves_the_flags_and_the_folder_as_they_were(monkeypatch, fres
     def appending_load(name, sources, extra_cflags, extra_ldflags, build_directory, **kwargs):
         extra_cflags.append("-DADDED")
         extra_ldflags.append("-lADDED")
-        Path(build_directory, f"{name}{cd.LIBRARY_SUFFIX}").write_bytes(b"library")
+        Path(build_directory, f"{name}{ce.LIBRARY_SUFFIX}").write_bytes(b"library")
 
     monkeypatch.setattr(cpp, "load", appending_load)
-    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
-    folder = cpu_kernel_build_dir()
+    monkeypatch.setattr(ce, "load_library", lambda e, p: SimpleNamespace(paged_decode_attention="ok"))
+    folder = build_dir(DECODE_KERNEL)
     assert cpu_decode_kernel() == "ok"
-    assert "-DADDED" not in cd.CPU_KERNEL_CFLAGS and "-lADDED" not in cd.CPU_KERNEL_LDFLAGS
-    assert cpu_kernel_build_dir() == folder and (folder / cd.BUILT).exists()
+    assert "-DADDED" not in DECODE_KERNEL.cflags and "-lADDED" not in DECODE_KERNEL.ldflags
+    assert build_dir(DECODE_KERNEL) == folder and (folder / ce.BUILT).exists()
 
 
 def test_a_missing_library_is_built_again(monkeypatch, fresh_kernel):
     """A complete mark without its library (someone deleted the file) means: build again."""
-    folder = cpu_kernel_build_dir()
+    folder = build_dir(DECODE_KERNEL)
     folder.mkdir(parents=True)
-    (folder / cd.BUILT).touch()
+    (folder / ce.BUILT).touch()
     built = []
-    monkeypatch.setattr(cd, "build_kernel", lambda d: built.append(d) or cd.library_path(d).write_bytes(b"lib"))
-    monkeypatch.setattr(cd, "load_kernel_library", lambda p: SimpleNamespace(paged_decode_attention="ok"))
-    assert cpu_decode_kernel() == "ok" and built == [folder] and cd.is_built(folder)
+    monkeypatch.setattr(ce, "build_extension", lambda e, d: built.append(d) or library_path(e, d).write_bytes(b"lib"))
+    monkeypatch.setattr(ce, "load_library", lambda e, p: SimpleNamespace(paged_decode_attention="ok"))
+    assert cpu_decode_kernel() == "ok" and built == [folder] and ce.is_built(DECODE_KERNEL, folder)

@@ -251,3 +251,25 @@ def test_the_engines_stop_string_check_trips_from_the_exercise_file():
                  {"check_stop_strings": detokenizer.check_stop_strings})
         assert detokenizer.check_stop_strings("ab", 1, ["b"], False) == ("b", 1)
     assert len(tripped) == 1
+
+
+@pytest.mark.parametrize("cheat", ["fused_layers.FusedRMSNorm.forward(self, x)", "fused_layers.cpu_fused_ops()"])
+def test_the_fused_small_ops_trip_from_the_decoder_file(monkeypatch, cheat):
+    """ch02_ex3 asks for RMSNorm, RoPE and the layer: an answer in llama.py that hands the work to
+    appendix B's C++ ops (or their modules) fails the test; the fused modules used from elsewhere
+    (the engine's model runner) work as usual."""
+    from minivllm.model_executor.models import fused_layers, llama
+
+    norm = llama.RMSNorm(8)
+    src = f"def forward(self, x):\n    return {cheat}\n"
+    scope = {"fused_layers": fused_layers}  # looked up at call time, as an import in the answer's body would
+    exec(compile(src, llama.__file__, "exec"), scope)  # as if written in the student's llama.py
+    with stand_ins.tripwires(["ch02_ex3"]) as tripped:
+        with pytest.raises(stand_ins.GradersAnswerCalled, match="ch02_ex3: your minivllm.model_executor.models.llama "
+                                                                "called the chapter's other implementation"):
+            scope["forward"](norm, torch.ones(2, 8))
+        if fused_layers.cpu_fused_ops() is not None:  # from here (not llama.py): the real ops
+            fused = fused_layers.FusedRMSNorm(8)
+            with torch.inference_mode():
+                torch.testing.assert_close(fused(torch.ones(2, 8)), torch.ones(2, 8), rtol=1e-5, atol=1e-5)
+    assert len(tripped) == 1

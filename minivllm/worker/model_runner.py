@@ -12,12 +12,12 @@ from ..attention.backend import AttentionMetadata, ContiguousAttention
 from ..core.kv_cache_manager import slot_mapping
 from ..model_executor.layers.linear import pack_linear_layers
 from ..model_executor.models.fused_qkv import fuse_qkv_projections
+from ..model_executor.models.fused_layers import fuse_small_ops
 from ..sample.generator import make_generator, sample
 from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
 
-# A CPU prefill runs in passes of at most this many new tokens: smaller activations stay in the caches.
-PREFILL_MICROBATCH_TOKENS = 2048
+PREFILL_MICROBATCH_TOKENS = 2048  # most new tokens per CPU prefill pass: smaller activations stay in the caches
 
 
 def prepare_batch(seqs: list[Sequence], is_prefill: bool, block_size: int, device: torch.device):
@@ -72,7 +72,8 @@ SAMPLE_BATCH_FIELDS = frozenset({"temperature", "seed"})  # the SamplingParams f
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], generators: dict, default_generator) -> list[int]:
     """One token per row of `logits [num_seqs, vocab_size]`: greedy rows in one argmax, the others
     one by one with their request's generator (`generators[seq_id]`, else `default_generator`)."""
-    tokens = logits.argmax(dim=-1).tolist()
+    # max(dim).indices: argmax's answer (the first of equal maxima), by a faster kernel on CPUs
+    tokens = logits.max(dim=-1).indices.tolist()
     for i, seq in enumerate(seqs):
         params = seq.sampling_params
         if not params.greedy:
@@ -151,11 +152,13 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
         pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers,
             with each attention layer's q, k and v projections fused into one (`fuse_qkv_projections`).
+        fuse_cpu_small_ops: class switch (True): on CPU, chapter 02's C++ small ops (`fuse_small_ops`).
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
         sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
 
     pack_cpu_linears = True
+    fuse_cpu_small_ops = True
     prefill_microbatch_tokens: int | None = PREFILL_MICROBATCH_TOKENS
 
     def __init__(self, model: LlamaForCausalLM, block_manager, generator=None, attention_backend: type | None = None):
@@ -163,8 +166,10 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.pack_cpu_linears and self.device.type == "cpu":
-            fuse_qkv_projections(model)  # one product for q, k and v (chapter 02's appendix)
+            fuse_qkv_projections(model)  # one product for q, k and v (chapter 02's appendix A)
             pack_linear_layers(model)  # float64/float16 models are left as they are
+        if self.fuse_cpu_small_ops and self.device.type == "cpu":
+            fuse_small_ops(model)  # the small ops in C++ (chapter 02's appendix B); float32 and bfloat16 only
         self.kv_cache = self.allocate_kv_cache(block_manager.num_blocks, block_manager.block_size)
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)

@@ -1,0 +1,180 @@
+// The small ops of a decoder layer, fused, for CPUs (chapter 02, appendix B): RMSNorm, the residual
+// add with the RMSNorm after it, and rotary embedding, each one pass over its rows. After vLLM's CPU
+// ops (csrc/cpu/layernorm.cpp, csrc/cpu/pos_encoding.cpp). Every value is rounded where torch's
+// op-by-op version rounds it (built with -ffp-contract=off: no fused multiply-add), so the results
+// equal the plain modules' but for the order in which a row's squares are summed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// float <-> storage type. bfloat16 is a float32's high 16 bits; rounding to nearest even, as torch does.
+template <typename scalar_t>
+static inline float to_f(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    uint32_t bits = uint32_t(x.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return float(x);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+static inline scalar_t from_f(acc_t f) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    c10::BFloat16 out;
+    out.x = std::isnan(f) ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return out;
+  } else {
+    return scalar_t(f);
+  }
+}
+
+// float32 statistics for float32 and bfloat16 (transformers' order); float64 for float64.
+template <typename scalar_t>
+using acc_of = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename scalar_t>
+static inline acc_of<scalar_t> widen(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return to_f(x);
+  else return x;
+}
+
+// The rows of x: [rows, D] or [N, H, D] (last dim contiguous); row r starts at row_offset(r).
+struct Rows {
+  int64_t n, h, d, s0, s1;
+  explicit Rows(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "expected [rows, D] or [N, H, D], got ", x.sizes());
+    TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
+    TORCH_CHECK(x.stride(-1) == 1, "the last dimension must be contiguous");
+    n = x.size(0);
+    h = x.dim() == 3 ? x.size(1) : 1;
+    d = x.size(-1);
+    s0 = x.stride(0);
+    s1 = x.dim() == 3 ? x.stride(1) : 0;
+  }
+  int64_t count() const { return n * h; }
+  int64_t offset(int64_t r) const { return (r / h) * s0 + (r % h) * s1; }
+};
+
+// One row: out = weight * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to the storage
+// type before the weight multiplies it (Llama's order). x may alias out.
+template <typename scalar_t>
+static inline void norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t d, double eps) {
+  using acc_t = acc_of<scalar_t>;
+  constexpr int L = 64 / sizeof(acc_t);
+  acc_t part[L] = {};
+  int64_t i = 0;
+  for (; i + L <= d; i += L)
+    for (int l = 0; l < L; ++l) {
+      const acc_t v = widen(x[i + l]);
+      part[l] += v * v;
+    }
+  acc_t ss = 0;
+  for (; i < d; ++i) ss += widen(x[i]) * widen(x[i]);
+  for (int l = 0; l < L; ++l) ss += part[l];
+  const acc_t r = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+  for (int64_t j = 0; j < d; ++j) {
+    const scalar_t h = from_f<scalar_t>(widen(x[j]) * r);
+    out[j] = from_f<scalar_t>(widen(w[j]) * widen(h));
+  }
+}
+
+template <typename F>
+static void for_rows(int64_t rows, int64_t d, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+void rms_norm(torch::Tensor out, torch::Tensor input, torch::Tensor weight, double eps) {
+  const Rows rows(input), orows(out);
+  TORCH_CHECK(out.sizes() == input.sizes() && out.scalar_type() == input.scalar_type(), "out must match input");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == rows.d && weight.is_contiguous() &&
+              weight.scalar_type() == input.scalar_type(), "weight must be [D], contiguous, input's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, input.scalar_type(), "rms_norm", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* x = input.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    for_rows(rows.count(), rows.d, [&](int64_t r) { norm_row(o + orows.offset(r), x + rows.offset(r), w, rows.d, eps); });
+  });
+}
+
+void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual, torch::Tensor weight, double eps) {
+  const Rows rows(input), rrows(residual);
+  TORCH_CHECK(residual.sizes() == input.sizes() && residual.scalar_type() == input.scalar_type(),
+              "residual must match input");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == rows.d && weight.is_contiguous() &&
+              weight.scalar_type() == input.scalar_type(), "weight must be [D], contiguous, input's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, input.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* x = input.data_ptr<scalar_t>();
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    for_rows(rows.count(), rows.d, [&](int64_t r) {
+      scalar_t* xr = x + rows.offset(r);
+      scalar_t* rr = res + rrows.offset(r);
+      for (int64_t j = 0; j < rows.d; ++j) rr[j] = from_f<scalar_t>(widen(xr[j]) + widen(rr[j]));
+      norm_row(xr, rr, w, rows.d, eps);
+    });
+  });
+}
+
+// x[i], x[i + D/2] -> x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin, each product and the
+// sum rounded to the storage type (as `x * cos + rotate_half(x) * sin` computes it op by op).
+template <typename scalar_t>
+static inline void rotate_row(scalar_t* x, const float* cos, const float* sin, int64_t half) {
+  using acc_t = acc_of<scalar_t>;
+  for (int64_t i = 0; i < half; ++i) {
+    const acc_t c = widen(from_f<scalar_t>(cos[i])), s = widen(from_f<scalar_t>(sin[i]));
+    const acc_t x1 = widen(x[i]), x2 = widen(x[i + half]);
+    const acc_t a1 = widen(from_f<scalar_t>(x1 * c)), b1 = widen(from_f<scalar_t>(-x2 * s));
+    const acc_t a2 = widen(from_f<scalar_t>(x2 * c)), b2 = widen(from_f<scalar_t>(x1 * s));
+    x[i] = from_f<scalar_t>(a1 + b1);
+    x[i + half] = from_f<scalar_t>(a2 + b2);
+  }
+}
+
+void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                      torch::Tensor sin) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) && query.size(2) == key.size(2),
+              "query [N, H, D] and key [N, Hkv, D] expected");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == query.size(0) && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous(), "positions must be [N] int64, contiguous");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must have one dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == query.size(2), "cos, sin must be [max_position, D] float32");
+  const Rows q(query), k(key);
+  TORCH_CHECK(q.d % 2 == 0, "head_dim must be even");
+  const int64_t n = q.n, d = q.d, half = d / 2, max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the table of ", max_pos);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = query.data_ptr<scalar_t>();
+    scalar_t* kp = key.data_ptr<scalar_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d * (q.h + k.h), 1));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pos[t] * d;
+        const float* s = sp + pos[t] * d;
+        for (int64_t h = 0; h < q.h; ++h) rotate_row(qp + t * q.s0 + h * q.s1, c, s, half);
+        for (int64_t h = 0; h < k.h; ++h) rotate_row(kp + t * k.s0 + h * k.s1, c, s, half);
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight (out, input, weight, eps)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight");
+  m.def("rotary_embedding", &rotary_embedding, "rotate query and key in place (positions, query, key, cos, sin)");
+}
