@@ -16,8 +16,11 @@ The evidence is independent of this chapter's code:
   its layers' `nn.Linear` weights; its LM head; its query and key projections' widths), for Llama, Qwen2
   and Qwen3 configs with tied and untied LM heads, grouped-query attention, each architecture's biases,
   Qwen3's q/k norms and a `head_dim` other than `hidden_size / num_heads`, in float32, bfloat16 and
-  float64; the configs of the default model (SmolLM2-135M) and of Qwen3-0.6B, tied and untied; and the
-  K/V cache tensors the engine itself allocates (`LLM`, float32 and bfloat16), per token;
+  float64; the configs of the default model (SmolLM2-135M) and of Qwen3-0.6B, tied and untied; a Qwen2
+  config that says `attention_bias=False`, where transformers' Qwen2 biases q, k and v anyway and the
+  engine does not: there the totals are those of chapter 02's model built on the meta device (the rule
+  the book states); and the K/V cache tensors the engine itself allocates (`LLM`, float32 and bfloat16),
+  per token. The counts must be Python ints, as `ModelCost` says;
 * a step's FLOPs and bytes (`step_cost`): `torch.utils.flop_counter.FlopCounterMode` over transformers'
   real forwards of tiny models (each sequence's new tokens after its cached prefix, the logits of its last
   token only). The tolerance is zero: the counter counts the matrix products only (mm, addmm, bmm) and
@@ -26,12 +29,15 @@ The evidence is independent of this chapter's code:
   rectangle of (query, key) pairs and masks afterwards, so its products are replaced by the causal pairs,
   counted one by one over the mask. Then invariants on random costs and steps (hypothesis): the rule term
   by term, additive over sequences, linear in the cost, growing with every context and every sequence;
+  FLOPs and bytes Python ints, as the docstring says;
 * the roofline of a run: random costs, steps and rates (hypothesis) against the sum written here, each step
-  at the longer of its two times; the totals and the memory-bound steps; three steps whose sides are known;
+  at the longer of its two times; the totals (ints) and the memory-bound steps; steps whose sides are known,
+  one of them a tie (its FLOPs and bytes take exactly as long, at rates 1 and 2**33: it is memory-bound);
 * the least time of a workload: random workloads, costs and rates (hypothesis) against a closed form written
   here (a request computing T = p + n - 1 tokens makes T (T + 1) / 2 pairs; the weights are read max(n) times,
-  the fewest any schedule needs), and never above the roofline of two real schedules' steps (one request at a
-  time; all at once).
+  the fewest any schedule needs; FLOPs and bytes ints), on workloads without and with shared prompt prefixes
+  (the bound is for an engine without prefix caching: every prompt computed whole, shared prefixes credited
+  nothing), and never above the roofline of two real schedules' steps (one request at a time; all at once).
 The tests at the end show that plausible wrong answers lose their own part's points, and only those.
 """
 from __future__ import annotations
@@ -110,8 +116,26 @@ def _counted(hf, dtype: torch.dtype) -> ModelCost:
                      kv_bytes_per_token=2 * len(layers) * kv_width * size)
 
 
+def _engine_counted(config, dtype: torch.dtype) -> ModelCost:
+    """`_counted` on transformers' model, with the totals (`num_params`, `weight_bytes`) read off chapter 02's
+    model built from the same config on the meta device. They differ where transformers and the engine read
+    a config differently: a Qwen2 config that says `attention_bias=False` (transformers' Qwen2 biases q, k
+    and v always; the engine, and the book's rule, follow the config). The other four counts do not depend
+    on biases."""
+    from minivllm.model_executor.models.llama import MODEL_REGISTRY
+
+    size = torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):
+        engine = MODEL_REGISTRY[config.model_type](config)
+    total = sum(p.numel() for p in engine.parameters())  # a shared (tied) parameter once
+    embedding = engine.model.embed_tokens.weight
+    tied = engine.lm_head.weight is embedding
+    return replace(_counted(_transformers_model(config), dtype), num_params=total,
+                   weight_bytes=size * (total if tied else total - embedding.numel()))
+
+
 def _grader_model_cost(config, dtype: torch.dtype) -> ModelCost:
-    return _counted(_transformers_model(config), dtype)
+    return _engine_counted(config, dtype)
 
 
 def _pairs(q: int, c: int) -> int:
@@ -178,11 +202,14 @@ def graded(part: str | None):
 
 
 def _first_wrong(got: dict, want: dict, exact: set[str]) -> str | None:
-    """The first field of `want` that `got` lacks or holds another value for (floats to 1e-9 relative)."""
+    """The first field of `want` that `got` lacks or holds another value for (floats to 1e-9 relative; the
+    fields in `exact` must be Python ints, not bools, equal to the value wanted)."""
     for name, w in want.items():
         if name not in got:
             return f"no field {name!r} (expected {w!r})"
         g = got[name]
+        if name in exact and not (isinstance(g, int) and not isinstance(g, bool)):
+            return f"{name}: expected the int {w!r}, got {g!r} of type {type(g).__name__} (the contract: integers)"
         ok = (isinstance(g, (int, float)) and not isinstance(g, bool) and
               (g == w if name in exact else math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-300)))
         if not ok:
@@ -255,6 +282,29 @@ def test_ch09_ex1_model_cost_of_the_shipped_models(name, tie):
     with graded("model_cost"):
         _check_model_cost(roofline_module.model_cost, None, dict(name=f"{name}, {'tied' if tie else 'untied'}"),
                           _shipped_config(name, tie))
+
+
+@pytest.mark.ch09
+@pytest.mark.ch09_ex1
+@pytest.mark.group(COSTS)
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_ch09_ex1_model_cost_of_qwen2_without_attention_bias(tie):
+    """A Qwen2 config that says `attention_bias=False`: chapter 02's engine builds q, k and v without biases
+    (the rule the chapter states: an explicit `attention_bias` wins over the class's `qkv_bias_default`), so
+    the totals are counted on the engine's model; transformers' Qwen2 would bias them anyway."""
+    config = tiny_config("qwen2", attention_bias=False, tie_word_embeddings=tie)
+    want = _engine_counted(config, torch.float32)
+    assert want.num_params < _counted(_transformers_model(config), torch.float32).num_params, \
+        "grader: chapter 02's Qwen2 no longer differs from transformers' on attention_bias=False"
+    with graded("model_cost"):
+        for dtype in (torch.float32, torch.bfloat16):
+            got = roofline_module.model_cost(config, dtype)
+            at = f"in model_cost(qwen2 config with attention_bias=False, tie_word_embeddings={tie}, {dtype})"
+            _expect(isinstance(got, ModelCost), f"ch09_ex1 ({COSTS}): expected a ModelCost, got "
+                                                f"{type(got).__name__}, {at}")
+            wrong = _first_wrong(asdict(got), asdict(_engine_counted(config, dtype)), exact=set(COST_FIELDS))
+            _expect(wrong is None, f"ch09_ex1 ({COSTS}): {wrong}, {at} (an explicit attention_bias=False: no q, k, v "
+                                   f"biases, as chapter 02's model builds it)")
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +385,10 @@ def _check_step_cost(step_cost, cost: ModelCost, query_lens, context_lens, want_
     _expect(got[1] == want_bytes, f"ch09_ex1 ({STEP}): bytes: expected {want_bytes}, got {got[1]!r}, {at}; expected: "
                                   f"the weights, then K/V of {sum(context_lens)} context tokens read and "
                                   f"{sum(query_lens)} new tokens written")
+    types = [type(v).__name__ for v in got]
+    _expect(all(isinstance(v, int) and not isinstance(v, bool) for v in got),
+            f"ch09_ex1 ({STEP}): expected FLOPs and bytes as ints (the docstring: integers), got {got!r} of types "
+            f"{types}, {at}")
 
 
 @pytest.mark.ch09
@@ -405,7 +459,10 @@ def test_ch09_ex1_step_cost_invariants(cost, first, second, k):
 
 
 # --- the roofline of a run: roofline ----------------------------------------------------------------
-def _check_roofline(cost: ModelCost, steps, peaks: DevicePeaks) -> None:
+def _check_roofline(cost: ModelCost, steps, peaks: DevicePeaks, exact_ties: bool = False) -> None:
+    """`roofline` against the sum written here. With `exact_ties` (rates and counts whose two times are
+    exact floats), a step whose two times are equal must count as memory-bound; otherwise such a step may
+    count either way (two ways of computing the times may round apart)."""
     at = (f"in roofline({cost}, {len(steps)} steps {steps}, peaks {peaks.matmul_flops_per_s:.6g} FLOP/s, "
           f"{peaks.copy_bytes_per_s:.6g} B/s)")
     want = dict(flops=0, bytes=0, steps=len(steps), seconds=0.0)  # the counters first: seconds follow from them
@@ -422,7 +479,8 @@ def _check_roofline(cost: ModelCost, steps, peaks: DevicePeaks) -> None:
     _expect(wrong is None, f"ch09_ex1 ({ROOF}): {wrong}, {at} (each step at the longer of FLOPs / matmul rate and "
                            f"bytes / copy rate, summed; FLOPs and bytes from step_cost, summed)")
     m = got.get("memory_bound_steps")
-    _expect(isinstance(m, int) and strict <= m <= loose,
+    strict = loose if exact_ties else strict
+    _expect(isinstance(m, int) and not isinstance(m, bool) and strict <= m <= loose,
             f"ch09_ex1 ({ROOF}): memory_bound_steps: expected {strict}" + (f" to {loose} (steps whose two times are "
             "equal may count either way)" if loose > strict else "") + f", got {m!r}, {at} (steps whose bytes take "
             "longer than their FLOPs)")
@@ -442,18 +500,36 @@ def test_ch09_ex1_roofline_sums_the_slower_side(cost, steps, peaks):
 @pytest.mark.group(ROOF)
 def test_ch09_ex1_roofline_of_known_steps():
     """1 FLOP/s and 1 B/s: a step costs max(FLOPs, bytes) seconds. Two decodes are memory-bound, the prefill
-    compute-bound, an empty run is 0."""
+    compute-bound, an empty run is 0. Then a tie: a decode at context 97 needs 198 FLOPs and 198 bytes, and at
+    equal rates that are powers of two (1 and 2**33 per second) its two times are exactly equal: its bytes
+    take *at least as long* as its arithmetic, so it is memory-bound."""
     cost = ModelCost(num_params=10, weight_bytes=100, matmul_params=1, lm_head_params=1,
                      attention_flops_per_pair=2, kv_bytes_per_token=1)
     steps = [([1], [3]), ([20], [20]), ([1, 1], [5, 2])]
-    _check_roofline(cost, steps, DevicePeaks(1.0, 1.0))
-    _check_roofline(cost, [], DevicePeaks(1.0, 1.0))
+    _check_roofline(cost, steps, DevicePeaks(1.0, 1.0), exact_ties=True)
+    _check_roofline(cost, [], DevicePeaks(1.0, 1.0), exact_ties=True)
+    tie = ([1], [97])
+    assert _grader_step_cost(cost, *tie) == (198, 198), "grader: the tie step is not a tie"
+    for rate in (1.0, 2.0 ** 33):
+        _check_roofline(cost, [tie], DevicePeaks(rate, rate), exact_ties=True)
+        _check_roofline(cost, [steps[1], tie, steps[0]], DevicePeaks(rate, rate), exact_ties=True)
 
 
 # --- the least time of a workload: workload_bound ----------------------------------------------------
-def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], peaks: DevicePeaks) -> dict:
-    workload = Workload([[7] * p for p in prompt_lens], list(output_lens), [0] * len(prompt_lens))
-    at = (f"in workload_bound({cost}, prompts of {prompt_lens} tokens, output_lens {output_lens}, peaks "
+def _workload(prompt_lens: list[int], output_lens: list[int], shared_prefix_lens: list[int] | None = None) -> Workload:
+    """Prompts of `prompt_lens` tokens, request i's first `shared_prefix_lens[i]` tokens the start of one common
+    sequence (0, 1, 2, ...), the rest its own."""
+    shared = list(shared_prefix_lens or [0] * len(prompt_lens))
+    prompts = [list(range(s)) + [1000 + 100 * i + t for t in range(p - s)]
+               for i, (p, s) in enumerate(zip(prompt_lens, shared))]
+    return Workload(prompts, list(output_lens), shared)
+
+
+def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], peaks: DevicePeaks,
+                          shared_prefix_lens: list[int] | None = None) -> dict:
+    workload = _workload(prompt_lens, output_lens, shared_prefix_lens)
+    at = (f"in workload_bound({cost}, prompts of {prompt_lens} tokens, output_lens {output_lens}, "
+          f"shared_prefix_lens {workload.shared_prefix_lens}, peaks "
           f"{peaks.matmul_flops_per_s:.6g} FLOP/s, {peaks.copy_bytes_per_s:.6g} B/s)")
     with graded("workload_bound"):
         got = roofline_module.workload_bound(cost, workload, peaks)
@@ -463,7 +539,8 @@ def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: 
     wrong = _first_wrong(got, want, exact={"flops", "bytes"})
     _expect(wrong is None, f"ch09_ex1 ({WORKLOAD}): {wrong}, {at} (each request: one prefill of its prompt, then "
                            "output_len - 1 decodes, each once; the weights read max(output_lens) times; "
-                           "max(FLOPs / rate, bytes / rate) over the whole run)")
+                           "max(FLOPs / rate, bytes / rate) over the whole run; every prompt computed whole, "
+                           "shared prefixes included: the bound is for an engine without prefix caching)")
     return got
 
 
@@ -479,6 +556,24 @@ def _check_workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: 
        peaks=_peaks)
 def test_ch09_ex1_workload_bound_by_the_closed_form(cost, lens, peaks):
     _check_workload_bound(cost, [p for p, _ in lens], [n for _, n in lens], peaks)
+
+
+@pytest.mark.ch09
+@pytest.mark.ch09_ex1
+@pytest.mark.group(WORKLOAD)
+@settings(max_examples=60, **HYPOTHESIS)
+# a fixed case first: three requests sharing 4, 4 and 2 leading tokens of prompts of 6, 9 and 5 tokens
+@example(cost=ModelCost(1000, 10**6, 100, 100, 1, 1), lens=[(6, 3, 4), (9, 2, 4), (5, 4, 2)],
+         peaks=DevicePeaks(matmul_flops_per_s=1e9, copy_bytes_per_s=1e9))
+@given(cost=_costs, lens=st.lists(st.tuples(st.integers(2, 60), st.integers(1, 12), st.integers(1, 60)),
+                                  min_size=1, max_size=5), peaks=_peaks)
+def test_ch09_ex1_workload_bound_computes_shared_prefixes_whole(cost, lens, peaks):
+    """Prompts that share a prefix (`workload.shared_prefix_lens`, 1 up to the prompt's length): the bound is
+    the one without prefix caching (the docstring), every prompt token computed, so it equals the closed form of
+    the same prompts sharing nothing."""
+    prompt_lens, output_lens = [p for p, _, _ in lens], [n for _, n, _ in lens]
+    shared = [min(s, p - 1) for p, _, s in lens]  # at least one token of each prompt its own
+    _check_workload_bound(cost, prompt_lens, output_lens, peaks, shared)
 
 
 def _schedules(prompt_lens: list[int], output_lens: list[int]) -> dict[str, list]:
@@ -503,8 +598,7 @@ def test_ch09_ex1_workload_bound_is_below_every_schedule(cost, lens, peaks):
     """The same FLOPs as any schedule, and never more time than the roofline of a real schedule's steps."""
     prompt_lens, output_lens = [p for p, _ in lens], [n for _, n in lens]
     with graded("workload_bound"):
-        got = roofline_module.workload_bound(cost, Workload([[7] * p for p in prompt_lens], output_lens,
-                                                            [0] * len(lens)), peaks)
+        got = roofline_module.workload_bound(cost, _workload(prompt_lens, output_lens), peaks)
     at = f"in workload_bound({cost}, prompts of {prompt_lens} tokens, output_lens {output_lens}, {peaks})"
     _expect(isinstance(got, dict) and "seconds" in got and "flops" in got,
             f"ch09_ex1 ({WORKLOAD}): expected a dict with seconds and flops, got {got!r}, {at}")
@@ -556,23 +650,71 @@ def _weights_per_output_token(cost, workload, peaks):
     return dict(out, bytes=num_bytes, seconds=seconds, tok_s=sum(workload.output_lens) / seconds)
 
 
+def _qwen2_biased_whatever_the_config(config, dtype):
+    """Qwen2's q, k and v biased even when the config says attention_bias=False (transformers' Qwen2; the
+    chapter's prose before it was corrected)."""
+    return _counted(_transformers_model(config), dtype)
+
+
+def _step_cost_in_floats(cost, query_lens, context_lens):
+    """The causal pairs counted with `/` (q c - q (q - 1) / 2): the right values, as floats."""
+    flops, num_bytes = _grader_step_cost(cost, query_lens, context_lens)
+    pairs = sum(q * c - q * (q - 1) / 2 for q, c in zip(query_lens, context_lens))
+    return (2 * cost.matmul_params * sum(query_lens) + 2 * cost.lm_head_params * len(query_lens)
+            + cost.attention_flops_per_pair * pairs), num_bytes
+
+
+def _roofline_float_totals(cost, steps, peaks):
+    """The totals added up as floats."""
+    out = _grader_roofline(cost, steps, peaks)
+    return dict(out, flops=float(out["flops"]), bytes=float(out["bytes"]))
+
+
+def _roofline_tie_compute_bound(cost, steps, peaks):
+    """A step memory-bound only when its bytes take strictly longer than its arithmetic (`>`, not `>=`)."""
+    out = _grader_roofline(cost, steps, peaks)
+    times = [(f / peaks.matmul_flops_per_s, b / peaks.copy_bytes_per_s)
+             for f, b in (_grader_step_cost(cost, q, c) for q, c in steps)]
+    return dict(out, memory_bound_steps=sum(memory > compute for compute, memory in times))
+
+
+def _shared_prefixes_credited(cost, workload, peaks):
+    """Shared prompt prefixes computed once, as a prefix cache would (T = p + n - 1 - s): not the contract's
+    bound, which is for an engine without prefix caching."""
+    flops = kv_tokens = 0
+    for prompt, n, s in zip(workload.prompts, workload.output_lens, workload.shared_prefix_lens):
+        p = len(prompt)
+        t = p + n - 1 - (s if s < p else 0)
+        flops += (2 * cost.matmul_params * t + 2 * cost.lm_head_params * n
+                  + cost.attention_flops_per_pair * (t * (t + 1) // 2))
+        kv_tokens += n * p + n * (n - 1) // 2 + t
+    num_bytes = cost.kv_bytes_per_token * kv_tokens + cost.weight_bytes * max(workload.output_lens)
+    seconds = max(flops / peaks.matmul_flops_per_s, num_bytes / peaks.copy_bytes_per_s)
+    return dict(seconds=seconds, flops=flops, bytes=num_bytes, tok_s=sum(workload.output_lens) / seconds)
+
+
 def _group_checks(engine_folders) -> dict[str, list]:
     """Each part's checks, the grading tests themselves on a few of their cases."""
     return {COSTS: [lambda: test_ch09_ex1_model_cost_counts_transformers_model(*CONFIGS[1]),
                     lambda: test_ch09_ex1_model_cost_counts_transformers_model(*CONFIGS[5]),
                     lambda: test_ch09_ex1_model_cost_of_the_shipped_models("SmolLM2-135M", True),
+                    lambda: test_ch09_ex1_model_cost_of_qwen2_without_attention_bias(False),
                     lambda: test_ch09_ex1_kv_bytes_are_what_the_engine_allocates(engine_folders, "llama", "float32")],
             STEP: [lambda: test_ch09_ex1_step_cost_counts_a_real_forward(*CONFIGS[5]),
                    test_ch09_ex1_step_cost_by_the_rule, test_ch09_ex1_step_cost_invariants],
             ROOF: [test_ch09_ex1_roofline_sums_the_slower_side, test_ch09_ex1_roofline_of_known_steps],
             WORKLOAD: [test_ch09_ex1_workload_bound_by_the_closed_form,
+                       test_ch09_ex1_workload_bound_computes_shared_prefixes_whole,
                        test_ch09_ex1_workload_bound_is_below_every_schedule]}
 
 
 @pytest.mark.ch09
 @pytest.mark.parametrize("name, wrong", [
-    ("model_cost", _kv_of_query_heads), ("model_cost", _tied_head_counted_twice), ("step_cost", _one_flop_per_weight),
-    ("roofline", _roofline_summing), ("workload_bound", _weights_per_output_token)],
+    ("model_cost", _kv_of_query_heads), ("model_cost", _tied_head_counted_twice),
+    ("model_cost", _qwen2_biased_whatever_the_config), ("step_cost", _one_flop_per_weight),
+    ("step_cost", _step_cost_in_floats), ("roofline", _roofline_summing), ("roofline", _roofline_float_totals),
+    ("roofline", _roofline_tie_compute_bound), ("workload_bound", _weights_per_output_token),
+    ("workload_bound", _shared_prefixes_credited)],
     ids=lambda v: v.__name__.strip("_") if callable(v) else v)
 def test_ch09_ex1_wrong_answers_lose_their_part(name, wrong, engine_folders, monkeypatch):
     """Each wrong function, put in the package's place, fails its own part's checks and passes every other

@@ -336,7 +336,7 @@ def format_ladder_report(r: dict) -> str:
     if r["peaks"]:
         b = r["workload_bound"]
         lines += [f"measured: {format_peaks(r['peaks'])}",
-                  f"workload bound (any schedule): {b['seconds']:.3g} s, {b['tok_s']:,.0f} output tok/s"]
+                  f"workload bound (any schedule, no prefix caching): {b['seconds']:.3g} s, {b['tok_s']:,.0f} output tok/s"]
     lines.append(f"{'rung':38} {'output tok/s':>12} {'vs naive':>9} {'roofline':>9}  notes")
     total = w["num_requests"]
     for name, e in r["rungs"].items():

@@ -3,7 +3,7 @@
 # %% ../../notebooks/09_benchmark.ipynb #4960b7a1
 """The roofline: what a step reads and computes (`model_cost`, `step_cost`), the device's measured
 rates (`measure_peaks`), the least time of a run's steps (`roofline`) and of a whole workload under
-any schedule (`workload_bound`) — Williams, Waterman & Patterson, CACM 2009 (from chapter 09)."""
+any schedule that computes every prompt whole (`workload_bound`) — Williams, Waterman & Patterson, CACM 2009 (from chapter 09)."""
 from __future__ import annotations
 
 import time
@@ -60,8 +60,8 @@ def model_cost(config, dtype: torch.dtype) -> ModelCost:
     head_dim = getattr(config, "head_dim", None) or h // heads
     q_width, kv_width, mlp_width = heads * head_dim, kv_heads * head_dim, config.intermediate_size
     linear = h * q_width + 2 * h * kv_width + q_width * h + 3 * h * mlp_width  # q, k, v, o; gate, up, down
-    attention_bias = getattr(config, "attention_bias", None)
-    biases = ((q_width + 2 * kv_width) * bool(arch.qkv_bias_default if attention_bias is None else attention_bias)
+    attention_bias = getattr(config, "attention_bias", arch.qkv_bias_default)  # chapter 02's rule: absent, the default
+    biases = ((q_width + 2 * kv_width) * bool(attention_bias)
               + h * bool(arch.o_bias_follows_attention_bias and attention_bias)
               + (2 * mlp_width + h) * bool(getattr(config, "mlp_bias", False)))
     norms = 2 * h + (2 * head_dim if arch.qk_norm else 0)  # two RMSNorms; Qwen3's q and k norms
@@ -169,8 +169,9 @@ def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: D
     Args:
         cost: from `model_cost`. steps: `(query_lens, context_lens)` per step (`StepLog`). peaks: measured.
     Returns:
-        A dict: `seconds` (the bound), `flops` and `bytes` (the steps' totals), `steps` (how many),
-        `memory_bound_steps` (steps whose bytes take at least as long as their arithmetic).
+        A dict: `seconds` (the bound, a float), `flops` and `bytes` (the steps' totals, integers), `steps` (how
+        many), `memory_bound_steps` (an integer: the steps whose bytes take at least as long as their
+        arithmetic, a tie included).
     """
     # EXERCISE ch09_ex1 (11 points): per step the longer of its arithmetic and its traffic, summed; the totals
     ### BEGIN SOLUTION
@@ -185,14 +186,18 @@ def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: D
 
 # %% ../../notebooks/09_benchmark.ipynb #db270e63
 def workload_bound(cost: ModelCost, workload: Workload, peaks: DevicePeaks) -> dict:
-    """The least time any schedule needs for `workload`: each request's prompt computed once (its
-    prefill, which gives its first output token), then each of its other output tokens by one decode,
-    their FLOPs and K/V bytes counted once; the weights read as many times as the longest request has
-    steps (a request's steps follow one another); one roofline, the longer of all FLOPs at the matmul
-    rate and all bytes at the copy rate, over the whole run.
+    """The least time any schedule needs for `workload` on an engine without prefix caching: each
+    request's whole prompt computed once (its prefill, which gives its first output token), then each of
+    its other output tokens by one decode, their FLOPs and K/V bytes counted once; the weights read as
+    many times as the longest request has steps (a request's steps follow one another); one roofline,
+    the longer of all FLOPs at the matmul rate and all bytes at the copy rate, over the whole run.
+
+    `workload.shared_prefix_lens` is not read: every prompt token counts as computed. A schedule that
+    serves shared prefixes from a prefix cache computes fewer tokens and may take less than this bound.
 
     Returns:
-        A dict: `seconds`, `flops`, `bytes`, `tok_s` (the workload's output tokens over `seconds`).
+        A dict: `seconds` (a float), `flops` and `bytes` (integers), `tok_s` (the workload's output
+        tokens over `seconds`).
     """
     # EXERCISE ch09_ex1 (11 points): each request's prefill and decodes once; weights once per step of the longest
     ### BEGIN SOLUTION
