@@ -458,14 +458,17 @@ def _stop_min_tokens_only_for_stop_ids(seq, eos_token_ids, max_model_len):
     return seq.is_finished
 
 
-_SHARED_PARAMS = SamplingParams()
+_SHARED_PARAMS: list[SamplingParams] = []  # made at the first call: importing this module makes no SamplingParams
+# (in an edition that released ch01_ex2, SamplingParams() raises the stub's NotImplementedError)
 
 
 def _init_shared_default_params(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE,
                                 prompt=None, seq_id=None):
     """__init__ whose default is one SamplingParams made once, shared by every sequence made without one."""
-    params = _SHARED_PARAMS if sampling_params is None else sampling_params
-    _init_stand_in(self, token_ids, params, block_size, prompt, seq_id)
+    if sampling_params is None:
+        _SHARED_PARAMS[:] = _SHARED_PARAMS or [SamplingParams()]
+        sampling_params = _SHARED_PARAMS[0]
+    _init_stand_in(self, token_ids, sampling_params, block_size, prompt, seq_id)
 
 
 def _init_len_of_the_argument(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE,
