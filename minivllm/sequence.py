@@ -183,10 +183,13 @@ class Sequence(_BlockViews, _TokenViews):
     """One request's tokens and bookkeeping (after vLLM's and nano-vllm's `Sequence`).
 
     Args:
-        token_ids: the prompt: a non-empty iterable of ints >= 0 (NumPy ints accepted), checked and copied
-            by `check_token_ids` (the caller's list is never changed).
-        sampling_params: how to generate (default: a new `SamplingParams()`).
-        block_size: tokens per KV-cache block, an int >= 1 (`require_int`), for the block views.
+        token_ids: the prompt: a non-empty iterable of ints >= 0 (a list, a NumPy array, a generator; NumPy
+            ints accepted), checked and copied into a new list by `check_token_ids` (the caller's list is
+            never changed; an iterator can be read only once).
+        sampling_params: how to generate (default: a new `SamplingParams()` for each sequence, never one
+            object shared by several).
+        block_size: tokens per KV-cache block, an int >= 1 (NumPy ints accepted; `require_int`), kept as a
+            Python int, for the block views.
         prompt: the prompt text, if known. seq_id: an id (default: the next of `Sequence._ids`, process-wide).
     Attributes: token_ids (the prompt, then each generated token), num_prompt_tokens, sampling_params,
         block_size, seq_id, status (starts `WAITING`), prompt, request_id (None until the engine names the
@@ -232,12 +235,18 @@ class Sequence(_BlockViews, _TokenViews):
 def check_stop(seq: Sequence, eos_token_ids: set[int] | frozenset[int], max_model_len: int) -> bool:
     """Finish `seq` if its newest token ends it; return whether it is finished (after vLLM's `check_stop`).
 
-    Called right after `seq.append_token(...)`. The rules, in this order, with `p = seq.sampling_params`:
-    1. the last token is in `eos_token_ids` (unless `p.ignore_eos`) or in `p.stop_token_ids`, and the
-       completion has more than `p.min_tokens` tokens: status `FINISHED_STOPPED` (finish reason "stop");
-    2. the completion has `p.max_tokens` tokens (None: no limit), or the whole sequence (prompt and
-       completion) has `max_model_len` tokens: status `FINISHED_LENGTH_CAPPED` ("length").
-    Otherwise nothing changes (status included) and it returns False. It never adds or removes tokens.
+    Called right after `seq.append_token(...)`. The rules, in this order, with `p = seq.sampling_params`
+    and `n = seq.num_completion_tokens`:
+    1. the last token is in `eos_token_ids` (unless `p.ignore_eos`) or in `p.stop_token_ids`, and
+       `n > p.min_tokens` (the first `min_tokens` tokens never stop it): status `FINISHED_STOPPED`
+       (finish reason "stop"). vLLM's `check_stop` only skips the stop tokens while `n < min_tokens`,
+       because its sampler never lets a stop token be the `min_tokens`-th; this rule holds whatever
+       was sampled (chapter 01, section 5.4);
+    2. `n` is at least `p.max_tokens` (None: no limit), or the whole sequence (prompt and completion) has
+       at least `max_model_len` tokens: status `FINISHED_LENGTH_CAPPED` ("length"); a sequence already
+       past a limit stops too.
+    Otherwise nothing changes (the status stays what it was, `RUNNING` or another) and it returns False.
+    It never adds or removes tokens.
     """
     # EXERCISE ch01_ex1 (12 points): finish seq by the stop rules, in their order; return whether it is finished
     ### BEGIN SOLUTION

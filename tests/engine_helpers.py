@@ -87,7 +87,9 @@ def check_invariants(engine_or_scheduler, most_slots=None) -> None:
         stored = seq.num_tokens - 1  # the newest token's KV is written by the next step
         computed = getattr(seq, "num_computed_tokens", None)  # chapter 11: a prefill may span steps
         if computed is None:
-            assert len(seq.block_table) == -(-stored // bs), (seq, seq.block_table)
+            assert len(seq.block_table) == -(-stored // bs), (
+                f"running {seq} holds {len(seq.block_table)} blocks {seq.block_table}; its {stored} tokens with "
+                f"stored KV (all but the newest) need {-(-stored // bs)} blocks of {bs}")
         else:  # admission takes blocks for all its tokens, the newest included
             assert computed <= stored, (seq, computed)
             most = seq.num_tokens if most_slots is None else most_slots(seq)

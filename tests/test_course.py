@@ -289,6 +289,28 @@ def test_a_speed_part_scores_by_its_bands(tmp_path):
         grading.Exercise("ch99_ex2", 4, "rebuild", "t", "w", (), groups=(("fast", 4),), speed=(("fast", ((3.0, 4), (1.5, 2))),))
 
 
+def test_a_long_failure_keeps_what_was_expected_on_the_score_line():
+    """A grader's message names the case first and ends with what was expected and what came; past
+    `SUMMARY_CHARS` the score table keeps its start and its end, cut between words (a ch01_ex1 tester
+    saw "...after th" where the message went on "...the status should be FINISHED_STOPPED, got RUNNING")."""
+    case = ", ".join(f"field_{i}={i * 7}" for i in range(40))
+    message = (f"AssertionError: ch01_ex1: a 1-token prompt, {case}: after the completion [0] the status should be "
+               "FINISHED_STOPPED, got RUNNING\n  more lines of the report")
+    line = grading.summarize(message)
+    assert len(line) <= grading.SUMMARY_CHARS, len(line)
+    assert line.startswith("AssertionError: ch01_ex1: a 1-token prompt,") and " ... " in line, line
+    assert line.endswith("the status should be FINISHED_STOPPED, got RUNNING"), line
+    words = set(message.split())
+    assert all(w in words for w in line.replace(" ... ", " ").split()), line  # no word cut in two
+    assert grading.summarize("AssertionError: short\nsecond line") == "AssertionError: short"
+    ex = grading.Exercise("ch99_ex3", 4, "rebuild", "t", "w", (), groups=(("part", 4),))
+    g = grading.score_groups(ex, {"t": {"group": "part", "outcome": "failed", "message": message}}, borrowed=False)
+    assert g["part"]["message"] == line
+    rep = {"exercises": {"ch99_ex3": {"title": "t", "passed": False, "points": 0, "max_points": 4, "tests": 1,
+                                      "failed": [{"message": message}]}}, "total": 0, "max_total": 4}
+    assert grading.format_report(rep).splitlines()[0].endswith(line)
+
+
 def test_tests_left_out_by_the_marker_are_not_counted_as_not_run(tmp_path):
     """A grading run selects its exercise's tests with `-m`; the tests it leaves out (another
     exercise's, or unmarked ones such as the wrong-answer meta-tests) are not in its outcomes, so a
@@ -582,5 +604,12 @@ def test_each_saved_edit_of_a_chapter_is_exported_again(edition, tmp_path):
         nb = nbformat.read(nb_path, as_version=4)
         nb.cells[0].source += f"\n\nA note of my own, number {k}."
         nbformat.write(nb, nb_path)
-        assert grading.sync_package(edition) == "re-exported minivllm/ from the chapters"
-    assert grading.sync_package(edition).startswith("chapters unchanged")
+        note = grading.sync_package(edition)
+        assert note.startswith("re-exported minivllm/ from the chapters") and "notebooks are the source" in note
+    assert grading.sync_package(edition) == "chapters unchanged since the last export: grading minivllm/ as it is"
+    # an edit made in minivllm/ itself is graded as it is, and the line says the notebooks are the source
+    exported = edition / "minivllm" / "sequence.py"
+    exported.write_text(exported.read_text() + "\n# an edit of my own\n")
+    note = grading.sync_package(edition)
+    assert note.startswith("chapters unchanged") and "edits made in it directly" in note and "notebook" in note, note
+    assert exported.read_text().endswith("# an edit of my own\n")

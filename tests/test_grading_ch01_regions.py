@@ -151,8 +151,11 @@ def check_tokens() -> None:
     def run(prompt, numpy, generated, seq_id):
         given_ids = [np.int64(t) for t in prompt] if numpy else list(prompt)
         params = SamplingParams(max_tokens=7)
-        seq = Sequence(given_ids, params, block_size=4, prompt="text", seq_id=seq_id)
-        at = f"ch01_ex1: Sequence({prompt}{' as NumPy ints' if numpy else ''})"
+        block_size = np.int64(4) if numpy else 4
+        seq = Sequence(given_ids, params, block_size=block_size, prompt="text", seq_id=seq_id)
+        at = f"ch01_ex1: Sequence({prompt}{' as NumPy ints, block_size=np.int64(4)' if numpy else ''})"
+        _expect(type(seq.block_size) is int, f"{at}: block_size should be kept as a Python int, got "
+                f"{seq.block_size!r} of type {type(seq.block_size).__name__}")
         fields = {"num_prompt_tokens": len(prompt), "status": SequenceStatus.WAITING, "prompt": "text",
                   "request_id": None, "num_cached_tokens": 0, "block_table": [], "block_size": 4}
         for name, want in fields.items():
@@ -165,8 +168,10 @@ def check_tokens() -> None:
             other = Sequence([1])
             _expect(isinstance(seq.seq_id, int) and seq.seq_id != other.seq_id,
                     f"{at}: without seq_id, each sequence gets a fresh int id; two got {seq.seq_id!r}, {other.seq_id!r}")
-        _expect(isinstance(Sequence([3]).sampling_params, SamplingParams), f"{at}: the default sampling_params "
-                "should be a SamplingParams()")
+        first, second = Sequence([3]).sampling_params, Sequence([4]).sampling_params
+        _expect(isinstance(first, SamplingParams), f"{at}: the default sampling_params should be a SamplingParams()")
+        _expect(first is not second, "ch01_ex1: two sequences made without sampling_params share one SamplingParams "
+                "object: each should get a new SamplingParams() (a change to one request's must not reach another)")
         tokens = list(prompt)
         for step in range(len(generated) + 1):
             if step:
@@ -189,6 +194,17 @@ def check_tokens() -> None:
         _expect([int(t) for t in given_ids] == prompt and len(given_ids) == len(prompt),
                 f"{at}: appending tokens changed the caller's prompt list to {given_ids}: copy the prompt")
     run()
+    for prompt in ([5], [3, 1, 4, 1, 5]):
+        at = f"ch01_ex1: Sequence(a generator of {prompt}) (a prompt may be any non-empty iterable)"
+        try:
+            seq = Sequence(t for t in prompt)
+        except Exception as e:  # noqa: BLE001 (a student's error becomes the grader's message)
+            raise AssertionError(f"{at} raised {type(e).__name__}: {e} (a generator has no len() and can be read "
+                                 "only once)") from e
+        got = (seq.token_ids, seq.num_prompt_tokens, seq.prompt_token_ids, seq.num_completion_tokens)
+        want = (prompt, len(prompt), prompt, 0)
+        _expect(got == want, f"{at}: (token_ids, num_prompt_tokens, prompt_token_ids, num_completion_tokens) "
+                f"should be {want}, got {got}")
     for bad in ([], [1, -2], [1, 2.5], [True, 1], ["3"]):
         try:
             Sequence(bad)
@@ -301,7 +317,11 @@ def test_ch01_ex1_engine_equals_transformers(part, ch01_engine_case):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         engine = LLMEngine(model=folder, dtype="float64", max_model_len=64, block_size=4, num_kvcache_blocks=20,
                            block_manager_cls=PrefixCachingBlockManager, attention_backend=PagedAttention)
-        outs = [run_engine(engine, prompts, params) for _ in range(2)]
+        try:
+            outs = [run_engine(engine, prompts, params) for _ in range(2)]
+        except AssertionError as e:
+            raise AssertionError(f"ch01_ex1 ({part}): the engine running on your sequence broke its bookkeeping "
+                                 f"(prompts of up to {max(map(len, prompts))} tokens, blocks of 4): {e}") from e
     for round_outs in outs:
         for p, o, want in zip(prompts, round_outs, ref):
             got = o.outputs[0].token_ids
@@ -329,26 +349,30 @@ def check_stops() -> None:
     @given(prompt_len=st.integers(1, 12), stream=st.lists(st.integers(0, 9), min_size=1, max_size=40),
            eos=st.sets(st.integers(0, 9), max_size=3), stop_ids=st.lists(st.integers(0, 9), max_size=2),
            max_tokens=st.one_of(st.none(), st.integers(1, 30)), min_tokens=st.integers(0, 6),
-           ignore_eos=st.booleans(), room=st.integers(1, 40))
-    def run(prompt_len, stream, eos, stop_ids, max_tokens, min_tokens, ignore_eos, room):
+           ignore_eos=st.booleans(), room=st.integers(1, 40), waiting=st.booleans())
+    def run(prompt_len, stream, eos, stop_ids, max_tokens, min_tokens, ignore_eos, room, waiting):
         max_model_len = prompt_len + room
         min_tokens = min(min_tokens, max_tokens or min_tokens)
         p = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
         seq = Sequence(list(range(prompt_len)), p)
-        seq.status = SequenceStatus.RUNNING
         at = (f"ch01_ex1: a {prompt_len}-token prompt, max_model_len={max_model_len}, EOS ids {sorted(eos)}, "
               f"max_tokens={max_tokens}, min_tokens={min_tokens}, ignore_eos={ignore_eos}, stop_token_ids={stop_ids}")
         for token in stream:
             seq.append_token(token)
             before = list(seq.token_ids)
+            want = _expected_status(before, prompt_len, eos, p, max_model_len)
+            # a sequence that does not stop keeps its status, whatever it is (WAITING where `waiting`); one
+            # that stops is RUNNING (an answer may leave a sequence alone that is not RUNNING)
+            start = SequenceStatus.WAITING if waiting and want is SequenceStatus.RUNNING else SequenceStatus.RUNNING
+            seq.status = start
+            want = start if want is SequenceStatus.RUNNING else want
             finished = sequence.check_stop(seq, set(eos), max_model_len)
             _expect(seq.token_ids == before, f"{at}: check_stop changed the tokens")
-            want = _expected_status(before, prompt_len, eos, p, max_model_len)
-            _expect(seq.status is want, f"{at}: after the completion {seq.completion_token_ids} the status should be "
-                    f"{want.name}, got {seq.status.name}")
-            _expect(finished is (want is not SequenceStatus.RUNNING), f"{at}: after the completion "
-                    f"{seq.completion_token_ids} check_stop should return {want is not SequenceStatus.RUNNING}, "
-                    f"got {finished!r}")
+            _expect(seq.status is want, f"{at}: a {start.name} sequence after the completion {seq.completion_token_ids}: "
+                    f"its status should be {want.name}{' (unchanged: it does not stop)' if want is start else ''}, "
+                    f"got {seq.status.name}")
+            _expect(finished is want.is_finished, f"{at}: after the completion {seq.completion_token_ids} check_stop "
+                    f"should return {want.is_finished}, got {finished!r}")
             if finished:
                 break
     run()
@@ -376,6 +400,19 @@ def check_stops() -> None:
         got = case(*args, max_model_len=mml, **params)
         _expect(got == want, f"ch01_ex1: the stream {args[0]} after a 3-token prompt, EOS 2, max_model_len={mml}, "
                 f"{params}: should end as (completion, finish reason) {want}, got {got}")
+
+    # already past a limit (tokens appended without asking): the length rules say "at least", not "exactly"
+    for completion, params, mml in [([5] * 6, dict(max_tokens=4), 100), ([5] * 4, dict(max_tokens=None), 5),
+                                    ([5, 6], dict(max_tokens=16), 2)]:
+        seq = Sequence([7, 7, 7], SamplingParams(**params))
+        seq.status = SequenceStatus.RUNNING
+        for token in completion:
+            seq.append_token(token)
+        finished = sequence.check_stop(seq, {2}, mml)
+        got = (finished, seq.status)
+        _expect(got == (True, SequenceStatus.FINISHED_LENGTH_CAPPED), f"ch01_ex1: a 3-token prompt and "
+                f"{len(completion)} completion tokens, {params}, max_model_len={mml}: past the limit, check_stop "
+                f"should return True with status FINISHED_LENGTH_CAPPED, got {finished!r}, {seq.status.name}")
 
 
 @pytest.mark.ch01
@@ -421,6 +458,69 @@ def _stop_min_tokens_only_for_stop_ids(seq, eos_token_ids, max_model_len):
     return seq.is_finished
 
 
+_SHARED_PARAMS: list[SamplingParams] = []  # made at the first call: importing this module makes no SamplingParams
+# (in an edition that released ch01_ex2, SamplingParams() raises the stub's NotImplementedError)
+
+
+def _init_shared_default_params(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE,
+                                prompt=None, seq_id=None):
+    """__init__ whose default is one SamplingParams made once, shared by every sequence made without one."""
+    if sampling_params is None:
+        _SHARED_PARAMS[:] = _SHARED_PARAMS or [SamplingParams()]
+        sampling_params = _SHARED_PARAMS[0]
+    _init_stand_in(self, token_ids, sampling_params, block_size, prompt, seq_id)
+
+
+def _init_len_of_the_argument(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE,
+                              prompt=None, seq_id=None):
+    """__init__ that counts the prompt with len() of the argument (a generator has none)."""
+    n = len(token_ids)
+    _init_stand_in(self, token_ids, sampling_params, block_size, prompt, seq_id)
+    self.num_prompt_tokens = n
+
+
+def _init_numpy_block_size_kept(self, token_ids, sampling_params=None, block_size=sequence.DEFAULT_BLOCK_SIZE,
+                                prompt=None, seq_id=None):
+    """__init__ that checks block_size but keeps it as given (a NumPy int stays one)."""
+    _init_stand_in(self, token_ids, sampling_params, block_size, prompt, seq_id)
+    self.block_size = block_size
+
+
+def _stop_sets_running(seq, eos_token_ids, max_model_len):
+    """check_stop that sets RUNNING on a sequence it does not stop (a WAITING one starts running)."""
+    if _check_stop_stand_in(seq, eos_token_ids, max_model_len):
+        return True
+    seq.status = SequenceStatus.RUNNING
+    return False
+
+
+def _stop_limits_exactly(seq, eos_token_ids, max_model_len):
+    """check_stop that stops at exactly max_tokens or max_model_len tokens, never past them."""
+    p, t, n_out = seq.sampling_params, seq.last_token, seq.num_completion_tokens
+    if n_out > p.min_tokens and (t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids)):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif n_out == p.max_tokens or seq.num_tokens == max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    return seq.is_finished
+
+
+def _stop_min_tokens_as_vllm(seq, eos_token_ids, max_model_len):
+    """check_stop with vLLM's early return (`n < min_tokens`): a stop token at n == min_tokens stops."""
+    p, t, n_out = seq.sampling_params, seq.last_token, seq.num_completion_tokens
+    if n_out >= p.min_tokens and (t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids)):
+        seq.status = SequenceStatus.FINISHED_STOPPED
+    elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_model_len:
+        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    return seq.is_finished
+
+
+def _stop_only_when_running(seq, eos_token_ids, max_model_len):
+    """A right check_stop that leaves a sequence alone unless it is RUNNING (the engine only asks about those)."""
+    if seq.status is not SequenceStatus.RUNNING:
+        return seq.is_finished
+    return _check_stop_stand_in(seq, eos_token_ids, max_model_len)
+
+
 WRONG = {
     "prompt list not copied": (TOKENS, [(Sequence, "__init__", _prompt_not_copied)]),
     "completion counted from the prompt's last token": (TOKENS, _views(
@@ -430,7 +530,16 @@ WRONG = {
     "a negative block index slices from the end": (BLOCKS, [(sequence, "token_block", _token_block_negative_slices)]),
     "max_tokens counted on the whole sequence": (STOPS, [(sequence, "check_stop", _stop_max_tokens_on_whole)]),
     "min_tokens ignored for EOS": (STOPS, [(sequence, "check_stop", _stop_min_tokens_only_for_stop_ids)]),
+    "one default SamplingParams shared by every sequence": (TOKENS, [(Sequence, "__init__", _init_shared_default_params)]),
+    "the prompt counted with len() of the argument": (TOKENS, [(Sequence, "__init__", _init_len_of_the_argument)]),
+    "a NumPy block_size kept as given": (TOKENS, [(Sequence, "__init__", _init_numpy_block_size_kept)]),
+    "check_stop sets RUNNING when it does not stop": (STOPS, [(sequence, "check_stop", _stop_sets_running)]),
+    "the length limits compared with ==": (STOPS, [(sequence, "check_stop", _stop_limits_exactly)]),
+    "vLLM's min_tokens test (n < min_tokens) copied": (STOPS, [(sequence, "check_stop", _stop_min_tokens_as_vllm)]),
 }
+# right answers written differently from the book's: they pass their part
+RIGHT = {"check_stop that leaves a sequence alone unless it is RUNNING": (STOPS, [(sequence, "check_stop",
+                                                                                 _stop_only_when_running)])}
 
 
 CHECKS = {TOKENS: check_tokens, BLOCKS: check_blocks, STOPS: check_stops}
@@ -455,6 +564,13 @@ def test_ch01_ex1_wrong_answers_lose_their_part(name):
                     mp.setattr(owner, attr, fn)
                 with graded(other):
                     check()
+
+
+@pytest.mark.parametrize("name", list(RIGHT))
+def test_ch01_ex1_other_right_answers_pass(name):
+    part, right = RIGHT[name]
+    with graded(part, right):
+        CHECKS[part]()
 
 
 # --- ch01_ex2: the sampling filters' ranges ----------------------------------------------------------

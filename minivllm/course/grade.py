@@ -256,6 +256,7 @@ REGION_MARKER = re.compile(r"^(?P<indent>\s*)# EXERCISE (?P<id>ch\d\d_ex\d+) \((
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 GRADE_TIMEOUT_S = 1800  # one grading run's limit, seconds
 MESSAGE_CHARS = 4000  # the tail of a failure report kept in the JSON (hypothesis' smallest example is there)
+SUMMARY_CHARS = 240  # the most characters of a failure's message on one line of the score table
 
 
 # --- exercise ids ------------------------------------------------------------------------------
@@ -526,6 +527,10 @@ def sync_package(root: Path) -> str:
     edition = json.loads((root / EDITION_FILE).read_text())
     now = edition_hashes(root)
     if now["notebooks_sha256"] == edition["notebooks_sha256"]:
+        if now["package_sha256"] != edition["package_sha256"]:
+            return ("chapters unchanged since the last export: grading minivllm/ as it is, with the edits made in it "
+                    "directly (the notebooks are the source: once a chapter changes, minivllm/ must be what it "
+                    "exports, so put your work in the notebook)")
         return "chapters unchanged since the last export: grading minivllm/ as it is"
     export = [sys.executable, str(root / "scripts" / "export.py")]
     if now["package_sha256"] != edition["package_sha256"]:
@@ -540,7 +545,8 @@ def sync_package(root: Path) -> str:
     if r.returncode:
         raise RuntimeError(f"exporting the chapters failed:\n{r.stdout}{r.stderr}")
     _record_hashes(root, edition)
-    return "re-exported minivllm/ from the chapters"
+    return ("re-exported minivllm/ from the chapters (the notebooks are the source; minivllm/ had no edits of "
+            "its own since the last export, so none were replaced)")
 
 
 def _record_hashes(root: Path, edition: dict) -> None:
@@ -669,6 +675,19 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     return report
 
 
+def summarize(message: str, limit: int = SUMMARY_CHARS) -> str:
+    """A failure's message on one line of the score table: its first line, whole if it has at most `limit`
+    characters; else its start and its end, cut between words and joined by " ... " (a grader's message
+    names the case first and ends with what was expected and what came, the part a student needs)."""
+    line = message.splitlines()[0] if message else ""
+    if len(line) <= limit:
+        return line
+    head, tail = line[:limit // 2], line[len(line) - (limit - limit // 2 - 5):]
+    head = head[:head.rfind(" ")] if " " in head else head
+    tail = tail[tail.find(" ") + 1:] if " " in tail else tail
+    return f"{head} ... {tail}"
+
+
 def speed_points(bands: tuple[tuple[float, int], ...], ratio: float) -> int:
     """The points of the first band `(max_ratio, points)` whose `max_ratio` is at least `ratio`
     (the student's time over the reference's), 0 past the last band."""
@@ -690,7 +709,7 @@ def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[s
         mine = [o for o in tests.values() if o.get("group") == name]
         bad = [o for o in mine if o["outcome"] in ("failed", "notrun")] + gate
         ok = not borrowed and bool(mine) and not bad and any(o["outcome"] == "passed" for o in mine)
-        message = bad[0]["message"].splitlines()[0][:150] if bad and bad[0]["message"] else \
+        message = summarize(bad[0]["message"]) if bad and bad[0]["message"] else \
             ("" if mine else "no test of this group ran")
         entry = out[name] = {"points": pts if ok else 0, "max_points": pts, "passed": ok, "tests": len(mine),
                              "message": message}
@@ -756,7 +775,7 @@ def format_report(report: dict) -> str:
     lines = []
     for ex, r in report["exercises"].items():
         status = "PASS" if r["passed"] else ("PART" if r["points"] else "FAIL") if r["tests"] else "NO TESTS RAN"
-        why = f" — {r['failed'][0]['message'].splitlines()[0][:150]}" if r["failed"] and r["failed"][0]["message"] else ""
+        why = f" — {summarize(r['failed'][0]['message'])}" if r["failed"] and r["failed"][0]["message"] else ""
         lines.append(f"{ex} {status:>4} {r['points']:>2}/{r['max_points']:<2} {r['title']}"
                      + ("" if r.get("groups") else why))
         for name, g in r.get("groups", {}).items():
