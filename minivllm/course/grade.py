@@ -387,31 +387,27 @@ NOT_RUN = ("did not run: the grading run stopped before this test finished (the 
            "or the run's time limit passed; an endless loop or a memory blow-up in the code under grading?)")
 
 
-# what a grading process killed by a signal most likely met (the pytest subprocess' exit status is -signal)
+# what a grading process killed by a signal most likely met (the pytest subprocess' exit status is -signal);
+# short, so that the score table's line (150 characters) keeps the hint
 CRASH_HINTS = {
-    "SIGSEGV": "a segmentation fault: native code read or wrote memory it does not own. In a Triton kernel under "
-               "the interpreter (TRITON_INTERPRET=1), that is a tl.load or tl.store out of bounds: check the masks "
-               "(every lane past a tensor's end, or a padded row or column, masked off)",
-    "SIGBUS": "a bus error: native code read or wrote memory it does not own (in a Triton kernel under the "
-              "interpreter, a tl.load or tl.store out of bounds: check the masks)",
-    "SIGABRT": "aborted, most often by the C library finding its heap corrupted after a write out of bounds (in a "
-               "Triton kernel under the interpreter, a tl.store out of bounds: check the masks)",
-    "SIGKILL": "killed, most often by the system running out of memory (a memory blow-up in the code under grading?)",
+    "SIGSEGV": "a segmentation fault (memory out of bounds: in a Triton kernel, check the masks of its loads and stores)",
+    "SIGBUS": "a bus error (memory out of bounds: in a Triton kernel, check the masks of its loads and stores)",
+    "SIGABRT": "aborted, often on a heap corrupted by a write out of bounds (a Triton kernel: check its stores' masks)",
+    "SIGKILL": "killed, most often for running out of memory (a memory blow-up?)",
     "SIGFPE": "an arithmetic fault in native code (an integer division by zero?)",
 }
 
 
 def crash_message(returncode: int) -> str | None:
-    """What a grading process' exit status says when a signal ended it (a crash: `returncode` < 0), as
-    `"it crashed: SIGSEGV (signal 11), a segmentation fault: …"`; None for an ordinary exit."""
+    """What a grading process' exit status says when a signal ended it (`returncode` < 0), as
+    `"SIGSEGV (signal 11), a segmentation fault (…check the masks…)"`; None for an ordinary exit."""
     if returncode >= 0:
         return None
     try:
         name = signal.Signals(-returncode).name
     except ValueError:
-        name = f"signal {-returncode}"
-    hint = CRASH_HINTS.get(name, "a crash in native code")
-    return f"it crashed: {name} (signal {-returncode}), {hint}"
+        name = "a signal"
+    return f"{name} (signal {-returncode}), {CRASH_HINTS.get(name, 'a crash in native code')}"
 
 
 def _crashed(outcomes: dict[str, dict], crash: str) -> None:
@@ -421,10 +417,10 @@ def _crashed(outcomes: dict[str, dict], crash: str) -> None:
     running = next((n for n in notrun if outcomes[n].get("started")), None)
     for n in notrun:
         if n == running:
-            outcomes[n]["message"] = f"the grading process died while this test ran: {crash}"
+            outcomes[n]["message"] = f"crashed in this test: {crash}"
         else:
-            where = f" in {running.split('::')[-1]}" if running else ""
-            outcomes[n]["message"] = f"did not run: the grading process died{where} before this test: {crash}"
+            where = f", in {running.split('::')[-1]}" if running else ""
+            outcomes[n]["message"] = f"did not run: the process crashed earlier{where}: {crash}"
 
 
 def pytest_deselected(items):
@@ -684,7 +680,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         if r.returncode not in (0, 1, 5) or any(o["outcome"] == "notrun" and not o.get("gpu_absent")
                                                 for o in found.values()):
             stopped.append(f"the grading run of {', '.join(ids_here)} stopped before it finished (exit status "
-                           f"{r.returncode}{'; ' + crash if crash else ''}): the tests it did not finish score nothing")
+                           f"{r.returncode}{': it crashed, ' + crash if crash else ''}): the tests it did not finish score nothing")
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
     borrowed = graders_code_used(root) if edition else []  # in the book, tests/ may be imported at will
     if borrowed:
