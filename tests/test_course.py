@@ -247,6 +247,51 @@ def test_a_stopped_run_and_an_unknown_part_score_nothing_loudly(tmp_path):
     assert r["points"] == 0 and all("does not have (its parts:" in g["message"] for g in r["groups"].values()), r
 
 
+def test_a_crashed_run_names_the_crash_and_keeps_the_maximum(tmp_path):
+    """A grading process killed by a signal (a Triton kernel's store out of bounds under the interpreter
+    segfaults it; here a private test sends itself SIGSEGV) is reported as a crash, naming the signal and
+    what to check, on the test that was running and on the ones after it; the parts it finished keep
+    their points, and the maximum stays the one a normal run has (a GPU-only test that never ran where
+    there is no GPU leaves it, as it would by skipping)."""
+    ex = "ch04_ex3"
+    admits = EXERCISES[ex].groups[0][0]
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    (crashes / "test_private_crash.py").write_text(
+        f"import os\nimport signal\n\nimport pytest\n\n\n@pytest.mark.{ex}\n@pytest.mark.group({admits!r})\n"
+        "def test_zz_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n\n\n"
+        f"@pytest.mark.{ex}\n@pytest.mark.group({admits!r})\ndef test_zzz_after_it():\n    pass\n")
+    rep = grading.grade([ex], ROOT, private_tests=crashes, verbose=False)
+    r = rep["exercises"][ex]
+    assert r["groups"][admits]["points"] == 0 and r["max_points"] == EXERCISES[ex].points, r["groups"]
+    assert r["points"] == EXERCISES[ex].points - EXERCISES[ex].groups[0][1], r["groups"]
+    msgs = {f["test"].split("::")[-1]: f["message"] for f in r["failed"]}
+    assert msgs["test_zz_segfaults"].startswith("crashed in this test: SIGSEGV (signal 11), a segmentation fault"), msgs
+    assert "check the masks" in r["groups"][admits]["message"], r["groups"]  # the table's line keeps the hint
+    assert msgs["test_zzz_after_it"].startswith("did not run: the process crashed earlier, in test_zz_segfaults: "
+                                                "SIGSEGV"), msgs
+    assert "exit status -11: it crashed, SIGSEGV" in rep["error"], rep["error"]
+    assert grading.crash_message(0) is None and grading.crash_message(1) is None
+    assert "out of memory" in grading.crash_message(-9) and "SIGABRT (signal 6)" in grading.crash_message(-6)
+    # a speed part whose GPU-only test never ran (the run crashed first) where there is no GPU: not graded here
+    part = grading.Exercise("ch99_ex1", 7, "rebuild", "t", "w", (), groups=(("right", 3), ("fast", 4)),
+                            speed=(("fast", ((1.5, 4), (3.0, 2))),))
+    outcomes = {"a": {"group": "right", "outcome": "notrun", "message": "m", "started": True},
+                "b": {"group": "fast", "outcome": "notrun", "message": "m", "gpu_absent": True}}
+    groups = grading.score_groups(part, outcomes, borrowed=False)
+    assert groups["fast"]["max_points"] == 0 and "needs a CUDA GPU" in groups["fast"]["message"], groups
+    assert groups["right"]["max_points"] == 3 and groups["right"]["points"] == 0, groups
+    tests_file = tmp_path / "test_gpu_flag.py"
+    tests_file.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_on_a_gpu():\n    pass\n")
+    results = tmp_path / "outcomes.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                    "--co", "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True,
+                   env={**os.environ, grading.RESULTS_ENV: str(results)})
+    import torch
+    flagged = [o.get("gpu_absent", False) for o in json.loads(results.read_text()).values()]
+    assert flagged == [not torch.cuda.is_available()], flagged
+
+
 def test_a_speed_part_scores_by_its_bands(tmp_path):
     """A speed part scores the band of the worst ratio its passing tests record (through the grading
     plugin: `record_property(SPEED_RATIO, r)` reaches the outcomes); a failed test, no ratio, or a

@@ -9,12 +9,15 @@ its block table, softmax in float64):
 
 * ch07_ex1: the caches after `store_kvcache` equal `index_copy_` of the rows whose slot is not -1,
   every other slot keeps a sentinel (exact: a copy), for K/V given as strided views;
-* ch07_ex2, in five parts (`@pytest.mark.group`, the groups of `EXERCISES["ch07_ex2"]`), each kernel
+* ch07_ex2, in six parts (`@pytest.mark.group`, the groups of `EXERCISES["ch07_ex2"]`), each kernel
   with the grader's own version of the others where it can be (`_rebuilt`): the step, walked by the
   grader's kernel (its m, l and acc / l); the per-split kernel with one split, and with several splits
-  whose partial results (in buffers that start as NaN) the grader merges; the reduction fed partial
-  results the grader computes; and the engine on all three against transformers' greedy tokens. The
-  tests at the end check that plausible wrong answers lose exactly their parts.
+  whose partial results (in buffers that start as NaN) the grader checks (each split's m and l against
+  the split's own scores) and merges, q always a strided view (sliced out of a fused qkv tensor); the
+  reduction fed partial results the grader computes (also with every split's m shifted by +-200, which
+  must not change the output); the engine on all three against transformers' greedy tokens, with
+  tiles of 16 keys so that its decodes really run two splits and the reduction; and, on a GPU only,
+  the speed. The tests at the end check that plausible wrong answers lose exactly their parts.
 
 Hypothesis draws tiny shapes, derandomized (the same answer always scores the same points). Without
 CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set before the kernels' module
@@ -34,6 +37,7 @@ import types
 from contextlib import ExitStack, contextmanager
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -87,9 +91,13 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 @contextmanager
 def _in_kernel(ex: str):
     """Run a kernel; a stub's NotImplementedError comes out as itself, any other failure names `ex` (and,
-    compiled, the error inside the function the kernel calls where the compiler reports only the call)."""
+    compiled, the error inside the function the kernel calls where the compiler reports only the call).
+    Under the interpreter NumPy's floating-point warnings are off: a right answer computes lanes that
+    `tl.where` then drops (`exp2(-inf - -inf)` for an empty row, say), and NumPy would warn "invalid value
+    encountered in subtract" for them; what a kernel stores is checked against the reference anyway."""
     try:
-        yield
+        with np.errstate(all="ignore"):
+            yield
     except InterpreterError as e:
         if isinstance(e.__cause__, NotImplementedError):
             raise e.__cause__ from None
@@ -197,7 +205,7 @@ def test_ch07_ex1_store_writes_each_slot_and_skips_minus_one(dtype, num_blocks, 
 
 
 # --- ch07_ex2: the build, paged decode attention with split-K ------------------------------------
-# Five parts. Each kernel of the build is graded with the grader's own version of the others where it
+# Six parts (the last, speed, on a GPU only). Each kernel of the build is graded with the grader's own version of the others where it
 # can be: `_rebuilt` makes a fresh copy of a kernel whose global names (the `@triton.jit` functions it
 # calls) point at other functions, which works compiled as well as under the interpreter (the compiler
 # reads a kernel's globals from its function, and the copy's cache is its own).
@@ -311,10 +319,14 @@ def test_ch07_ex2_online_softmax_step(dtype, num_keys, head_dim, seed):
 
 class _GraderReduce:
     """A stand-in for `reduce_splits_kernel`, launched as `[grid](...)`: merges the decode kernel's
-    partial `(m, l, acc)` in float64 (m in log2 units, as the kernel's scores)."""
+    partial `(m, l, acc)` in float64 (m in log2 units, as the kernel's scores); keeps the last m and l
+    it was given (`partials`) for the grader to check."""
+
+    partials: tuple | None = None
 
     def __getitem__(self, grid):
         def launch(acc, m, l, out, num_splits, *args, **kwargs):
+            self.partials = (m.detach().cpu().clone(), l.detach().cpu().clone())
             m64, l64, acc64 = m.double(), l.double(), acc.double()
             top = m64.max(dim=-1, keepdim=True).values
             w = torch.exp2(m64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
@@ -322,6 +334,17 @@ class _GraderReduce:
             o = (w[..., None] * acc64).sum(-2) / torch.where(total > 0, total, torch.ones_like(total))
             out.copy_(o.to(out.dtype))
         return launch
+
+
+class _CountLaunches:
+    """Wraps a kernel launched as `kernel[grid](...)`, keeping each launch's grid (`grids`)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
 
 
 class _NaNTorch:
@@ -340,23 +363,59 @@ class _NaNTorch:
         return torch.empty_like(*args, **kwargs).fill_(float("nan"))
 
 
+def _fused_q(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, g) -> torch.Tensor:
+    """q `[num_seqs, num_heads, head_dim]` as the model hands it over: a view sliced out of a fused qkv
+    projection `[num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]`, so a sequence's row stride is
+    not num_heads * head_dim (the last dim contiguous, as the wrapper wants), on DEVICE."""
+    qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    return qkv[:, :num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+
+
+def _check_partials(partials, q, ks, lens, scale, dtype, what) -> None:
+    """The decode kernel's partial m and l `[num_seqs, num_heads, num_splits]` against each split's own
+    scores (the docstring's split rule, tiles of 16): m = the split's largest score in log2 units (-inf
+    when empty), l = sum 2^(s - m) (0 when empty). The merge alone cannot see a wrong m: the reduction's
+    weights cancel any common shift, so a running max started at 0 instead of -inf passes it."""
+    m_got, l_got = partials
+    num_splits = m_got.shape[-1]
+    m_want, l_want = torch.empty(m_got.shape, dtype=torch.float64), torch.empty(l_got.shape, dtype=torch.float64)
+    group = q.shape[1] // ks[0].shape[1] if ks else 1
+    for i, n in enumerate(lens):
+        split_len = max(-(-(-(-n // num_splits)) // 16) * 16, 16)
+        for h in range(q.shape[1]):
+            s = (ks[i][:, h // group].double() @ q[i, h].double()) * scale * LOG2E
+            for p in range(num_splits):
+                sp = s[p * split_len:(p + 1) * split_len]
+                m_want[i, h, p] = sp.max() if sp.numel() else float("-inf")
+                l_want[i, h, p] = torch.exp2(sp - sp.max()).sum() if sp.numel() else 0.0
+    _close("ch07_ex2", m_got, m_want, STEP_TOL, f"the partial m (each split's largest score, log2 units; "
+           f"-inf for an empty split) [sequence, head, split]: {what}")
+    _close("ch07_ex2", l_got, l_want, STEP_TOL, f"the partial l = sum 2^(s - m) over each split's keys "
+           f"[sequence, head, split]: {what}")
+
+
 def check_decode(lens, block_size, num_kv_heads, group, head_dim, dtype, num_splits, seed, kernel=None) -> None:
     """`kernel` (default: the package's `paged_decode_kernel`, the student's) with the grader's
     `_attend_tile`, launched by the book's wrapper (tiles of 16) over shuffled block tables padded with
-    garbage; with several splits the partial buffers start as NaN and the grader merges them. Each
-    sequence against softmax over its gathered keys in float64 (0 keys: zeros)."""
+    garbage, q a strided view (`_fused_q`); with several splits the partial buffers start as NaN, the
+    grader checks each split's m and l (`_check_partials`) and merges them. Each sequence against
+    softmax over its gathered keys in float64 (0 keys: zeros)."""
     k_cache, v_cache, tables, ks, vs, g = _paged(lens, block_size, num_kv_heads, head_dim, dtype, seed)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    q_dev = _fused_q(len(lens), num_kv_heads * group, num_kv_heads, head_dim, dtype, g)
+    q = q_dev.cpu()
     scale = head_dim ** -0.5
     decode = _rebuilt(kernel if kernel is not None else ta.paged_decode_kernel, _attend_tile=_grader_attend_tile)
+    reduce = _GraderReduce()
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(ta, "paged_decode_kernel", decode))
         if num_splits > 1:
-            stack.enter_context(mock.patch.object(ta, "reduce_splits_kernel", _GraderReduce()))
+            stack.enter_context(mock.patch.object(ta, "reduce_splits_kernel", reduce))
             stack.enter_context(mock.patch.object(ta, "torch", _NaNTorch()))
         stack.enter_context(_in_kernel("ch07_ex2"))
-        got = ta.paged_decode_attention_triton(*_dev(q, k_cache, v_cache, tables, torch.tensor(lens)), scale,
+        got = ta.paged_decode_attention_triton(q_dev, *_dev(k_cache, v_cache, tables, torch.tensor(lens)), scale,
                                                num_splits=num_splits, block_n=16)
+    what = (f"paged_decode_kernel, {dtype}, context_lens {lens}, block_size {block_size}, {group * num_kv_heads} "
+            f"query heads over {num_kv_heads} KV heads of {head_dim}, {num_splits} splits of whole 16-key tiles")
     for i, n in enumerate(lens):
         want = _attend(q[i:i + 1], ks[i], vs[i], scale)[0] if n else torch.zeros(q.shape[1:], dtype=torch.float64)
         _close("ch07_ex2", got[i], want, ATOL[dtype],
@@ -364,7 +423,12 @@ def check_decode(lens, block_size, num_kv_heads, group, head_dim, dtype, num_spl
                f"{group * num_kv_heads} query heads over {num_kv_heads} KV heads of {head_dim}, "
                + ("one split (ONE_SPLIT: the kernel stores o = acc / l)" if num_splits == 1 else
                   f"{num_splits} splits of whole 16-key tiles, your partial acc, m, l merged by the grader "
-                  "(NaN: an entry never written; an empty split stores m = -inf, l = 0, acc = 0)"))
+                  "(NaN: an entry never written; an empty split stores m = -inf, l = 0, acc = 0)")
+               + f"; q a view whose sequence stride is {q_dev.stride(0)}, not num_heads * head_dim = "
+               f"{q.shape[1] * head_dim}")
+    if num_splits > 1 and min(num_splits, -(-tables.shape[1] * block_size // 16)) > 1:
+        _expect(reduce.partials is not None, f"ch07_ex2: the partial results were never merged ({what})")
+        _check_partials(reduce.partials, q, ks, lens, scale, dtype, what)
 
 
 DECODE_SHAPES = dict(lens=st.lists(st.integers(0, 40), min_size=1, max_size=3), block_size=st.sampled_from([1, 3, 4, 16]),
@@ -396,25 +460,31 @@ def test_ch07_ex2_split_k_partials_merge_to_attention(dtype, num_splits, lens, b
 
 
 # --- the reduction ---------------------------------------------------------------------------------
-def _partials(q, keys, values, scale, split_len, num_splits):
+def _partials(q, keys, values, scale, split_len, num_splits, offset=0.0):
     """The decode kernel's contract for one (sequence, head): per split, m = the largest score (log2
-    units, -inf when the split is empty), l = sum 2^(s - m), acc = sum 2^(s - m) v. float64."""
-    s = (keys.double() @ q.double()) * scale * LOG2E
+    units, -inf when the split is empty), l = sum 2^(s - m), acc = sum 2^(s - m) v. float64, with m
+    rounded to float32 first (the buffers' dtype) and l, acc computed against that m, so the three
+    agree exactly. `offset` is added to every score (log2 units): it moves every m and leaves l, acc
+    and the attention output as they are."""
+    s = (keys.double() @ q.double()) * scale * LOG2E + offset
     ms, ls, accs = [], [], []
     for p in range(num_splits):
         sp, vp = s[p * split_len:(p + 1) * split_len], values[p * split_len:(p + 1) * split_len].double()
         if sp.numel() == 0:
             ms.append(float("-inf")), ls.append(0.0), accs.append(torch.zeros(values.shape[1], dtype=torch.float64))
             continue
-        w = torch.exp2(sp - sp.max())
-        ms.append(float(sp.max())), ls.append(float(w.sum())), accs.append(w @ vp)
+        top = float(sp.max().float())
+        w = torch.exp2(sp - top)
+        ms.append(top), ls.append(float(w.sum())), accs.append(w @ vp)
     return torch.tensor(ms, dtype=torch.float64), torch.tensor(ls, dtype=torch.float64), torch.stack(accs)
 
 
-def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, kernel=None) -> None:
+def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, kernel=None, offset=0.0) -> None:
     """`kernel` (default: the package's `reduce_splits_kernel`, the student's) fed the grader's partial
     results of keys cut into `num_splits` splits (the tail ones empty when the keys run out; a sequence
-    of 0 keys has only empty splits and wants zeros), against softmax attention over all the keys."""
+    of 0 keys has only empty splits and wants zeros), against softmax attention over all the keys.
+    `offset` (log2 units) is added to every score, so to every split's m: the output must not change
+    (weights 2^m without subtracting the largest m overflow at +200 and underflow at -200 in float32)."""
     g = torch.Generator().manual_seed(seed)
     lens = [min(n, num_splits * split_len) for n in lens]
     scale = head_dim ** -0.5
@@ -426,7 +496,7 @@ def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, 
         for h in range(num_heads):
             q = torch.randn(head_dim, generator=g, dtype=torch.float64)
             keys, values = (torch.randn(n, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
-            m64, l64, acc64 = _partials(q, keys, values, scale, split_len, num_splits)
+            m64, l64, acc64 = _partials(q, keys, values, scale, split_len, num_splits, offset)
             m[i, h], l[i, h], acc[i, h] = m64, l64, acc64
             if n:
                 want[i, h] = torch.softmax(keys @ q * scale, dim=0) @ values
@@ -439,7 +509,8 @@ def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, 
             HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_splits), BLOCK_D=ta._block_d(head_dim))
     _close("ch07_ex2", out, want, ATOL[dtype],
            f"reduce_splits_kernel, {dtype} output, context_lens {lens} cut into {num_splits} splits of {split_len} "
-           f"keys (m = -inf, l = 0 for an empty split), {num_heads} head(s) of {head_dim}; rows of 0 keys want zeros")
+           f"keys (m = -inf, l = 0 for an empty split), {num_heads} head(s) of {head_dim}; rows of 0 keys want zeros"
+           + (f"; every score and m shifted by {offset:+g} (log2 units), which leaves the output as it is" if offset else ""))
 
 
 @pytest.mark.ch07
@@ -448,18 +519,29 @@ def check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, 
 @settings(max_examples=20, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 @given(dtype=st.sampled_from(ALL_DTYPES), lens=st.lists(st.integers(0, 40), min_size=1, max_size=3),
        num_heads=st.integers(1, 3), head_dim=st.sampled_from([8, 12]), num_splits=st.integers(1, 5),
-       split_len=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
-def test_ch07_ex2_reduction_merges_partials(dtype, lens, num_heads, head_dim, num_splits, split_len, seed):
-    """The partial results of keys cut into splits, merged by the kernel, equal attention over all the keys."""
-    check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed)
+       split_len=st.sampled_from([4, 16]), offset=st.sampled_from([0.0, 200.0, -200.0]), seed=st.integers(0, 2**16))
+def test_ch07_ex2_reduction_merges_partials(dtype, lens, num_heads, head_dim, num_splits, split_len, offset, seed):
+    """The partial results of keys cut into splits, merged by the kernel, equal attention over all the keys,
+    also when every split's m carries a common offset of +-200 (log2 units: weights must be 2^(m - max m))."""
+    check_reduce(lens, num_heads, head_dim, num_splits, split_len, dtype, seed, offset=offset)
 
 
 # --- the engine ------------------------------------------------------------------------------------
+ENGINE_BLOCK_N = 16  # keys per decode tile in the engine part: the wrapper caps the splits at the tiles
+
+
 class _GraderKVStore(TritonPagedAttention):
-    """The Triton backend with two splits in every decode and the grader's KV store (ch07_ex1 is graded
-    on its own): your three kernels, and the book's prefill kernel, which calls your `_attend_tile`."""
+    """The Triton backend asking for two splits in every decode, with tiles of 16 keys (the wrapper
+    launches no more splits than tiles: with its default 64-key tiles these contexts of at most 31
+    keys would be one split, and neither the partial store nor the reduction would run), and the
+    grader's KV store (ch07_ex1 is graded on its own): your three kernels, and the book's prefill
+    kernel, which calls your `_attend_tile`."""
 
     num_splits = 2
+
+    def decode(self, q, k_cache, v_cache, md):
+        return ta.paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
+                                                num_splits=self.num_splits, block_n=ENGINE_BLOCK_N)
 
     def store_kvcache(self, layer_idx, k, v):
         slots = self.metadata.slot_mapping
@@ -485,6 +567,10 @@ def ch07_engine_case(tmp_path_factory):
 
 
 ENGINE_TOKENS = 6
+# decode launches with two splits, in each of the tiny model's 2 layers: the first prompt's 5 decodes see
+# 12 to 16 keys (two blocks of 8: one tile, one split), the other two prompts' 5 + 5 see 22 to 30 keys
+# (three or four blocks: two tiles, two splits)
+ENGINE_SPLIT_K_LAUNCHES = 2 * (5 + 5)
 
 
 @pytest.mark.ch07
@@ -492,17 +578,25 @@ ENGINE_TOKENS = 6
 @pytest.mark.group(ENGINE)
 def test_ch07_ex2_engine_equals_transformers(ch07_engine_case):
     """The engine with the Triton backend (your kernels; without a GPU under the interpreter), prefix
-    caching on, two splits in every decode: greedy tokens equal transformers' (float64: no near-tie flips)."""
+    caching on, two splits asked for in every decode with tiles of 16 keys (so that the decodes of
+    contexts past 16 keys run two splits and the reduction: counted): greedy tokens equal
+    transformers' (float64: no near-tie flips)."""
     folder, prompts, ref = ch07_engine_case
     llm = LLM(str(folder), dtype="float64", device=DEVICE.type, attention_backend=_GraderKVStore, block_size=8,
               num_kvcache_blocks=16, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
-    with _in_kernel("ch07_ex2"):
+    decode, reduce = _CountLaunches(ta.paged_decode_kernel), _CountLaunches(ta.reduce_splits_kernel)
+    with mock.patch.object(ta, "paged_decode_kernel", decode), mock.patch.object(ta, "reduce_splits_kernel", reduce), \
+            _in_kernel("ch07_ex2"):
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one by one: the last hits the cache
     for i, (p, o, r) in enumerate(zip(prompts, outs, ref)):
         _expect(o.outputs[0].token_ids == r, f"ch07_ex2: prompt {i} ({len(p)} tokens, {o.num_cached_tokens} cached): "
                 f"the engine with your kernels generated {o.outputs[0].token_ids}, transformers {r}")
     _expect(outs[2].num_cached_tokens == 16, "grader setup: the third prompt should reuse 16 cached tokens")
+    split_k = [grid for grid in decode.grids if grid[2] == 2]
+    _expect(len(split_k) >= ENGINE_SPLIT_K_LAUNCHES and len(reduce.grids) == len(split_k),
+            f"grader setup: the decodes should run two splits and the reduction at least {ENGINE_SPLIT_K_LAUNCHES} "
+            f"times; decode grids {decode.grids}, reductions {len(reduce.grids)}")
 
 
 # --- plausible wrong answers lose their part's points (not graded: they check the graders) -----------
@@ -517,8 +611,10 @@ def _tile_without_rescale(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: 
     return m_new, l_i + tl.sum(p, 1), acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC_DTYPE)
 
 
-WRONG_DECODE = tl.constexpr(0)  # 0: right; 1: m stored in natural-log units; 2: walks whole blocks; 3: empty split unwritten
-WRONG_REDUCE = tl.constexpr(0)  # 0: right; 1: averages the splits' normalised outputs (no weights by m and l)
+WRONG_DECODE = tl.constexpr(0)  # 0: right; 1: m stored in natural-log units; 2: walks whole blocks; 3: empty split
+# unwritten; 4: the running max starts at 0, not -inf; 5: q's sequence stride taken as num_heads * HEAD_DIM
+WRONG_REDUCE = tl.constexpr(0)  # 0: right; 1: averages the splits' normalised outputs (no weights by m and l);
+# 2: weighs each split by 2^m, not 2^(m - max m)
 
 
 @triton.jit
@@ -540,9 +636,13 @@ def _grader_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, con
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     rows = (h[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_q_seq + (kvh * GROUP + h)[:, None] * stride_q_head + d[None, :], mask=rows,
-                other=0.0)
+    q_seq = stride_q_seq
+    if WRONG_DECODE == 5:  # "q is contiguous"
+        q_seq = NUM_KV_HEADS * GROUP * HEAD_DIM
+    q = tl.load(q_ptr + seq * q_seq + (kvh * GROUP + h)[:, None] * stride_q_head + d[None, :], mask=rows, other=0.0)
     m = tl.full([BLOCK_H], -float("inf"), ACC_DTYPE)
+    if WRONG_DECODE == 4:  # "any start below the scores will do"
+        m = tl.zeros([BLOCK_H], ACC_DTYPE)
     l = tl.zeros([BLOCK_H], ACC_DTYPE)
     acc = tl.zeros([BLOCK_H, BLOCK_D], ACC_DTYPE)
     for i in range(0, tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
@@ -597,6 +697,10 @@ def _grader_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, num_splits, stride_o_s
         used = l > 0
         o = tl.sum(tl.where(used[:, None], acc / tl.where(used, l, 1.0)[:, None], 0.0), 0) / \
             tl.maximum(tl.sum(used.to(tl.float32), 0), 1.0)
+    elif WRONG_REDUCE == 2:  # "the common factor 2^-max m cancels anyway"
+        w = tl.where(m > -float("inf"), tl.exp2(m), 0.0)
+        total = tl.sum(w * l, 0)
+        o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     else:
         top = tl.max(m, 0)
         w = tl.where(m > -float("inf"), tl.exp2(m - top), 0.0)
@@ -662,7 +766,9 @@ PART_CHECKS = {
     SPLIT_K: lambda: [check_decode([37, 1, 16, 0], 3, 2, 2, 12, torch.float32, 3, 5),
                       check_decode([40, 9], 4, 1, 4, 16, torch.float16, 4, 6)],
     REDUCE: lambda: [check_reduce([40, 7, 0], 2, 12, 4, 16, torch.float32, 7),
-                     check_reduce([30, 13], 1, 8, 3, 4, torch.float16, 8)],
+                     check_reduce([30, 13], 1, 8, 3, 4, torch.float16, 8),
+                     check_reduce([40, 7, 0], 2, 12, 4, 16, torch.float32, 9, offset=200.0),
+                     check_reduce([30, 13], 1, 8, 3, 4, torch.float32, 10, offset=-200.0)],
 }
 WRONG = {  # name -> (the package's name it replaces, the wrong piece, the parts it must lose)
     "softmax without the running-max rescale": ("_attend_tile", lambda: _tile_without_rescale, {STEP}),
@@ -672,8 +778,14 @@ WRONG = {  # name -> (the package's name it replaces, the wrong piece, the parts
         _grader_decode_kernel, WRONG_DECODE=tl.constexpr(2)), {ONE_SPLIT, SPLIT_K}),
     "an empty split writes nothing": ("paged_decode_kernel", lambda: _rebuilt(
         _grader_decode_kernel, WRONG_DECODE=tl.constexpr(3)), {SPLIT_K}),
+    "running max started at 0 (the partial m is wrong where a split's scores are all negative)": (
+        "paged_decode_kernel", lambda: _rebuilt(_grader_decode_kernel, WRONG_DECODE=tl.constexpr(4)), {SPLIT_K}),
+    "q's sequence stride assumed contiguous": ("paged_decode_kernel", lambda: _rebuilt(
+        _grader_decode_kernel, WRONG_DECODE=tl.constexpr(5)), {ONE_SPLIT, SPLIT_K}),
     "reduction that averages the splits' outputs": ("reduce_splits_kernel", lambda: _rebuilt(
         _grader_reduce_kernel, WRONG_REDUCE=tl.constexpr(1)), {REDUCE}),
+    "reduction weighing by 2^m, not 2^(m - max m)": ("reduce_splits_kernel", lambda: _rebuilt(
+        _grader_reduce_kernel, WRONG_REDUCE=tl.constexpr(2)), {REDUCE}),
 }
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -294,8 +295,29 @@ def test_every_launch_lowers_for_a_gpu_with_int64_cache_offsets():
 
 # ------------------------------------------------------------------------------------------- engine
 
+class _CountedKernel:
+    """A kernel launched as `kernel[grid](...)` that counts its launches in `TwoSplitTriton.reductions`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        TwoSplitTriton.reductions += 1
+        return self.kernel[grid]
+
+
 class TwoSplitTriton(TritonPagedAttention):
-    num_splits = 2  # every decode step takes the split-K path
+    """Two splits asked for in every decode, in tiles of 16 keys: the wrapper launches no more splits than
+    tiles, so with its default 64-key tiles these contexts (under 64 keys) would never take the split-K
+    path. `reductions` counts the reductions run (a class attribute: the engine makes the instances)."""
+
+    num_splits = 2
+    reductions = 0
+
+    def decode(self, q, k_cache, v_cache, md):
+        with mock.patch.object(ta, "reduce_splits_kernel", _CountedKernel(ta.reduce_splits_kernel)):
+            return ta.paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale,
+                                                    num_splits=self.num_splits, block_n=16)
 
 
 def test_engine_with_the_triton_backend_equals_transformers(tmp_path):
@@ -309,7 +331,9 @@ def test_engine_with_the_triton_backend_equals_transformers(tmp_path):
     llm = LLM(tmp_path, dtype="float64", device=DEVICE.type, attention_backend=TwoSplitTriton, block_size=8,
               num_kvcache_blocks=24, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    TwoSplitTriton.reductions = 0
     outs = llm.generate([first], params, use_tqdm=False) + llm.generate(later, params, use_tqdm=False)
+    assert TwoSplitTriton.reductions > 0  # the split-K path ran
     for prompt, out in zip([first, *later], outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6)
     assert [o.num_cached_tokens for o in outs] == [0, 16, 16, 16, 0]

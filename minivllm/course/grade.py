@@ -388,6 +388,42 @@ NOT_RUN = ("did not run: the grading run stopped before this test finished (the 
            "or the run's time limit passed; an endless loop or a memory blow-up in the code under grading?)")
 
 
+# what a grading process killed by a signal most likely met (the pytest subprocess' exit status is -signal);
+# short, so that the score table's line (150 characters) keeps the hint
+CRASH_HINTS = {
+    "SIGSEGV": "a segmentation fault (memory out of bounds: in a Triton kernel, check the masks of its loads and stores)",
+    "SIGBUS": "a bus error (memory out of bounds: in a Triton kernel, check the masks of its loads and stores)",
+    "SIGABRT": "aborted, often on a heap corrupted by a write out of bounds (a Triton kernel: check its stores' masks)",
+    "SIGKILL": "killed, most often for running out of memory (a memory blow-up?)",
+    "SIGFPE": "an arithmetic fault in native code (an integer division by zero?)",
+}
+
+
+def crash_message(returncode: int) -> str | None:
+    """What a grading process' exit status says when a signal ended it (`returncode` < 0), as
+    `"SIGSEGV (signal 11), a segmentation fault (…check the masks…)"`; None for an ordinary exit."""
+    if returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "a signal"
+    return f"{name} (signal {-returncode}), {CRASH_HINTS.get(name, 'a crash in native code')}"
+
+
+def _crashed(outcomes: dict[str, dict], crash: str) -> None:
+    """Rewrite the "did not run" messages of a run that `crash` ended: the test that was running when the
+    process died (`started`) says it crashed there, the ones after it that they never ran because of it."""
+    notrun = [n for n, o in outcomes.items() if o["outcome"] == "notrun" and not o.get("gpu_absent")]
+    running = next((n for n in notrun if outcomes[n].get("started")), None)
+    for n in notrun:
+        if n == running:
+            outcomes[n]["message"] = f"crashed in this test: {crash}"
+        else:
+            where = f", in {running.split('::')[-1]}" if running else ""
+            outcomes[n]["message"] = f"did not run: the process crashed earlier{where}: {crash}"
+
+
 def pytest_deselected(items):
     """Tests that `-m` left out of the run are not in it: without this their records would stay "not
     run", and a run that passed every selected test would read as one that stopped early."""
@@ -403,12 +439,30 @@ def pytest_collection_modifyitems(session, config, items):
         group = item.get_closest_marker("group")
         rec = {"exercises": marks, "group": group.args[0] if group else None, "outcome": "notrun",
                "message": NOT_RUN, "details": ""}
+        if item.get_closest_marker("gpu") is not None and not _has_cuda():
+            rec["gpu_absent"] = True  # it would skip: should the run stop before it, it leaves the maximum
         unknown = [e for e in marks if rec["group"] is not None and rec["group"] not in dict(EXERCISES[e].groups)]
         if unknown:
             parts = "; ".join(f"{e}: {', '.join(repr(g) for g, _ in EXERCISES[e].groups) or 'none'}" for e in unknown)
             rec.update(outcome="failed", message=f"this test is marked with part {rec['group']!r}, which "
                        f"{', '.join(unknown)} does not have (its parts: {parts})")
         _outcomes[item.nodeid] = rec
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the graders need torch
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """Mark the test as started (saved at once): if the process dies in it, the report can name it."""
+    rec = _outcomes.get(nodeid)
+    if rec is not None and rec["outcome"] == "notrun":
+        rec["started"] = True
+        _save_outcomes()
 
 
 class GradeTimeout(BaseException):
@@ -623,12 +677,16 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         files = sorted({t for e in ids_here for t in EXERCISES[e].tests if (root / t).exists()})
         r, found = _run_graders(root, ids_here, files + ([str(private_tests)] if private_tests else []), impl,
                                 timeout_s)
+        crash = crash_message(r.returncode)
+        if crash:
+            _crashed(found, crash)
         outcomes.update({n: o for n, o in found.items() if set(o["exercises"]) & set(ids_here)})
         if r.returncode or not found:
             logs.append(r)
-        if r.returncode not in (0, 1, 5) or any(o["outcome"] == "notrun" for o in found.values()):
+        if r.returncode not in (0, 1, 5) or any(o["outcome"] == "notrun" and not o.get("gpu_absent")
+                                                for o in found.values()):
             stopped.append(f"the grading run of {', '.join(ids_here)} stopped before it finished (exit status "
-                           f"{r.returncode}): the tests it did not finish score nothing")
+                           f"{r.returncode}{': it crashed, ' + crash if crash else ''}): the tests it did not finish score nothing")
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
     borrowed = graders_code_used(root) if edition else []  # in the book, tests/ may be imported at will
     if borrowed:
@@ -636,7 +694,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     for ex in wanted:
         tests = {n: o for n, o in outcomes.items() if ex in o["exercises"]}
         failed = [{"test": n, "message": o["message"], "details": o["details"]}
-                  for n, o in tests.items() if o["outcome"] in ("failed", "notrun")]
+                  for n, o in tests.items() if o["outcome"] == "failed" or _not_run(o)]
         if borrowed:
             failed.insert(0, {"test": "(the code under grading)", "details": "\n".join(borrowed),
                               "message": f"{ex}: not graded: the code uses the graders' own code from tests/ "
@@ -694,20 +752,26 @@ def speed_points(bands: tuple[tuple[float, int], ...], ratio: float) -> int:
     return next((pts for max_ratio, pts in bands if ratio <= max_ratio), 0)
 
 
+def _not_run(outcome: dict) -> bool:
+    """A test the run did not finish, except one that needs a GPU where there is none (it would skip)."""
+    return outcome["outcome"] == "notrun" and not outcome.get("gpu_absent")
+
+
 def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[str, dict]:
     """Partial credit: each of `ex.groups` scores its points when its tests (`tests`: outcomes by test
     id, each with its `group`) ran, at least one passed, and none failed, and no test of `ex` outside
     every group failed (nothing scores where the code uses the graders' own code: `borrowed`); a speed
     group (`ex.speed`) scores by the band of the worst ratio its tests recorded, and one whose tests
-    all skipped is not graded (`max_points` 0, the skip's reason in `message`).
+    all skipped is not graded (`max_points` 0, the skip's reason in `message`), as is one whose tests
+    need a GPU where there is none and did not run because the run stopped first (`gpu_absent`).
     Returns `{name: {"points", "max_points", "passed", "tests", "message"}}` (`message`: the first
     failure's, or the speed measured), with `"speed_ratio"` for a graded speed group."""
     names, bands = {g for g, _ in ex.groups}, dict(ex.speed)
-    gate = [o for o in tests.values() if o.get("group") not in names and o["outcome"] in ("failed", "notrun")]
+    gate = [o for o in tests.values() if o.get("group") not in names and (o["outcome"] == "failed" or _not_run(o))]
     out = {}
     for name, pts in ex.groups:
         mine = [o for o in tests.values() if o.get("group") == name]
-        bad = [o for o in mine if o["outcome"] in ("failed", "notrun")] + gate
+        bad = [o for o in mine if o["outcome"] == "failed" or _not_run(o)] + gate
         ok = not borrowed and bool(mine) and not bad and any(o["outcome"] == "passed" for o in mine)
         message = summarize(bad[0]["message"]) if bad and bad[0]["message"] else \
             ("" if mine else "no test of this group ran")
@@ -715,8 +779,9 @@ def score_groups(ex: Exercise, tests: dict[str, dict], borrowed: bool) -> dict[s
                              "message": message}
         if name not in bands:
             continue
-        if mine and not bad and all(o["outcome"] == "skipped" for o in mine):
-            why = next((o.get("skip_reason") for o in mine if o.get("skip_reason")), "its tests skipped")
+        if mine and not bad and all(o["outcome"] == "skipped" or o.get("gpu_absent") for o in mine):
+            why = next((o.get("skip_reason") for o in mine if o.get("skip_reason")),
+                       "needs a CUDA GPU" if any(o.get("gpu_absent") for o in mine) else "its tests skipped")
             entry.update(max_points=0, passed=True, message=f"not graded here ({why}): {pts} points where it can run")
         elif ok:
             ratios = [o["speed_ratio"] for o in mine if o.get("speed_ratio") is not None]

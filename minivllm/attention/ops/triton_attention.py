@@ -129,6 +129,8 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.conste
     bool, `[rows, BLOCK_N]` or `[1, BLOCK_N]` (False: a key the row must not see); the running m_i, l_i
     `[rows]` and acc `[rows, BLOCK_D]` in ACC_DTYPE, m in log2 units (qk_scale = scale · log2 e). Returns
     them updated. Each row must see a key in its first tile (else m stays -inf, and -inf - -inf is NaN).
+    The probabilities go into the second `tl.dot` rounded to V's dtype (`p.to(v.dtype)`), as FlashAttention
+    does: both operands of a `tl.dot` share a dtype, and a float16 / bfloat16 cache keeps its fast product.
     After the Triton tutorial's `_attn_fwd_inner` (FlashAttention-2, Dao 2023)."""
     # EXERCISE ch07_ex2 (16 points): log2-unit scores (-inf where not visible), online-softmax update; return m, l, acc
     ### BEGIN SOLUTION
@@ -152,19 +154,20 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, conte
                         BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, ACC_DTYPE: tl.constexpr,
                         PRECISION: tl.constexpr):
     """One program per (sequence, KV head, split), grid `(num_seqs, NUM_KV_HEADS, num_splits)`: the online softmax
-    of the group's query heads over the split's keys, read through the block table. q `[num_seqs, num_heads,
-    HEAD_DIM]` (strides stride_q_seq, stride_q_head, then 1); query head `kv_head * GROUP + g`, g < GROUP, padded
-    to BLOCK_H rows; caches contiguous `[num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`, HEAD_DIM padded to
-    BLOCK_D columns (mask the padding); key t's slot is `block_tables[seq, t // BLOCK_SIZE] * BLOCK_SIZE + t %
-    BLOCK_SIZE` (int64, row stride stride_bt_seq; entries past the last block are garbage: never load them).
-    Split p holds keys `[p * split_len, min((p + 1) * split_len, context_len))` (empty past the end), with
-    `split_len = max(cdiv(cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)`, num_splits =
-    tl.num_programs(2); walk them in tiles of BLOCK_N with `_attend_tile` (qk_scale = scale * log2 e).
-    ONE_SPLIT: store `o = acc / l` in out's dtype at `out_ptr + seq * stride_o_seq + head * stride_o_head`
-    (0 keys: zeros). Otherwise store the split's partial result in ACC_DTYPE: the unnormalised `acc` at
-    `out_ptr + seq * stride_o_seq + head * stride_o_head + split * stride_o_split`, the largest score m (log2
-    units) and `l = sum 2^(s - m)` at `(seq * num_heads + head) * num_splits + split` of m_ptr and l_ptr; an
-    empty split stores `m = -inf, l = 0, acc = 0`. After vLLM's paged attention v2 and Flash-Decoding."""
+    of the group's query heads over the split's keys, read through the block table. q `[num_seqs, NUM_KV_HEADS *
+    GROUP, HEAD_DIM]` (strides stride_q_seq, stride_q_head, then 1: a view, a sequence's row not always right
+    after the previous one); query head `kv_head * GROUP + g`, g < GROUP, padded to BLOCK_H rows; caches
+    contiguous `[num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`, HEAD_DIM padded to BLOCK_D columns (mask the
+    padding); key t's slot is `block_tables[seq, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE` (int64, row
+    stride stride_bt_seq; entries past the last block are garbage: never load them). Split p holds keys `[p *
+    split_len, min((p + 1) * split_len, context_len))` (empty past the end), with `split_len =
+    max(cdiv(cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)`, num_splits = tl.num_programs(2);
+    walk them in tiles of BLOCK_N with `_attend_tile` (qk_scale = scale * log2 e). ONE_SPLIT: store `o = acc / l`
+    in out's dtype at `out_ptr + seq * stride_o_seq + head * stride_o_head` (0 keys: zeros). Otherwise store the
+    split's partial result in ACC_DTYPE: the unnormalised `acc` at `out_ptr + seq * stride_o_seq + head *
+    stride_o_head + split * stride_o_split`, the largest score m (log2 units) and `l = sum 2^(s - m)` at `(seq *
+    NUM_KV_HEADS * GROUP + head) * num_splits + split` of m_ptr and l_ptr; an empty split stores `m = -inf, l = 0,
+    acc = 0`. After vLLM's paged attention v2 and Flash-Decoding."""
     # EXERCISE ch07_ex2 (16 points): walk this split's keys through the block table; store o, or the partial acc, m, l
     ### BEGIN SOLUTION
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
