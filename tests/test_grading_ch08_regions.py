@@ -9,20 +9,25 @@ student sees which part works. Random cases are derandomized (the same answer al
 points). The tests at the end check that plausible wrong answers lose exactly their own part.
 
 What is checked is the contract, never this chapter's code:
-* capture sizes and padding: the sizes are the rule the docstring states, for many limits; a batch
-  is padded up to the smallest captured size that holds it, None when none does (hypothesis);
+* capture sizes and padding: the sizes are the rule the docstring states (ascending first), for
+  many limits; a batch is padded up to the smallest captured size that holds it, None when none
+  does (hypothesis);
 * static buffers: after each of a random sequence of decode batches of growing and shrinking size,
   the static tensors' first `num_rows` rows hold the batch (last token, position, slot, context
   length, block table then -1) and padding (token 0, position 0, the dummy slot, length 1,
   `[dummy, -1, ...]`), in the same tensors as before; a padded step writes only its own tokens'
   KV-cache slots and the dummy slot;
 * replay: one graph per capture size, largest first, each warmed up then captured into one shared
-  pool; for random decode batches one after another (hypothesis), `run` replays the graph of the
-  padded size once and returns the real rows' logits, a view of the static logits, bit for bit those
-  of the eager model step on the same padded inputs, with the same KV cache afterwards;
-* the runner in the engine on a CPU (`StandInGraph` replays the recorded steps): greedy tokens equal
+  pool under inference mode (built outside it); for random decode batches one after another
+  (hypothesis), `run` replays the graph of the padded size once, every padding row rewritten, and
+  returns the real rows' logits, a view of the static logits, bit for bit those of the eager model
+  step on the same padded inputs, with the same KV cache afterwards; a batch larger than every
+  captured size gets None, nothing replayed, the static buffers untouched;
+* the runner: its KV cache on the `meta` device (on the model's device, one block more, the dummy
+  block); in the engine on a CPU (`StandInGraph` replays the recorded steps): greedy tokens equal
   transformers' on a tiny float64 model (no near-tie can flip a token), every decode batch replayed
-  from the graph of its padded size, a batch larger than every captured size run eagerly.
+  from the graph of its padded size, a batch larger than every captured size run eagerly, prefill
+  never through the graphs.
 """
 from __future__ import annotations
 
@@ -180,16 +185,25 @@ def _tiny_ours(device: str = "cpu"):
 
 
 # --- capture sizes and padding --------------------------------------------------------------------
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+def _expect_ascending(got, call: str) -> None:
+    """The first thing checked about a list of capture sizes (so that unsorted sizes are named as such)."""
+    _expect(isinstance(got, list), f"ch08_ex1: {call} returned {got!r}; expected a list of ints")
+    _expect(all(a < b for a, b in zip(got, got[1:])), f"ch08_ex1: {call} returned {got!r}: not ascending (each "
+            "size once, smallest first; padded_batch_size and the buffers' rows rely on the order)")
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, report_multiple_bugs=False)
 @given(max_num_seqs=st.integers(1, 600), max_capture_size=st.integers(1, 600))
 def check_capture_sizes(max_num_seqs, max_capture_size):
     got = cg.cudagraph_capture_sizes(max_num_seqs, max_capture_size)
     want = _rule_sizes(max_num_seqs, max_capture_size)
-    _expect(isinstance(got, list) and got == want,
+    _expect_ascending(got, f"cudagraph_capture_sizes({max_num_seqs}, max_capture_size={max_capture_size})")
+    _expect(got == want,
             f"ch08_ex1: cudagraph_capture_sizes({max_num_seqs}, max_capture_size={max_capture_size}): expected "
             f"{want} (sizes of {cg.SMALL_CAPTURE_SIZES} below top={min(max_num_seqs, max_capture_size)}, the "
             f"multiples of {cg.CAPTURE_SIZE_STEP} below it, then top; ascending), got {got!r}")
     got = cg.cudagraph_capture_sizes(1000)
+    _expect_ascending(got, "cudagraph_capture_sizes(1000)")
     _expect(got == _rule_sizes(1000), f"ch08_ex1: cudagraph_capture_sizes(1000) must stop at MAX_CAPTURE_SIZE="
             f"{cg.MAX_CAPTURE_SIZE}: expected ...{_rule_sizes(1000)[-3:]}, got {got!r}")
 
@@ -340,8 +354,8 @@ def test_ch08_ex1_padded_rows_write_only_the_dummy_slot():
 
 # --- replay ---------------------------------------------------------------------------------------
 class _Log:
-    """What the graphs under grading did: ("capture", graph, pool), ("replay", graph, None) and the model's
-    calls ("call", rows, None), in order."""
+    """What the graphs under grading did: ("capture", graph, pool, in inference mode), ("captured", graph,
+    None), ("replay", graph, None) and the model's calls ("call", rows, None), in order."""
 
     entries: list = []
 
@@ -351,7 +365,7 @@ def _recording(base: type) -> type:
 
     class Recorded(base):
         def capture(self, step, pool=None):
-            _Log.entries.append(("capture", self, pool))
+            _Log.entries.append(("capture", self, pool, torch.is_inference_mode_enabled()))
             super().capture(step, pool)
             _Log.entries.append(("captured", self, None))
 
@@ -380,12 +394,14 @@ def _graphs_on(model, sizes: list[int], max_rows: int, graph_cls: type = _Record
 
 
 def check_captures_one_graph_per_size():
-    """Sizes [1, 2, 4, 8]: one `graph_cls` graph per size in `graphs`, captured largest first, each
-    after a warm-up run of its own step (the model over that many rows, outside any capture), all into the
-    pool `graph_pool` gave."""
+    """Sizes [1, 2, 4, 8], `DecodeGraphs` built outside inference mode (as a caller may): one `graph_cls`
+    graph per size in `graphs`, captured largest first and under `torch.inference_mode()`, each after a
+    warm-up run of its own step (the model over that many rows, outside any capture), all into the pool
+    `graph_pool` gave."""
     pool = object()
     sizes = _rule_sizes(MAX_ROWS)
-    with mock.patch.object(cg, "graph_pool", lambda device: pool), torch.inference_mode():
+    building = "DecodeGraphs(...) built outside torch.inference_mode() (its constructor must warm up and capture under it)"
+    with mock.patch.object(cg, "graph_pool", lambda device: pool), your_code(building):
         _, graphs = _graphs_on(_tiny_ours(), sizes, MAX_ROWS)
     log = _Log.entries
     got = graphs.graphs if isinstance(graphs.graphs, dict) else {}
@@ -410,6 +426,9 @@ def check_captures_one_graph_per_size():
                 f"eagerly, before capturing it (on a GPU lazy initialisation must not happen inside a capture)")
         _expect(log[i][2] is pool, f"ch08_ex1: the graph of size {size} was captured with pool {log[i][2]!r}; every "
                 f"graph goes into the one pool graph_pool(buffers.device) returned")
+        _expect(log[i][3], f"ch08_ex1: the graph of size {size} was captured outside torch.inference_mode() "
+                "(DecodeGraphs was built outside it): capture under it, as the docstring says, or autograd records "
+                "the step (the model's weights require grad), and a replay would keep its saved tensors alive")
     _expect(order == sorted(sizes, reverse=True), f"ch08_ex1: sizes captured in the order {order}; capture the "
             f"largest first (the smaller graphs then fit in the memory it leaves in the shared pool)")
     _expect(not any(e[0] == "replay" for e in log), "ch08_ex1: a graph was replayed while capturing")
@@ -464,6 +483,14 @@ def check_one_replay(graphs, seqs, rows, ref, ref_attn, kv, ref_kv, at):
     _expect(logits.untyped_storage().data_ptr() == graphs.buffers.logits.untyped_storage().data_ptr(),
             f"ch08_ex1: after {at}: run's logits are not a view of buffers.logits, which the graph writes")
     _grader_prepare(ref, seqs, rows)
+    inputs = (*cg.DECODE_INPUTS, "block_tables")
+    bad_rows = sorted({r for name in inputs for r in range(rows)
+                       if not torch.equal(getattr(graphs.buffers, name)[r], getattr(ref, name)[r])})
+    _expect(not [r for r in bad_rows if r < n], f"ch08_ex1: after {at}: run left rows {bad_rows} of the static "
+            f"inputs different from the batch's ({n} sequences): run fills the buffers with prepare_decode_inputs")
+    _expect(not bad_rows, f"ch08_ex1: after {at}: the padding rows {bad_rows} of the static inputs were not "
+            f"rewritten (they hold what an earlier step left): run must fill all {rows} rows of the padded size, "
+            f"prepare_decode_inputs(buffers, seqs, {rows}), not only the {n} sequences' rows")
     ref_attn.metadata = ref.metadata(rows)
     want = model.compute_logits(model(ref.input_ids[:rows], ref.positions[:rows], ref_attn))[:n]
     ref_attn.metadata = None
@@ -473,7 +500,37 @@ def check_one_replay(graphs, seqs, rows, ref, ref_attn, kv, ref_kv, at):
             f"exactly the captured step over the buffers' current rows")
     bad = _written_slots(kv, ref_kv)
     _expect(not bad, f"ch08_ex1: after {at}: the replay left KV-cache slots {bad[:8]} different from the eager "
-            f"step's (a graph of the wrong size writes the K/V of rows an earlier step left there)")
+            f"step's (rows the step did not rewrite, or the rows of a graph of the wrong size, write K/V where an "
+            f"earlier step's rows pointed)")
+
+
+def check_larger_batch_is_not_replayed():
+    """Graphs of sizes [1, 2, 4] over buffers of 8 rows, after a step of 3 sequences: `run` of 5 to 8
+    sequences (more than the largest captured size) returns None, replays nothing and leaves every
+    static tensor (inputs, block tables, logits) as it was; the caller then runs the step eagerly."""
+    model, sizes, rng = _tiny_ours(), _rule_sizes(4), random.Random(17)
+    names = (*cg.DECODE_INPUTS, "block_tables", "logits")
+    with torch.inference_mode():
+        _, graphs = _graphs_on(model, sizes, MAX_ROWS)
+        pool = _pool_of_sequences(rng, BlockManager(NUM_BLOCKS, BS), MAX_ROWS)
+        with your_code(f"DecodeGraphs.run of 3 sequences (graphs of sizes {sizes})"):
+            graphs.run(pool[:3])
+        for n in range(sizes[-1] + 1, MAX_ROWS + 1):
+            before = {name: getattr(graphs.buffers, name).clone() for name in names}
+            _Log.entries = []
+            with your_code(f"DecodeGraphs.run of {n} sequences, more than the largest captured size {sizes[-1]} "
+                           "(padded_batch_size gives None: run must return None at once)"):
+                got = graphs.run(pool[:n])
+            _expect(got is None, f"ch08_ex1: DecodeGraphs.run of {n} sequences (graphs of sizes {sizes}) returned "
+                    f"{getattr(got, 'shape', got)!r}; expected None (no captured size holds the batch: the caller "
+                    "runs it eagerly)")
+            replays = [e for e in _Log.entries if e[0] == "replay"]
+            _expect(not replays, f"ch08_ex1: DecodeGraphs.run of {n} sequences (graphs of sizes {sizes}) replayed "
+                    f"{len(replays)} graph(s); with no captured size that holds the batch, replay nothing")
+            changed = [name for name in names if not torch.equal(getattr(graphs.buffers, name), before[name])]
+            _expect(not changed, f"ch08_ex1: DecodeGraphs.run of {n} sequences (graphs of sizes {sizes}) returned "
+                    f"None but left the static buffers {changed} changed: check padded_batch_size's None before "
+                    "filling anything (prepare_decode_inputs), and return")
 
 
 @pytest.mark.ch08
@@ -492,6 +549,14 @@ def test_ch08_ex1_replay_equals_the_eager_step():
         check_replay_equals_the_eager_step()
 
 
+@pytest.mark.ch08
+@pytest.mark.ch08_ex1
+@pytest.mark.group(REPLAY)
+def test_ch08_ex1_a_batch_larger_than_every_size_is_not_replayed():
+    with graded("replay"):
+        check_larger_batch_is_not_replayed()
+
+
 @pytest.mark.gpu
 @pytest.mark.ch08
 @pytest.mark.ch08_ex1
@@ -499,37 +564,74 @@ def test_ch08_ex1_replay_equals_the_eager_step():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real CUDA graphs (on a CPU the stand-in "
                     "graph grades the same replay)")
 def test_ch08_ex1_cuda_graph_replay_equals_the_eager_step():
-    """The same check with `CUDAGraph`: captured kernels replayed on the GPU, float64."""
+    """The same check with `CUDAGraph`: captured kernels replayed on the GPU, float64. Besides what the CPU
+    checks see, it catches what only a GPU shows: a step that synchronises with the host (`.cpu()`,
+    `.tolist()`, `.item()` of a CUDA tensor inside `step`: the capture raises; on a CPU `.cpu()` is a no-op
+    the stand-in graph cannot see), a capture outside a warm-up (lazy cuBLAS or Triton initialisation
+    inside a capture), and static tensors or a KV cache left on the host (`torch.zeros(...)` without
+    `device=`: the CPU-side meta-device check of the runner part catches the cache too)."""
     with graded("replay"):
         check_replay_equals_the_eager_step("cuda")
 
 
 # --- the engine -----------------------------------------------------------------------------------
 def _record_replays(runner) -> list[list]:
-    """[batch size, size of the graph replayed or None] for each decode step."""
-    steps = []
-    real_forward = runner.forward_logits
+    """[batch size, size of the graph replayed or None] for each decode step; also checks that
+    `forward_logits` returns a tensor and that a prefill step never reaches `decode_graphs.run` (so those
+    mistakes are named rather than crashing later)."""
+    steps, prefill = [], [False]
+    real_forward, real_run = runner.forward_logits, runner.decode_graphs.run
 
     def forward_logits(seqs, is_prefill):
         if not is_prefill:
             steps.append([len(seqs), None])
-        return real_forward(seqs, is_prefill)
+        prefill[0] = is_prefill
+        out = real_forward(seqs, is_prefill)
+        _expect(isinstance(out, torch.Tensor), f"ch08_ex1: forward_logits({len(seqs)} sequences, is_prefill="
+                f"{is_prefill}) returned {out!r}, not logits: when decode_graphs.run gives None (no captured size "
+                "holds the batch), run the step eagerly (ModelRunner.forward_logits)")
+        return out
+
+    def run(seqs):
+        _expect(not prefill[0], f"ch08_ex1: forward_logits({len(seqs)} sequences, is_prefill=True) called "
+                "decode_graphs.run: a prefill step (many tokens per sequence) runs eagerly; graphs replay decode "
+                "steps only")
+        return real_run(seqs)
 
     for size, graph in runner.decode_graphs.graphs.items():
         def replay(real=graph.replay, size=size):
             steps[-1][1] = size
             real()
         graph.replay = replay
-    runner.forward_logits = forward_logits
+    runner.forward_logits, runner.decode_graphs.run = forward_logits, run
     return steps
 
 
 ENGINE_CASES = {"all sizes": (10, cg.MAX_CAPTURE_SIZE), "sizes up to 6": (10, 6)}  # max_num_seqs, largest size
 
 
+def check_kv_cache():
+    """A runner on the `meta` device (no memory, and not the CPU, so a cache made without `device=` shows),
+    `enforce_eager`: its KV cache is `ModelRunner`'s with one block more, the dummy block, on the model's
+    device in its dtype. Checked before any capture, which writes the dummy block."""
+    model, bm = _tiny_ours("meta"), BlockManager(NUM_BLOCKS, BS)
+    with your_code("CUDAGraphModelRunner.allocate_kv_cache (a runner on the meta device, enforce_eager=True)"):
+        runner = CUDAGraphModelRunner(model, bm, attention_backend=CapturablePagedAttention, enforce_eager=True)
+    kv, want = runner.kv_cache, ModelRunner.allocate_kv_cache(runner, NUM_BLOCKS + 1, BS)
+    _expect(isinstance(kv, torch.Tensor) and kv.device == want.device and kv.dtype == want.dtype,
+            f"ch08_ex1: the KV cache of a runner whose model is on the {want.device} device is "
+            f"{getattr(kv, 'device', kv)!r}, {getattr(kv, 'dtype', '')}: allocate it on the model's device in its "
+            "dtype (device=self.device, dtype=self.dtype; ModelRunner.allocate_kv_cache does both)")
+    _expect(kv.shape == want.shape, f"ch08_ex1: the KV cache has shape {tuple(kv.shape)} for a block manager of "
+            f"{NUM_BLOCKS} blocks; expected {tuple(want.shape)}: one more block, the dummy block (id {NUM_BLOCKS}), "
+            "is for padded rows (dimension 2 counts blocks)")
+
+
 def check_engine_equals_transformers(case: str):
-    """Prompts generating different lengths: decode batches of every size from max_num_seqs down to 1,
-    each replayed from the graph of its padded size (with sizes up to 6, larger batches run eagerly)."""
+    """The KV cache first (`check_kv_cache`), then prompts generating different lengths: decode batches of
+    every size from max_num_seqs down to 1, each replayed from the graph of its padded size (with sizes up
+    to 6, larger batches run eagerly)."""
+    check_kv_cache()
     folder, hf = _tiny()
     max_num_seqs, largest = ENGINE_CASES[case]
     sizes = _rule_sizes(max_num_seqs, largest)
@@ -637,13 +739,20 @@ def test_ch08_ex1_speed_check_runs_on_a_cpu():
 # --- plausible wrong answers lose exactly their part (not graded: they check the graders) ------------
 CHECKS = {"sizes": [check_capture_sizes, check_padding],
           "buffers": [check_rows_hold_the_batch_then_padding, check_padded_rows_write_only_the_dummy_slot],
-          "replay": [check_captures_one_graph_per_size, check_replay_equals_the_eager_step],
+          "replay": [check_captures_one_graph_per_size, check_replay_equals_the_eager_step,
+                     check_larger_batch_is_not_replayed],
           "runner": [functools.partial(check_engine_equals_transformers, case) for case in ENGINE_CASES]}
 
 
 def _pads_down(num_seqs, capture_sizes):
     """The largest captured size <= the batch (padding down: the graph drops sequences)."""
     return max((s for s in capture_sizes if s <= num_seqs), default=None)
+
+
+def _largest_first(max_num_seqs, max_capture_size=cg.MAX_CAPTURE_SIZE):
+    """The right sizes, the largest put first."""
+    sizes = _rule_sizes(max_num_seqs, max_capture_size)
+    return sizes[-1:] + sizes[:-1]
 
 
 def _leaves_stale_rows(buffers, seqs, num_rows):
@@ -676,6 +785,46 @@ def _returns_padding_rows(self, seqs):
     return self.buffers.logits[:rows]
 
 
+def _no_none_check(self, seqs):
+    """Replays whatever padded_batch_size gives, None included (no eager fallback for large batches)."""
+    rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+    cg.prepare_decode_inputs(self.buffers, seqs, rows)
+    self.graphs[rows].replay()
+    return self.buffers.logits[:len(seqs)]
+
+
+def _none_check_after_filling(self, seqs):
+    """Fills the largest size's rows before checking for None (a batch that runs eagerly has changed the
+    static buffers)."""
+    rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+    cg.prepare_decode_inputs(self.buffers, seqs[:self.capture_sizes[-1]], rows or self.capture_sizes[-1])
+    if rows is None:
+        return None
+    self.graphs[rows].replay()
+    return self.buffers.logits[:len(seqs)]
+
+
+def _fills_only_the_real_rows(self, seqs):
+    """Fills rows [:len(seqs)] only: the padding rows keep what an earlier step left."""
+    rows = cg.padded_batch_size(len(seqs), self.capture_sizes)
+    if rows is None:
+        return None
+    cg.prepare_decode_inputs(self.buffers, seqs, len(seqs))
+    self.graphs[rows].replay()
+    return self.buffers.logits[:len(seqs)]
+
+
+def _captures_outside_inference_mode(self, model, attn, buffers, capture_sizes, graph_cls):
+    """Warms up and captures each size, largest first, in whatever grad mode the caller is in."""
+    self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
+    self.graphs, pool = {}, cg.graph_pool(buffers.device)
+    for size in reversed(capture_sizes):
+        step = self.step(size)
+        step()
+        self.graphs[size] = graph_cls()
+        self.graphs[size].capture(step, pool)
+
+
 def _no_warm_up(self, model, attn, buffers, capture_sizes, graph_cls):
     """Captures each step without running it first."""
     self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
@@ -691,24 +840,54 @@ def _always_eager(self, seqs, is_prefill):
     return ModelRunner.forward_logits(self, seqs, is_prefill)
 
 
+def _no_eager_fallback(self, seqs, is_prefill):
+    """Returns decode_graphs.run's result, None included (a batch larger than every size gets no logits)."""
+    if not is_prefill and self.decode_graphs is not None:
+        return self.decode_graphs.run(seqs)
+    return ModelRunner.forward_logits(self, seqs, is_prefill)
+
+
+def _graphs_for_prefill(self, seqs, is_prefill):
+    """Tries the graphs for prefill steps too."""
+    logits = None if self.decode_graphs is None else self.decode_graphs.run(seqs)
+    return ModelRunner.forward_logits(self, seqs, is_prefill) if logits is None else logits
+
+
 def _no_dummy_block(self, num_blocks, block_size):
     """The KV cache without the dummy block."""
     return ModelRunner.allocate_kv_cache(self, num_blocks, block_size)
 
 
-WRONG = [("sizes", cg, "padded_batch_size", _pads_down),
-         ("buffers", cg, "prepare_decode_inputs", _leaves_stale_rows),
-         ("replay", DecodeGraphs, "run", _replays_the_largest),
-         ("replay", DecodeGraphs, "run", _returns_padding_rows),
-         ("replay", DecodeGraphs, "__init__", _no_warm_up),
-         ("runner", CUDAGraphModelRunner, "forward_logits", _always_eager),
-         ("runner", CUDAGraphModelRunner, "allocate_kv_cache", _no_dummy_block)]
+def _cache_on_the_default_device(self, num_blocks, block_size):
+    """The KV cache with the dummy block, written out without `device=` (on the CPU, whatever the model's)."""
+    attn0 = self.model.model.layers[0].self_attn
+    return torch.zeros(2, len(self.model.model.layers), num_blocks + 1, block_size, attn0.num_kv_heads,
+                       attn0.head_dim, dtype=self.dtype)
 
 
-@pytest.mark.parametrize("part, owner, name, wrong", WRONG, ids=[w[3].__name__ for w in WRONG])
-def test_ch08_ex1_wrong_answers_lose_their_part(part, owner, name, wrong):
-    """Each wrong piece, put in the package's place, fails its own part's checks and passes every other
-    part's (which run the grader's stand-in in its place): it loses exactly its part's points."""
+WRONG = [  # part, owner, name, the wrong piece, words its part's failure message must contain
+    ("sizes", cg, "cudagraph_capture_sizes", _largest_first, "not ascending"),
+    ("sizes", cg, "padded_batch_size", _pads_down, "padding up"),
+    ("buffers", cg, "prepare_decode_inputs", _leaves_stale_rows, "padding"),
+    ("replay", DecodeGraphs, "run", _replays_the_largest, "replayed the graphs of sizes"),
+    ("replay", DecodeGraphs, "run", _returns_padding_rows, "padded rows' logits are not returned"),
+    ("replay", DecodeGraphs, "run", _no_none_check, "must return None"),
+    ("replay", DecodeGraphs, "run", _none_check_after_filling, "left the static buffers"),
+    ("replay", DecodeGraphs, "run", _fills_only_the_real_rows, "padding rows"),
+    ("replay", DecodeGraphs, "__init__", _no_warm_up, "without a warm-up"),
+    ("replay", DecodeGraphs, "__init__", _captures_outside_inference_mode, "outside torch.inference_mode()"),
+    ("runner", CUDAGraphModelRunner, "forward_logits", _always_eager, "expected [["),
+    ("runner", CUDAGraphModelRunner, "forward_logits", _no_eager_fallback, "run the step eagerly"),
+    ("runner", CUDAGraphModelRunner, "forward_logits", _graphs_for_prefill, "a prefill step"),
+    ("runner", CUDAGraphModelRunner, "allocate_kv_cache", _no_dummy_block, "the dummy block"),
+    ("runner", CUDAGraphModelRunner, "allocate_kv_cache", _cache_on_the_default_device, "on the model's device")]
+
+
+@pytest.mark.parametrize("part, owner, name, wrong, words", WRONG, ids=[w[3].__name__ for w in WRONG])
+def test_ch08_ex1_wrong_answers_lose_their_part(part, owner, name, wrong, words):
+    """Each wrong piece, put in the package's place, fails its own part's checks, with a message that names
+    the mistake (`words`), and passes every other part's (which run the grader's stand-in in its place): it
+    loses exactly its part's points."""
     failed = {}
     with mock.patch.object(owner, name, wrong):
         for other, checks in CHECKS.items():
@@ -719,4 +898,4 @@ def test_ch08_ex1_wrong_answers_lose_their_part(part, owner, name, wrong):
                     except Exception as e:  # noqa: BLE001  (a failure of any kind loses the part)
                         failed.setdefault(other, f"{type(e).__name__}: {e}" if not isinstance(e, AssertionError) else str(e))
     assert list(failed) == [part], f"{wrong.__name__}: parts failed {failed}; expected only {part!r}"
-    assert failed[part].startswith("ch08_ex1: "), failed[part]
+    assert failed[part].startswith("ch08_ex1: ") and words in failed[part], failed[part]

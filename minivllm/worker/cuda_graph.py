@@ -121,7 +121,9 @@ def prepare_decode_inputs(buffers: DecodeBuffers, seqs: list[Sequence], num_rows
     every other column; for a padded row, token 0, position 0, `buffers.dummy_slot`, length 1 and
     `[dummy_block, -1, ...]`, whatever an earlier step left there (so a padded row writes K/V into
     the dummy block only). Rows from `num_rows` on are not read. On CUDA the values go through the
-    pinned `buffers.host` tensors and non-blocking copies.
+    pinned `buffers.host` tensors and non-blocking copies. Keeps `buffers.table_width` up to date (the
+    widest block table written so far, never shrinking): `pad_rows` resets only those columns, and
+    only those need rewriting and copying.
 
     Raises:
         ValueError: not `1 <= len(seqs) <= num_rows <= max_num_seqs`, or a block table wider than
@@ -265,9 +267,10 @@ class DecodeGraphs:
     Args: model, our decoder; attn, the attention backend instance (with a capturable decode path);
         buffers, the static buffers (`max_num_seqs` >= the largest size); capture_sizes, ascending
         (`cudagraph_capture_sizes`); graph_cls, `CUDAGraph` or `StandInGraph` (`capture(step, pool)`, `replay()`).
-    Attributes: graphs, `{size: graph}`, one per size, captured here: under `torch.inference_mode()`, from the
-    largest size down, `step(size)` runs once eagerly (the warm-up), then a new `graph_cls()` captures it, every
-    graph into the one pool `graph_pool(buffers.device)`. Source: nano-vllm's `ModelRunner.capture_cudagraph`.
+    Attributes: graphs, `{size: graph}`, one per size, captured here, all under `torch.inference_mode()`
+    (whatever the caller's mode; warm-ups included): from the largest size down, `step(size)` runs once eagerly
+    (the warm-up), then a new `graph_cls()` captures it, every graph into the one pool
+    `graph_pool(buffers.device)`. Source: nano-vllm's `ModelRunner.capture_cudagraph`.
     """
 
     def __init__(self, model, attn, buffers: DecodeBuffers, capture_sizes: list[int], graph_cls: type):
