@@ -400,7 +400,8 @@ def check_captures_one_graph_per_size():
     `graph_pool` gave."""
     pool = object()
     sizes = _rule_sizes(MAX_ROWS)
-    building = "DecodeGraphs(...) built outside torch.inference_mode() (its constructor must warm up and capture under it)"
+    building = ("DecodeGraphs(...) built outside torch.inference_mode() (its constructor must warm up and capture "
+                "under it)")
     with mock.patch.object(cg, "graph_pool", lambda device: pool), your_code(building):
         _, graphs = _graphs_on(_tiny_ours(), sizes, MAX_ROWS)
     log = _Log.entries
