@@ -18,11 +18,12 @@ What is checked is the contract, never this chapter's code:
   `[dummy, -1, ...]`), in the same tensors as before; a padded step writes only its own tokens'
   KV-cache slots and the dummy slot;
 * replay: one graph per capture size, largest first, each warmed up then captured into one shared
-  pool under inference mode (built outside it); for random decode batches one after another
-  (hypothesis), `run` replays the graph of the padded size once, every padding row rewritten, and
-  returns the real rows' logits, a view of the static logits, bit for bit those of the eager model
-  step on the same padded inputs, with the same KV cache afterwards; a batch larger than every
-  captured size gets None, nothing replayed, the static buffers untouched;
+  pool under inference mode (built outside it), the backend's metadata None again afterwards; for
+  random decode batches one after another (hypothesis), `run` replays the graph of the padded size
+  once, every padding row rewritten, and returns the real rows' logits, a view of the static logits,
+  bit for bit those of the eager model step on the same padded inputs, with the same KV cache
+  afterwards; a batch larger than every captured size gets None, nothing replayed, the static
+  buffers untouched;
 * the runner: its KV cache on the `meta` device (on the model's device, one block more, the dummy
   block); in the engine on a CPU (`StandInGraph` replays the recorded steps): greedy tokens equal
   transformers' on a tiny float64 model (no near-tie can flip a token), every decode batch replayed
@@ -403,7 +404,7 @@ def check_captures_one_graph_per_size():
     building = ("DecodeGraphs(...) built outside torch.inference_mode() (its constructor must warm up and capture "
                 "under it)")
     with mock.patch.object(cg, "graph_pool", lambda device: pool), your_code(building):
-        _, graphs = _graphs_on(_tiny_ours(), sizes, MAX_ROWS)
+        runner, graphs = _graphs_on(_tiny_ours(), sizes, MAX_ROWS)
     log = _Log.entries
     got = graphs.graphs if isinstance(graphs.graphs, dict) else {}
     _expect(sorted(got) == sizes and all(isinstance(g, _Recorded) for g in got.values())
@@ -433,6 +434,9 @@ def check_captures_one_graph_per_size():
     _expect(order == sorted(sizes, reverse=True), f"ch08_ex1: sizes captured in the order {order}; capture the "
             f"largest first (the smaller graphs then fit in the memory it leaves in the shared pool)")
     _expect(not any(e[0] == "replay" for e in log), "ch08_ex1: a graph was replayed while capturing")
+    _expect(runner.attn.metadata is None, f"ch08_ex1: after the captures the backend's metadata is still "
+            f"{runner.attn.metadata!r}: step sets attn.metadata for the model call and back to None afterwards "
+            "(its docstring), so no later step reads a captured batch's views by mistake")
 
 
 def check_replay_equals_the_eager_step(device: str = "cpu"):
@@ -826,6 +830,17 @@ def _captures_outside_inference_mode(self, model, attn, buffers, capture_sizes, 
         self.graphs[size].capture(step, pool)
 
 
+def _keeps_the_metadata(self, num_rows):
+    """The right step, except that attn.metadata stays set to the captured views afterwards."""
+    b = self.buffers
+    md, ids, pos, out = b.metadata(num_rows), b.input_ids[:num_rows], b.positions[:num_rows], b.logits[:num_rows]
+
+    def fn():
+        self.attn.metadata = md
+        out.copy_(self.model.compute_logits(self.model(ids, pos, self.attn)))
+    return fn
+
+
 def _no_warm_up(self, model, attn, buffers, capture_sizes, graph_cls):
     """Captures each step without running it first."""
     self.model, self.attn, self.buffers, self.capture_sizes = model, attn, buffers, capture_sizes
@@ -876,6 +891,7 @@ WRONG = [  # part, owner, name, the wrong piece, words its part's failure messag
     ("replay", DecodeGraphs, "run", _none_check_after_filling, "left the static buffers"),
     ("replay", DecodeGraphs, "run", _fills_only_the_real_rows, "padding rows"),
     ("replay", DecodeGraphs, "__init__", _no_warm_up, "without a warm-up"),
+    ("replay", DecodeGraphs, "step", _keeps_the_metadata, "back to None"),
     ("replay", DecodeGraphs, "__init__", _captures_outside_inference_mode, "outside torch.inference_mode()"),
     ("runner", CUDAGraphModelRunner, "forward_logits", _always_eager, "expected [["),
     ("runner", CUDAGraphModelRunner, "forward_logits", _no_eager_fallback, "run the step eagerly"),
