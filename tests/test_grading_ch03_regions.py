@@ -29,7 +29,6 @@ import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -469,10 +468,10 @@ def test_ch03_ex2_wrong_answers_lose_their_part(name, tiny):
     at least: the scripted loop or the tiny model's tokens); the checks of the other parts (which run the
     grader's pieces in place of that part) still pass."""
     part, wrong = WRONG[name]
-    CHECKS = {PAD: [check_padding], MASK: [partial(check_mask, torch.float64)],
+    checks_of = {PAD: [check_padding], MASK: [partial(check_mask, torch.float64)],
               LOOP: [check_loop, partial(check_generate, tiny)]}
     failed = []
-    for check in CHECKS[part]:
+    for check in checks_of[part]:
         with graded(part, wrong):
             try:
                 check()
@@ -480,7 +479,7 @@ def test_ch03_ex2_wrong_answers_lose_their_part(name, tiny):
                 _expect("ch03_ex2" in str(e), str(e))
                 failed.append(check)
     _expect(bool(failed), f"{name}: a wrong answer passed the checks of its part ({part})")
-    for other, checks in CHECKS.items():
+    for other, checks in checks_of.items():
         if other != part:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(sb, _PARTS[part][0], wrong)
