@@ -10,14 +10,17 @@ filled part passes whatever state the others are in. Random inputs are derandomi
 
 What is checked is the contract, never this chapter's code:
 * the padded batch: shapes and dtypes, each row ending with its prompt, padding ids, real positions
-  counting from 0 at each prompt's first token, padding positions valid, the ValueErrors;
+  counting from 0 at each prompt's first token, padding positions valid, the tensors on the device
+  asked for (`meta`: no GPU needed), the ValueErrors (no prompts: a message that names the prompts);
 * the mask: every real row of `padded_attention` equals `attention_reference` on that row alone
   (float64, float32, bfloat16), and nothing is NaN (padding queries included);
 * the loop: scripted models make each row's tokens known in advance; a row stops at `max_tokens` or
-  at EOS (kept) unless `ignore_eos`, a finished row gains no token, and the batch stops after its last row;
+  at EOS (kept) unless `ignore_eos`, a finished row gains no token (whatever it is fed), the batch stops
+  after its last row, and the result reports each row's prompt and padding lengths and one time per pass;
 * end to end: the tiny model (float64) through a padded prefill and decode gives each prompt's own
   transformers logits; `static_generate` gives transformers' greedy tokens cut at EOS or `max_tokens`,
-  and seeded rows what each draws alone.
+  and in a batch that mixes greedy rows with seeded rows of other temperatures, each row what it gives
+  alone.
 The tests at the end show that plausible wrong answers lose exactly their part's points.
 """
 from __future__ import annotations
@@ -26,7 +29,6 @@ import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,8 +55,14 @@ def _expect(ok: bool, message: str) -> None:
 
 
 # --- the grader's stand-ins ----------------------------------------------------------------------
-def _grader_pad_batch(prompts, pad_token_id: int = 0, device="cpu") -> sb.PaddedBatch:
-    """Left padding written row by row (padding positions 0)."""
+def _grader_pad_batch(prompts, pad_token_id: int = 0, device="cpu", mistake: str = "") -> sb.PaddedBatch:
+    """Left padding written row by row (padding positions 0). `mistake`: a wrong answer for the tests at the
+    end ("device ignored": tensors always on the CPU; "no prompts unchecked": max()'s own ValueError)."""
+    if not prompts and mistake != "no prompts unchecked":
+        raise ValueError("pad_batch needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("pad_batch got an empty prompt")
+    device = "cpu" if mistake == "device ignored" else device
     width = max(len(p) for p in prompts)
     rows, pos = [], []
     for p in prompts:
@@ -78,9 +86,9 @@ def _grader_padded_attention(q, k, v, pad_lens, scale):
     return out
 
 
-def _grader_static_generate(model, prompts, sampling_params, eos_token_id=None, pad_token_id=0,
-                            keep_finished=False):
-    """The loop, with a set of live rows (`keep_finished`: the wrong answer whose finished rows go on)."""
+def _grader_static_generate(model, prompts, sampling_params, eos_token_id=None, pad_token_id=0, mistake: str = ""):
+    """The loop, with a set of live rows. `mistake`: a wrong answer for the tests at the end ("finished rows go
+    on", "row 0's temperature", "padded prompt_lens", "no pad_lens", "no step_times")."""
     params = sb._per_request(sampling_params, len(prompts))
     device = model.lm_head.weight.device
     batch = sb.pad_batch(prompts, pad_token_id, device)
@@ -97,17 +105,22 @@ def _grader_static_generate(model, prompts, sampling_params, eos_token_id=None, 
         last = model.compute_logits(h.view(len(prompts), -1, h.shape[-1])[:, -1])
         feed = []
         for b, p in enumerate(params):
-            if b not in live and not keep_finished:
+            if b not in live and mistake != "finished rows go on":
                 feed.append(pad_token_id)
                 continue
-            tok = sample(last[b], p.temperature, gens[b])
+            tok = sample(last[b], (params[0] if mistake == "row 0's temperature" else p).temperature, gens[b])
             outs[b].append(tok)
             feed.append(tok)
             if len(outs[b]) >= p.max_tokens or (tok == eos_token_id and not p.ignore_eos):
                 live.discard(b)
         times.append(time.perf_counter() - t0)
         ids, pos = torch.tensor(feed, dtype=torch.int64, device=device)[:, None], pos[:, -1:] + 1
-    return sb.StaticBatchResult(outs, batch.pad_lens.tolist(), [len(p) for p in prompts], len(times), times)
+    pad_lens, prompt_lens = batch.pad_lens.tolist(), [len(p) for p in prompts]
+    if mistake == "padded prompt_lens":
+        prompt_lens = [width] * len(prompts)
+    if mistake == "no pad_lens":
+        pad_lens = [0] * len(prompts)
+    return sb.StaticBatchResult(outs, pad_lens, prompt_lens, len(times), [] if mistake == "no step_times" else times)
 
 
 # part -> (name in the module, the grader's piece). `graded` reads this table, never `STAND_INS`, which
@@ -162,12 +175,22 @@ def check_padding() -> None:
             _expect(all(0 <= x < width for x in pos[:pad]), f"{at}row {b}'s padding positions {pos[:pad]} should be "
                     f"valid positions in [0, {width})")
     run()
-    for bad in ([], [[1, 2], []]):
+    try:  # the meta device: tensors with a device and no data, so the CPU can check that `device` is used
+        batch = sb.pad_batch([[7, 8], [9]], 0, device="meta")
+    except Exception as e:  # noqa: BLE001 - the message names what was raised
+        raise AssertionError(f"ch03_ex2: pad_batch([[7, 8], [9]], 0, device='meta') raised {type(e).__name__}: {e} "
+                             "(build the tensors on `device`, never reading their values back)") from e
+    devices = [getattr(getattr(batch, n), "device", None) for n in ("input_ids", "positions", "pad_lens")]
+    _expect(all(d is not None and d.type == "meta" for d in devices), f"ch03_ex2: pad_batch(..., device='meta') "
+            f"should put input_ids, positions and pad_lens on the meta device, got {devices}")
+    for bad, what in (([], "no prompts"), ([[1, 2], []], "an empty prompt")):
         try:
             sb.pad_batch(bad)
-        except ValueError:
+        except ValueError as e:
+            _expect(what != "no prompts" or "prompt" in str(e).lower(), f"ch03_ex2: pad_batch([]) raised "
+                    f"ValueError({str(e)!r}); say what is wrong: a message with the word 'prompt'")
             continue
-        raise AssertionError(f"ch03_ex2: pad_batch({bad}) should raise ValueError (no prompts, or an empty prompt)")
+        raise AssertionError(f"ch03_ex2: pad_batch({bad}) should raise ValueError ({what})")
 
 
 @pytest.mark.ch03
@@ -267,22 +290,37 @@ def test_ch03_ex2_padded_attention_equals_each_row_alone(dtype):
 VOCAB = 16
 
 
-class _ScriptedModel:
+class _ScriptedModel(torch.nn.Module):
     """A stand-in for the decoder whose greedy next token is `NEXT[last token]`, whatever the batch:
-    each row's tokens are known in advance. It has what `static_generate` reads of a model, and counts
-    the columns it is fed (`fed`: per pass, the ids of the last column)."""
+    each row's tokens are known in advance. It is shaped like our `LlamaForCausalLM` (a transformers
+    `LlamaConfig`, `lm_head`, `model.embed_tokens`, `model.layers[i].self_attn` with its `scale`, heads
+    and `head_dim`, float64 parameters on the CPU), its hidden states `[N, hidden_size]` one-hot rows of
+    the ids fed, and counts the columns it is fed (`fed`: per pass, the ids of the last column)."""
 
     def __init__(self, seed: int):
+        from transformers import LlamaConfig
+
+        super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.next = torch.randint(0, VOCAB, (VOCAB,), generator=g)
-        self.lm_head = SimpleNamespace(weight=torch.zeros(1))
-        self.config = SimpleNamespace(max_position_embeddings=4096)
-        self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(scale=1.0))])
+        self.config = LlamaConfig(vocab_size=VOCAB, hidden_size=VOCAB, intermediate_size=2 * VOCAB,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=VOCAB // 2,
+                                  max_position_embeddings=4096)
+        c = self.config
+        self.lm_head = torch.nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float64)
+        attn = torch.nn.Module()
+        attn.num_heads, attn.num_kv_heads, attn.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        attn.scale = c.head_dim ** -0.5
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(c.vocab_size, c.hidden_size, dtype=torch.float64)
+        self.model.layers = torch.nn.ModuleList([layer])
         self.fed: list[list[int]] = []
 
-    def __call__(self, ids, positions, cache):
+    def forward(self, ids, positions, cache):
         self.fed.append(ids.tolist())
-        return torch.nn.functional.one_hot(ids, VOCAB).double()  # [N, VOCAB] as the "hidden states"
+        return torch.nn.functional.one_hot(ids, VOCAB).double()  # [N, hidden_size] as the "hidden states"
 
     def compute_logits(self, hidden):
         return torch.nn.functional.one_hot(self.next[hidden.argmax(-1)], VOCAB).double()
@@ -320,6 +358,15 @@ def check_loop() -> None:
         steps = max(map(len, want))
         _expect(res.num_steps == steps and len(model.fed) == steps, f"ch03_ex2: the batch should run {steps} forward "
                 f"passes (until its last row is done), ran {len(model.fed)} (num_steps {res.num_steps})")
+        lens = [len(p) for p in prompts]
+        pads = [max(lens) - n for n in lens]
+        _expect(list(res.prompt_lens) == lens and [int(x) for x in res.pad_lens] == pads, f"ch03_ex2: prompts of "
+                f"lengths {lens}: the result should report prompt_lens {lens} and pad_lens {pads}, got "
+                f"{list(res.prompt_lens)} and {list(res.pad_lens)}")
+        times = list(res.step_times)
+        _expect(len(times) == steps and all(isinstance(t, float) and t > 0 for t in times), f"ch03_ex2: step_times "
+                f"should hold the seconds of each of the {steps} forward passes (positive floats, prefill first), "
+                f"got {times}")
         for step, fed in enumerate(model.fed[1:], start=1):
             for b, w in enumerate(want):
                 if step < len(w):  # a finished row may be fed anything: its output is thrown away
@@ -336,13 +383,11 @@ def test_ch03_ex2_rows_finish_by_the_rule():
         check_loop()
 
 
-@pytest.mark.ch03
-@pytest.mark.ch03_ex2
-@pytest.mark.group(LOOP)
-def test_ch03_ex2_static_generate_equals_transformers(tiny):
+def check_generate(tiny) -> None:
     """The tiny model (float64, no near-tie can flip) with an EOS token it produces: each request's
     tokens are transformers' greedy tokens cut at EOS (kept) or `max_tokens`; `ignore_eos` runs past EOS;
-    seeded rows draw what each draws alone (chapter 02's `naive_generate`)."""
+    in a batch that mixes greedy rows with seeded rows of other temperatures, max_tokens and ignore_eos,
+    each row gives what it gives alone (transformers', or chapter 02's `naive_generate` for a seeded row)."""
     from minivllm.baselines.naive import naive_generate
 
     model, hf = tiny
@@ -357,17 +402,33 @@ def test_ch03_ex2_static_generate_equals_transformers(tiny):
         out = out[:sp.max_tokens]
         want.append(out if sp.ignore_eos or eos not in out else out[:out.index(eos) + 1])
     assert any(len(w) < sp.max_tokens for w, sp in zip(want, params)), "grader setup: no request stops at EOS"
+    # greedy rows 0, 2, 3, 5 as above; rows 1 and 4 seeded, at temperatures 0.8 and 1.5
+    mixed = list(params)
+    mixed[1] = SamplingParams(temperature=0.8, max_tokens=5, seed=1)
+    mixed[4] = SamplingParams(temperature=1.5, max_tokens=7, seed=4, ignore_eos=True)
     with graded(LOOP):
         res = sb.static_generate(model, prompts, params, eos_token_id=eos)
-        seeded = [SamplingParams(temperature=0.8, max_tokens=5 + i, seed=i) for i in range(3)]
-        drawn = sb.static_generate(model, prompts[:3], seeded).outputs
+        drawn = sb.static_generate(model, prompts, mixed, eos_token_id=eos).outputs
     for i, (got, w) in enumerate(zip(res.outputs, want)):
         _expect(got == w, f"ch03_ex2: request {i} (max_tokens={params[i].max_tokens}, ignore_eos="
                 f"{params[i].ignore_eos}, eos {eos}): static_generate gave {got}, transformers' greedy tokens cut "
                 f"by the rule are {w}")
-    alone = [naive_generate(model, p, sp) for p, sp in zip(prompts[:3], seeded)]
-    _expect(drawn == alone, f"ch03_ex2: seeded rows (temperature 0.8, seeds 0, 1, 2) should draw what each draws "
-            f"alone, {alone}; got {drawn} (each row samples with its own generator)")
+    alone = [naive_generate(model, p, sp, eos) if sp.seed is not None else w for p, sp, w in zip(prompts, mixed, want)]
+    greedy = [naive_generate(model, prompts[i], SamplingParams(max_tokens=mixed[i].max_tokens,
+                                                               ignore_eos=mixed[i].ignore_eos), eos) for i in (1, 4)]
+    assert greedy != [alone[1], alone[4]], "grader setup: the seeded rows draw their greedy tokens"
+    for i, (got, w) in enumerate(zip(drawn, alone)):
+        sp = mixed[i]
+        _expect(got == w, f"ch03_ex2: a batch of greedy and seeded rows, row {i} (temperature {sp.temperature}, seed "
+                f"{sp.seed}, max_tokens={sp.max_tokens}, ignore_eos={sp.ignore_eos}, eos {eos}) should give what it "
+                f"gives alone, {w}; got {got} (each row samples with its own temperature and generator)")
+
+
+@pytest.mark.ch03
+@pytest.mark.ch03_ex2
+@pytest.mark.group(LOOP)
+def test_ch03_ex2_static_generate_equals_transformers(tiny):
+    check_generate(tiny)
 
 
 # --- ch03_ex2: wrong answers lose exactly their part ------------------------------------------------
@@ -390,25 +451,35 @@ def _mask_sees_padding(q, k, v, pad_lens, scale):
 
 
 WRONG = {"right padding without shifted positions": (PAD, _right_padding),
+         "tensors on the CPU whatever the device": (PAD, partial(_grader_pad_batch, mistake="device ignored")),
+         "no prompts: max()'s ValueError": (PAD, partial(_grader_pad_batch, mistake="no prompts unchecked")),
          "a mask that lets padding be attended": (MASK, _mask_sees_padding),
-         "a finished row that keeps generating": (LOOP, partial(_grader_static_generate, keep_finished=True))}
-CHECKS = {PAD: [check_padding], MASK: [partial(check_mask, torch.float64)], LOOP: [check_loop]}
+         "a finished row that keeps generating": (LOOP, partial(_grader_static_generate, mistake="finished rows go on")),
+         "every row sampled at row 0's temperature": (LOOP, partial(_grader_static_generate,
+                                                                    mistake="row 0's temperature")),
+         "prompt_lens of the padded width": (LOOP, partial(_grader_static_generate, mistake="padded prompt_lens")),
+         "pad_lens not reported": (LOOP, partial(_grader_static_generate, mistake="no pad_lens")),
+         "step_times never filled": (LOOP, partial(_grader_static_generate, mistake="no step_times"))}
 
 
 @pytest.mark.parametrize("name", list(WRONG))
-def test_ch03_ex2_wrong_answers_lose_their_part(name):
-    """Each wrong answer, in place of the package's piece, fails the checks of its own part; the checks
-    of the other parts (which run the grader's pieces in place of that part) still pass."""
+def test_ch03_ex2_wrong_answers_lose_their_part(name, tiny):
+    """Each wrong answer, in place of the package's piece, fails the checks of its own part (one of them
+    at least: the scripted loop or the tiny model's tokens); the checks of the other parts (which run the
+    grader's pieces in place of that part) still pass."""
     part, wrong = WRONG[name]
-    for check in CHECKS[part]:
+    checks_of = {PAD: [check_padding], MASK: [partial(check_mask, torch.float64)],
+              LOOP: [check_loop, partial(check_generate, tiny)]}
+    failed = []
+    for check in checks_of[part]:
         with graded(part, wrong):
             try:
                 check()
             except AssertionError as e:
                 _expect("ch03_ex2" in str(e), str(e))
-            else:
-                raise AssertionError(f"{name}: a wrong answer passed the checks of its part ({part})")
-    for other, checks in CHECKS.items():
+                failed.append(check)
+    _expect(bool(failed), f"{name}: a wrong answer passed the checks of its part ({part})")
+    for other, checks in checks_of.items():
         if other != part:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(sb, _PARTS[part][0], wrong)

@@ -47,7 +47,8 @@ def pad_batch(prompts: list[list[int]], pad_token_id: int = 0, device: str | tor
     Args:
         prompts: `batch_size` non-empty lists of token ids.
         pad_token_id: the id written in padding slots (never attended to, so any id works).
-        device: where the tensors live.
+        device: where the tensors are built (any torch device, `meta` included: build them there, never
+            reading their values back).
     Returns:
         A `PaddedBatch`: int64 tensors on `device`, row b = `pad_lens[b]` padding ids then prompt b;
         positions 0, 1, ... from each prompt's first token, `PAD_POSITION` in padding slots.
@@ -199,13 +200,13 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
                     eos_token_id: int | None = None, pad_token_id: int = 0) -> StaticBatchResult:
     """Generate for a whole batch at once, the way servers did before continuous batching (Orca).
 
-    The prompts are left-padded (`pad_batch`) and prefilled together in one forward pass through a
-    `StaticBatchKVCache` of `max_prompt_len + max(max_tokens)` columns; each pass samples row b's next
-    token from the last column's logits (`sample`, with the row's temperature and its own generator when
-    seeded). Then every decode step feeds one column, at the position after each row's last: each
-    unfinished row its newest token, a finished row any id (`pad_token_id`: computed, then thrown away).
-    Row b is finished after `max_tokens` tokens, or after the EOS token (kept) unless `ignore_eos`; the
-    loop stops when every row is finished (Orca's request-level batching).
+    The prompts are left-padded (`pad_batch`) and prefilled in one pass through a `StaticBatchKVCache` of
+    `max_prompt_len + max(max_tokens)` columns and the model's scale (`model.model.layers[0].self_attn.scale`,
+    as chapter 02's `naive_generate`); each pass samples row b's next token from the last column's logits
+    (`sample`, with the row's temperature and its own generator when seeded). Each decode step feeds one
+    column at the position after each row's last: an unfinished row its newest token, a finished row any
+    id (`pad_token_id`: computed, then thrown away). Row b is finished after `max_tokens` tokens, or after
+    the EOS token (kept) unless `ignore_eos`; the loop stops after its last row finishes (Orca's request-level batching).
 
     Args:
         model: our decoder. prompts: token-id lists, each non-empty.
@@ -214,7 +215,7 @@ def static_generate(model: LlamaForCausalLM, prompts: list[list[int]],
         eos_token_id: a request stops after producing it (unless `ignore_eos`).
         pad_token_id: the id in padding slots.
     Returns:
-        A `StaticBatchResult`: the outputs in input order, lengths and step times.
+        A `StaticBatchResult`: the outputs in input order, prompt_lens, pad_lens, num_steps, step_times.
     Raises:
         ValueError: no or empty prompts, a sampling_params list of the wrong length, or padded
             prompt + max_tokens beyond the model's `max_position_embeddings`.
