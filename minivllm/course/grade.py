@@ -414,7 +414,7 @@ def crash_message(returncode: int) -> str | None:
 def _crashed(outcomes: dict[str, dict], crash: str) -> None:
     """Rewrite the "did not run" messages of a run that `crash` ended: the test that was running when the
     process died (`started`) says it crashed there, the ones after it that they never ran because of it."""
-    notrun = [n for n, o in outcomes.items() if o["outcome"] == "notrun" and not o.get("gpu_absent")]
+    notrun = [n for n, o in outcomes.items() if _not_run(o)]
     running = next((n for n in notrun if outcomes[n].get("started")), None)
     for n in notrun:
         if n == running:
@@ -683,8 +683,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
         outcomes.update({n: o for n, o in found.items() if set(o["exercises"]) & set(ids_here)})
         if r.returncode or not found:
             logs.append(r)
-        if r.returncode not in (0, 1, 5) or any(o["outcome"] == "notrun" and not o.get("gpu_absent")
-                                                for o in found.values()):
+        if r.returncode not in (0, 1, 5) or any(_not_run(o) for o in found.values()):
             stopped.append(f"the grading run of {', '.join(ids_here)} stopped before it finished (exit status "
                            f"{r.returncode}{': it crashed, ' + crash if crash else ''}): the tests it did not finish score nothing")
     report = {"root": str(root), "impl": impl, "exercises": {}, "total": 0, "max_total": 0}
