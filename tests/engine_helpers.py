@@ -145,6 +145,15 @@ def require_cpu_kernel():
     return require_built(cpu_decode_kernel(), "the C++ CPU decode kernel")
 
 
+def float32_cpu_linear() -> type:
+    """The class the engine's model runner gives float32 linear layers on this CPU: chapter 02's
+    `PanelLinear` where its C++ GEMM runs (AVX-512), else oneDNN's `PackedLinear`."""
+    from minivllm.model_executor.layers.cpu_gemm import PanelLinear, cpu_gemm
+    from minivllm.model_executor.layers.linear import PackedLinear
+
+    return PanelLinear if cpu_gemm() is not None else PackedLinear
+
+
 def require_built(kernel, what: str):
     """`kernel` (a C++ library's function or module) if it is not None; else skip the calling test,
     or fail it under `MINIVLLM_REQUIRE_CPU_KERNEL=1` (CI, where every C++ kernel must build)."""

@@ -225,6 +225,7 @@ def test_tiny_temperatures_are_greedy(tiny_llama):
 
 # --- oneDNN-packed linear layers (the engine's CPU fast path) ------------------------------------
 
+from engine_helpers import float32_cpu_linear  # noqa: E402
 from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported, pack_linear_layers  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_supported(torch.float32),
@@ -284,7 +285,8 @@ def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
 
     folder, _ = tiny_llama
     f32 = LLM(str(folder), dtype="float32", num_kvcache_blocks=8).llm_engine.model_runner.model
-    assert isinstance(f32.lm_head, PackedLinear) and isinstance(f32.model.layers[0].mlp.down_proj, PackedLinear)
+    fast = float32_cpu_linear()  # chapter 02's own GEMM where the CPU has AVX-512, else oneDNN's
+    assert isinstance(f32.lm_head, fast) and isinstance(f32.model.layers[0].mlp.down_proj, fast)
     f64 = LLM(str(folder), dtype="float64", num_kvcache_blocks=8).llm_engine.model_runner.model
     assert isinstance(f64.lm_head, torch.nn.Linear)
     assert ModelRunner.pack_cpu_linears is True

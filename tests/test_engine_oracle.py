@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 
-from engine_helpers import check_invariants, hf_greedy, make_model, one_thread, random_prompts, run_engine
+from engine_helpers import (check_invariants, float32_cpu_linear, hf_greedy, make_model, one_thread, random_prompts,
+                            run_engine)
 from minivllm.attention.backend import ContiguousAttention
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.core.kv_cache_manager import ContiguousBlockManager
-from minivllm.model_executor.layers.linear import PackedLinear, onednn_packing_supported
+from minivllm.model_executor.layers.linear import onednn_packing_supported
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
@@ -182,8 +183,8 @@ def test_default_model_chat_greedy_text_equals_transformers():
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_tokens=40)
     llm = LLM(None, dtype="float32", max_model_len=2048)
-    if onednn_packing_supported(torch.float32):  # so this test also covers the oneDNN-packed layers
-        assert isinstance(llm.llm_engine.model_runner.model.lm_head, PackedLinear)
+    if onednn_packing_supported(torch.float32):  # so this test also covers the CPU's fast linear layers
+        assert isinstance(llm.llm_engine.model_runner.model.lm_head, float32_cpu_linear())
     outs = llm.chat(conversations, params, use_tqdm=False)
     check_invariants(llm.llm_engine)
     tok = llm.get_tokenizer()
@@ -255,9 +256,10 @@ def test_microbatches_cut_in_order_under_the_limit():
 
 @pytest.mark.skipif(not onednn_packing_supported(torch.float32), reason="no oneDNN float32 linear here")
 def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monkeypatch):
-    """The engine's real CPU path (float32, oneDNN-packed layers) with prefill passes of one sequence
-    each and with no limit: oneDNN's rows do not depend on how many rows it is given, so the greedy
-    tokens must be identical (not just close)."""
+    """The engine's real CPU path (float32, chapter 02's C++ GEMM where the CPU has AVX-512, else
+    oneDNN-packed layers) with prefill passes of one sequence each and with no limit: neither
+    kernel's rows depend on how many rows it is given, so the greedy tokens must be identical (not
+    just close)."""
     from minivllm.worker.model_runner import ModelRunner
 
     folder, _, prompts, max_tokens, _ = oracle
@@ -265,7 +267,7 @@ def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monke
     for limit in (None, 1):
         monkeypatch.setattr(ModelRunner, "prefill_microbatch_tokens", limit)
         engine = default_engine(folder, dtype="float32", max_model_len=MAX_MODEL_LEN)
-        assert isinstance(engine.model_runner.model.lm_head, PackedLinear)
+        assert isinstance(engine.model_runner.model.lm_head, float32_cpu_linear())
         outs[limit] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, _params(max_tokens))]
     assert outs[None] == outs[1]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .workload import Workload
+from ..model_executor.layers.cpu_gemm import PanelLinear
 from ..model_executor.layers.linear import PackedLinear
 from ..model_executor.models.llama import MODEL_REGISTRY
 
@@ -150,6 +151,9 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     if PackedLinear.can_pack(linear):
         packed = PackedLinear(linear)
         paths["PackedLinear"] = lambda: packed(a)
+    if PanelLinear.can_pack(linear):  # chapter 02's own float32 kernel: the engine's path where it applies
+        panel = PanelLinear(linear)
+        paths["PanelLinear"] = lambda: panel(a)
     times = {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}  # each path's best time
     fastest = min(times, key=times.get)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)

@@ -10,9 +10,6 @@ import torch
 
 from ..attention.backend import AttentionMetadata, ContiguousAttention
 from ..core.kv_cache_manager import slot_mapping
-from ..model_executor.layers.linear import pack_linear_layers
-from ..model_executor.models.fused_qkv import fuse_qkv_projections
-from ..model_executor.models.fused_layers import fuse_small_ops
 from ..sample.generator import make_generator, sample
 from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
@@ -63,7 +60,7 @@ def split_prefill(seqs: list[Sequence], limit: int | None) -> list[list[Sequence
 
 # %% auto #0
 __all__ = ['PREFILL_MICROBATCH_TOKENS', 'SAMPLE_BATCH_FIELDS', 'prepare_batch', 'split_prefill', 'sample_batch',
-           'kv_cache_bytes_per_token', 'ModelRunner']
+           'kv_cache_bytes_per_token', 'prepare_cpu_model', 'ModelRunner']
 
 # %% ../../notebooks/04_scheduler.ipynb #bb3e6035
 SAMPLE_BATCH_FIELDS = frozenset({"temperature", "seed"})  # the SamplingParams fields `sample_batch` acts on
@@ -139,6 +136,27 @@ class _CacheAndPrompts:
         no_cache = lambda layer_idx, q, k, v: attention_reference(q, k, v, scale, causal=True)  # noqa: E731
         return self.model.compute_logits(self.model(ids, torch.arange(len(ids), device=self.device), no_cache))
 
+# %% ../../notebooks/04_scheduler.ipynb #ac8af34b
+from ..model_executor.layers.cpu_gemm import use_panel_linear
+from ..model_executor.layers.linear import pack_linear_layers
+from ..model_executor.models.fused_layers import fuse_small_ops
+from ..model_executor.models.fused_qkv import fuse_qkv_projections
+
+
+def prepare_cpu_model(model: LlamaForCausalLM, pack_linears: bool = True, cpu_gemm: bool = True,
+                      fuse_ops: bool = True) -> None:
+    """Put a loaded CPU model on chapter 02's faster paths, in place. `pack_linears`: fuse q/k/v
+    (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 (`cpu_gemm`,
+    appendix C) and the rest on oneDNN (float64 and float16 layers stay `nn.Linear`); `fuse_ops`:
+    the small ops in C++ (appendix B; float32 and bfloat16 only)."""
+    if pack_linears:
+        fuse_qkv_projections(model)
+        if cpu_gemm:
+            use_panel_linear(model)
+        pack_linear_layers(model)
+    if fuse_ops:
+        fuse_small_ops(model)
+
 # %% ../../notebooks/04_scheduler.ipynb #7fd079f0
 class ModelRunner(_RequestSampling, _CacheAndPrompts):
     """Runs one scheduled batch through the model and samples one token per sequence.
@@ -150,14 +168,14 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
-        pack_cpu_linears: class switch (True): on CPU, use chapter 02's oneDNN-packed linear layers,
-            with each attention layer's q, k and v projections fused into one (`fuse_qkv_projections`).
-        fuse_cpu_small_ops: class switch (True): on CPU, chapter 02's C++ small ops (`fuse_small_ops`).
+        pack_cpu_linears, cpu_gemm, fuse_cpu_small_ops: class switches (True), the arguments of
+            `prepare_cpu_model` on CPU: chapter 02's fast linear layers, its C++ GEMM, its fused small ops.
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
         sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
 
     pack_cpu_linears = True
+    cpu_gemm = True
     fuse_cpu_small_ops = True
     prefill_microbatch_tokens: int | None = PREFILL_MICROBATCH_TOKENS
 
@@ -165,11 +183,8 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         self.model, self.block_manager = model, block_manager
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        if self.pack_cpu_linears and self.device.type == "cpu":
-            fuse_qkv_projections(model)  # one product for q, k and v (chapter 02's appendix A)
-            pack_linear_layers(model)  # float64/float16 models are left as they are
-        if self.fuse_cpu_small_ops and self.device.type == "cpu":
-            fuse_small_ops(model)  # the small ops in C++ (chapter 02's appendix B); float32 and bfloat16 only
+        if self.device.type == "cpu":
+            prepare_cpu_model(model, self.pack_cpu_linears, self.cpu_gemm, self.fuse_cpu_small_ops)
         self.kv_cache = self.allocate_kv_cache(block_manager.num_blocks, block_manager.block_size)
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)

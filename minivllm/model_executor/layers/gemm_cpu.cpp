@@ -1,0 +1,141 @@
+// A float32 matrix multiply for linear layers on CPUs with AVX-512 (chapter 02, appendix C):
+// out[M, N] = x[M, K] @ weight[N, K]^T (+ bias), written for the few rows of a decode step.
+//
+// The weight is packed once into panels of 64 output columns, [ceil(N / 64), K, 64], so a panel
+// is one contiguous stream of memory. A micro-kernel keeps a 6 x 64 block of the output in 24
+// AVX-512 registers and, for each k, loads 64 weights and multiplies them with 6 broadcast inputs
+// (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
+// blocks of at most 128 so the block of a panel being read stays in the L1 cache while every 6-row chunk
+// of x passes over it; meanwhile each chunk prefetches a share of the next block, so the next
+// weights come from memory while these are multiplied. Threads split the panels (and, for many
+// rows, blocks of rows): each reads only its own share of the weight.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static constexpr int64_t PANEL = 64;    // output columns per panel: 4 AVX-512 vectors of 16 floats
+static constexpr int64_t MR = 6;        // rows per micro-kernel call: 6 x 4 = 24 accumulators
+static constexpr int64_t KC_FEW = 128;  // most k per block for up to MC_MAX rows: 128 x 64 floats, 32 KiB (L1)
+static constexpr int64_t KC_MANY = 256; // for more rows: fewer reloads of the accumulators
+static constexpr int64_t MC_MAX = 96;   // rows per row block, for many rows (prefill)
+static constexpr int64_t LINE = 64;     // bytes per cache line
+
+// [N, K] -> [ceil(N / 64), K, 64], zero columns past N.
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_weight: a 2-D float32 weight");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + PANEL - 1) / PANEL;
+  auto padded = torch::zeros({panels * PANEL, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, PANEL, k}).transpose(1, 2).contiguous();
+}
+
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+// out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns past `cols` are neither
+// read nor written. `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
+// from `pf` on are prefetched, spread over the k loop.
+template <int R>
+static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* out, int64_t ldo,
+                                int64_t cols, const float* bias, bool first, const char* pf, int64_t pf_lines) {
+  __mmask16 mask[4];
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
+    mask[j] = __mmask16((1u << c) - 1u);
+  }
+  const int64_t pf_per_k = (pf_lines + kc - 1) / kc;
+  __m512 acc[R][4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 start = (first && bias) ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      acc[r][j] = first ? start : _mm512_maskz_loadu_ps(mask[j], out + r * ldo + 16 * j);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t l = k * pf_per_k, l1 = std::min(pf_lines, l + pf_per_k); l < l1; ++l)
+      _mm_prefetch(pf + LINE * l, _MM_HINT_T0);
+    const float* wk = w + k * PANEL;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask[j], acc[r][j]);
+}
+
+using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
+                             bool, const char*, int64_t);
+static constexpr MicroKernel MICRO_KERNELS[MR + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>,
+                                                      micro_kernel<3>, micro_kernel<4>, micro_kernel<5>,
+                                                      micro_kernel<6>};
+#endif
+
+// x [M, K] float32 contiguous, packed [P, K, 64] from pack_weight, bias [N] or None -> [M, N].
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t n) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
+              "linear: packed weight of shape ", packed.sizes(), " does not fit x of shape ", x.sizes());
+  TORCH_CHECK(n > (packed.size(0) - 1) * PANEL && n <= packed.size(0) * PANEL, "linear: ", n, " columns do not fit ", packed.size(0), " panels");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32, "linear: bias must be float32 [", n, "]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const float* X = x.data_ptr<float>();
+  const float* W = packed.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const char* w_end = reinterpret_cast<const char*>(W + panels * k * PANEL);
+  const int64_t row_blocks = (m + MC_MAX - 1) / MC_MAX;
+  const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
+  const int64_t most = m <= MC_MAX ? KC_FEW : KC_MANY, k_blocks = (k + most - 1) / most;
+  const int64_t kc_block = (k + k_blocks - 1) / k_blocks;  // equal blocks of at most `most`
+  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item % panels, m0 = item / panels * mc, m1 = std::min(m, m0 + mc);
+      const int64_t chunks = (m1 - m0 + MR - 1) / MR, cols = std::min(PANEL, n - p * PANEL);
+      for (int64_t k0 = 0; k0 < k; k0 += kc_block) {
+        const int64_t kc = std::min(kc_block, k - k0);
+        const float* w = W + (p * k + k0) * PANEL;
+        // the next block of the stream (the next panel's first, after the last), shared among the chunks
+        const char* pf = reinterpret_cast<const char*>(w + kc * PANEL);
+        const int64_t lines = pf < w_end ? kc * PANEL * int64_t(sizeof(float)) / LINE : 0;
+        const int64_t per_chunk = (lines + chunks - 1) / chunks;
+        for (int64_t r = m0, c = 0; r < m1; r += MR, ++c) {
+          const int64_t pf_lines = std::clamp<int64_t>(lines - per_chunk * c, 0, per_chunk);
+          MICRO_KERNELS[std::min(MR, m1 - r)](X + r * k + k0, k, w, kc, O + r * n + p * PANEL, n, cols, b ? b + p * PANEL : nullptr, k0 == 0,
+                                              pf + LINE * per_chunk * c, pf_lines);
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear: this library was built without AVX-512");
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "[N, K] float32 -> [ceil(N/64), K, 64] panels");
+  m.def("linear", &linear, "x [M, K] @ weight^T (+ bias) -> [M, N], from pack_weight's panels");
+  m.def("has_avx512", &has_avx512, "whether this build has the AVX-512 kernel");
+}
