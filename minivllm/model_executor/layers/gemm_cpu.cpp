@@ -6,8 +6,8 @@
 // AVX-512 registers and, for each k, loads 64 weights and multiplies them with 6 broadcast inputs
 // (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
 // blocks of at most 128 so the block of a panel being read stays in the L1 cache while every 6-row chunk
-// of x passes over it; meanwhile each chunk prefetches a share of the next block, so the next
-// weights come from memory while these are multiplied. Threads split the panels (and, for many
+// of x passes over it; meanwhile each chunk prefetches a share of a block two ahead into the L2
+// cache, so the next weights come from memory while these are multiplied. Threads split the panels (and, for many
 // rows, blocks of rows): each reads only its own share of the weight.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,6 +23,7 @@ static constexpr int64_t KC_FEW = 128;  // most k per block for up to MC_MAX row
 static constexpr int64_t KC_MANY = 256; // for more rows: fewer reloads of the accumulators
 static constexpr int64_t MC_MAX = 96;   // rows per row block, for many rows (prefill)
 static constexpr int64_t LINE = 64;     // bytes per cache line
+static constexpr int64_t AHEAD = 2;     // prefetch the block this many blocks ahead in the stream
 
 // [N, K] -> [ceil(N / 64), K, 64], zero columns past N.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
@@ -62,7 +63,7 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
   }
   for (int64_t k = 0; k < kc; ++k) {
     for (int64_t l = k * pf_per_k, l1 = std::min(pf_lines, l + pf_per_k); l < l1; ++l)
-      _mm_prefetch(pf + LINE * l, _MM_HINT_T0);
+      _mm_prefetch(pf + LINE * l, _MM_HINT_T1);  // into L2: L1 holds the block being read
     const float* wk = w + k * PANEL;
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -116,8 +117,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
       for (int64_t k0 = 0; k0 < k; k0 += kc_block) {
         const int64_t kc = std::min(kc_block, k - k0);
         const float* w = W + (p * k + k0) * PANEL;
-        // the next block of the stream (the next panel's first, after the last), shared among the chunks
-        const char* pf = reinterpret_cast<const char*>(w + kc * PANEL);
+        // a block further on in the stream (into the next panel, near the end), shared among the chunks
+        const char* pf = reinterpret_cast<const char*>(w + AHEAD * kc * PANEL);
         const int64_t lines = pf < w_end ? kc * PANEL * int64_t(sizeof(float)) / LINE : 0;
         const int64_t per_chunk = (lines + chunks - 1) / chunks;
         for (int64_t r = m0, c = 0; r < m1; r += MR, ++c) {
