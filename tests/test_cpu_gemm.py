@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+import torch.nn.functional as F
 from torch import nn
 
 from engine_helpers import make_model, require_built, run_engine
@@ -97,6 +98,45 @@ def test_bad_input_is_refused_clearly(gemm):
         PanelLinear(nn.Linear(8, 16).double())
     with pytest.raises(RuntimeError, match="200 columns do not fit 1 panels"):
         gemm.linear(torch.randn(2, 8), gemm.pack_weight(torch.randn(16, 8)), None, 200)  # more columns than panels
+
+
+@torch.inference_mode()
+def test_no_input_features_gives_the_bias(gemm):
+    """K = 0 is a legal `nn.Linear` (F.linear returns the bias, or zeros); the kernel must not divide
+    by its zero K blocks (that killed the process with SIGFPE)."""
+    for bias in (True, False):
+        linear = nn.Linear(0, 70, bias=bias)
+        x = torch.randn(2, 3, 0)
+        assert torch.equal(PanelLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
+    out = gemm.linear(torch.randn(4, 0), gemm.pack_weight(torch.randn(5, 0)), torch.arange(5.0), 5)
+    assert torch.equal(out, torch.arange(5.0).expand(4, 5))
+
+
+def test_inputs_off_the_cpu_are_refused_clearly(gemm):
+    """The kernel reads raw CPU pointers: a tensor on another device must be refused, not read
+    (a CUDA pointer read on the host is a crash). The meta device stands in for any other device."""
+    layer = PanelLinear(nn.Linear(8, 16))
+    with pytest.raises(ValueError, match="runs on the CPU; got x on meta"):
+        layer(torch.randn(2, 8, device="meta"))
+    packed = gemm.pack_weight(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="must be on the CPU"):
+        gemm.linear(torch.randn(2, 8, device="meta"), packed, None, 16)
+    with pytest.raises(RuntimeError, match="bias must be a float32 CPU tensor"):
+        gemm.linear(torch.randn(2, 8), packed, torch.zeros(16, device="meta"), 16)
+    with pytest.raises(RuntimeError, match="a 2-D float32 CPU weight"):
+        gemm.pack_weight(torch.randn(16, 8, device="meta"))
+
+
+def test_no_silent_loss_of_gradients(gemm):
+    """The kernel has no backward: with autograd recording, an input that requires grad is refused
+    (the output would silently leave the graph); under no_grad or inference_mode the same input runs."""
+    layer = PanelLinear(nn.Linear(8, 16))
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="no gradients"):
+        layer(x)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer(x.detach()))
+    assert not layer(x.detach()).requires_grad  # grad mode on, nothing to differentiate: runs
 
 
 def test_swapped_in_only_where_it_applies(gemm, monkeypatch):

@@ -42,7 +42,8 @@ class PanelLinear(nn.Module):
 
     Raises:
         ValueError: in `__init__`, if the layer is not float32 on CPU or the kernel is not available
-            (`cpu_gemm()` is None); in `forward`, if `x` is not float32 or its last dim is not `in_features`.
+            (`cpu_gemm()` is None); in `forward`, if `x` is not float32, not on the CPU, its last dim is not
+            `in_features`, or it requires grad while autograd records (the kernel has no backward).
     """
 
     @staticmethod
@@ -63,9 +64,14 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise ValueError(f"PanelLinear holds float32 weights; got a {x.dtype} input")
+        if x.device.type != "cpu":  # the kernel reads raw CPU pointers
+            raise ValueError(f"PanelLinear runs on the CPU; got x on {x.device}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"PanelLinear takes {self.in_features} input features; got x of shape {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features).contiguous()
+        if x.requires_grad and torch.is_grad_enabled():  # the output would silently leave the graph
+            raise ValueError("PanelLinear is for running only (no gradients): call it under torch.no_grad() "
+                             "or torch.inference_mode(), or on a detached x")
+        rows = x.reshape(x.shape[:-1].numel(), self.in_features).contiguous()  # -1 is ambiguous for K = 0
         out = cpu_gemm().linear(rows, self.panels, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -27,7 +27,7 @@ static constexpr int64_t AHEAD = 2;     // prefetch the block this many blocks a
 
 // [N, K] -> [ceil(N / 64), K, 64], zero columns past N.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_weight: a 2-D float32 weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(), "pack_weight: a 2-D float32 CPU weight");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + PANEL - 1) / PANEL;
   auto padded = torch::zeros({panels * PANEL, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -90,18 +90,24 @@ static constexpr MicroKernel MICRO_KERNELS[MR + 1] = {nullptr,         micro_ker
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      int64_t n) {
 #if defined(__AVX512F__)
+  // the kernel reads raw pointers: a tensor on another device must not get that far
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and the packed weight must be on the CPU; got ",
+              x.device(), " and ", packed.device());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "linear: x must be a contiguous 2-D float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "linear: packed weight of shape ", packed.sizes(), " does not fit x of shape ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+              packed.scalar_type() == torch::kFloat32,
+              "linear: packed weight of shape ", packed.sizes(), " (", packed.scalar_type(), ") does not fit float32 x of shape ", x.sizes());
   TORCH_CHECK(n > (packed.size(0) - 1) * PANEL && n <= packed.size(0) * PANEL, "linear: ", n, " columns do not fit ", packed.size(0), " panels");
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32, "linear: bias must be float32 [", n, "]");
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->device().is_cpu(),
+                "linear: bias must be a float32 CPU tensor [", n, "]");
     b = bias->data_ptr<float>();
   }
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
+  if (k == 0) return b ? out.copy_(bias->reshape({1, n}).expand({m, n})) : out.zero_();  // no K blocks: the bias
   const float* X = x.data_ptr<float>();
   const float* W = packed.data_ptr<float>();
   float* O = out.data_ptr<float>();
