@@ -111,7 +111,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* X = x.data_ptr<float>();
   const float* W = packed.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  const char* w_end = reinterpret_cast<const char*>(W + panels * k * PANEL);
+  const int64_t w_size = panels * k * PANEL;  // floats in the packed weight
   const int64_t row_blocks = (m + MC_MAX - 1) / MC_MAX;
   const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
   const int64_t most = m <= MC_MAX ? KC_FEW : KC_MANY, k_blocks = (k + most - 1) / most;
@@ -123,14 +123,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
       for (int64_t k0 = 0; k0 < k; k0 += kc_block) {
         const int64_t kc = std::min(kc_block, k - k0);
         const float* w = W + (p * k + k0) * PANEL;
-        // a block further on in the stream (into the next panel, near the end), shared among the chunks
-        const char* pf = reinterpret_cast<const char*>(w + AHEAD * kc * PANEL);
-        const int64_t lines = pf < w_end ? kc * PANEL * int64_t(sizeof(float)) / LINE : 0;
+        // a block further on in the stream (into the next panel, near the end), shared among the chunks;
+        // offsets, not pointers, until it is known to lie inside the weight
+        const int64_t pf_at = std::min(w_size, (p * k + k0 + AHEAD * kc) * PANEL);
+        const int64_t lines = std::min(kc * PANEL, w_size - pf_at) * int64_t(sizeof(float)) / LINE;
+        const char* pf = reinterpret_cast<const char*>(W + pf_at);
         const int64_t per_chunk = (lines + chunks - 1) / chunks;
         for (int64_t r = m0, c = 0; r < m1; r += MR, ++c) {
           const int64_t pf_lines = std::clamp<int64_t>(lines - per_chunk * c, 0, per_chunk);
           MICRO_KERNELS[std::min(MR, m1 - r)](X + r * k + k0, k, w, kc, O + r * n + p * PANEL, n, cols, b ? b + p * PANEL : nullptr, k0 == 0,
-                                              pf + LINE * per_chunk * c, pf_lines);
+                                              pf + LINE * std::min(per_chunk * c, lines), pf_lines);
         }
       }
     }
