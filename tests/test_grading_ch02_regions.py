@@ -27,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adapters import failed_checks
@@ -417,20 +417,26 @@ def _causal_mask(n: int) -> torch.Tensor:
 def check_attention(kind: str, max_examples: int = 12) -> None:
     """One attention layer against transformers' (Llama's, Qwen2's or Qwen3's attention module, SDPA,
     with a causal mask) on the same weights and input, at random head counts (grouped-query: 1 or 2
-    K/V heads, 1 to 3 query heads each), head sizes and starting positions, float64 to 1e-10; the
-    backend checks what the layer hands it (see `_GraderBackend`). Then again with the q, k and v
+    K/V heads, 1 to 3 query heads each), head sizes and starting positions (some ending at the
+    model's last position: a layer that shifts every position by a constant computes the same scores,
+    but runs off the rotary table there), float64 to 1e-10; the backend checks what the layer hands
+    it (see `_GraderBackend`). Then again with the q, k and v
     projections fused into one (`fuse_qkv_projections`, as the engine does on a CPU): the heads must
     come from `self.qkv`."""
     from minivllm.model_executor.models.fused_qkv import fuse_qkv_projections
 
     @_derandomized(max_examples)
     @given(n=st.integers(1, 9), num_kv_heads=st.sampled_from([1, 2]), groups=st.integers(1, 3),
-           head_dim=st.sampled_from([8, 16]), start=st.integers(0, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
-    def run(n, num_kv_heads, groups, head_dim, start, bias, seed):
+           head_dim=st.sampled_from([8, 16]), start=st.integers(0, 40), at_the_end=st.booleans(), bias=st.booleans(),
+           seed=st.integers(0, 2**16))
+    @example(n=3, num_kv_heads=1, groups=2, head_dim=8, start=0, at_the_end=True, bias=False, seed=0)
+    def run(n, num_kv_heads, groups, head_dim, start, at_the_end, bias, seed):
         heads = num_kv_heads * groups
         hf, ours = _tiny_pair(kind, seed, num_hidden_layers=1, hidden_size=HIDDEN, num_attention_heads=heads,
                               num_key_value_heads=num_kv_heads, head_dim=head_dim,
                               **({"attention_bias": bias} if kind == "llama" else {}))
+        if at_the_end:  # the last n positions the model has
+            start = hf.config.max_position_embeddings - n
         ref, layer = hf.model.layers[0].self_attn, ours.model.layers[0].self_attn
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, HIDDEN, generator=g, dtype=torch.float64)
@@ -491,26 +497,32 @@ NORM_LOGITS_ATOL = 1e-6  # float64 model, float32 norm statistics: another valid
 def check_decoder(part: str, kind: str, folder, hf) -> None:
     """The decoder loaded from `folder` with `part` the package's (the grader's stand-ins for the
     others; "whole": every part the package's) gives transformers' logits on 24 tokens at positions
-    0..23 (float64): to 1e-10, or 1e-6 where the package's RMSNorm runs (float32 statistics). The
-    whole runs again with q, k and v fused, as the engine runs it on a CPU."""
+    0..23, and again at the model's last 24 positions (float64): to 1e-10, or 1e-6 where the package's
+    RMSNorm runs (float32 statistics). The whole runs again with q, k and v fused, as the engine runs
+    it on a CPU. (Rotary embedding depends only on the distance between positions, so a layer that
+    shifts every position by a constant gives the same logits at 0..23; at the last positions it runs
+    off the rotary table.)"""
     from minivllm.model_executor.models.fused_qkv import fuse_qkv_projections
 
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(4))
     atol = NORM_LOGITS_ATOL if part in ("norm", "whole") else ATOL
-    with torch.no_grad():
-        want = hf(ids[None]).logits[0]
-    for fused in ((False, True) if part == "whole" else (False,)):
-        at = (f"{EX} ({'the whole decoder' if part == 'whole' else part + ' in the decoder'}): a tiny float64 {kind}"
-              f"{' with q, k, v fused' if fused else ''}, 24 tokens")
-        with graded(part), torch.no_grad(), your_code(at):
-            model = load_model(folder, dtype=torch.float64)
-            if fused:
-                fuse_qkv_projections(model)
-            scale = model.model.layers[0].self_attn.scale
-            got = model.compute_logits(model(ids, torch.arange(len(ids)), CausalAttention(scale)))
-        _shape_and_dtype(at, got, want.shape, torch.float64)
-        _expect(_close(got, want, atol, 0), f"{at}: the logits differ from transformers' beyond {atol:g}; "
-                f"{_where_largest(got, want)} (index [token, vocab])")
+    last = hf.config.max_position_embeddings
+    for positions in (torch.arange(24), torch.arange(last - 24, last)):
+        with torch.no_grad():
+            want = hf(ids[None], position_ids=positions[None]).logits[0]
+        for fused in ((False, True) if part == "whole" else (False,)):
+            at = (f"{EX} ({'the whole decoder' if part == 'whole' else part + ' in the decoder'}): a tiny float64 "
+                  f"{kind}{' with q, k, v fused' if fused else ''}, 24 tokens at positions {positions[0]}..{positions[-1]}"
+                  f" (the model has {last})")
+            with graded(part), torch.no_grad(), your_code(at):
+                model = load_model(folder, dtype=torch.float64)
+                if fused:
+                    fuse_qkv_projections(model)
+                scale = model.model.layers[0].self_attn.scale
+                got = model.compute_logits(model(ids, positions, CausalAttention(scale)))
+            _shape_and_dtype(at, got, want.shape, torch.float64)
+            _expect(_close(got, want, atol, 0), f"{at}: the logits differ from transformers' beyond {atol:g}; "
+                    f"{_where_largest(got, want)} (index [token, vocab])")
 
 
 @pytest.mark.ch02
@@ -565,6 +577,14 @@ def _silu_on_up(self, x):
     return self.down_proj(F.silu(self.up_proj(x)) * self.gate_proj(x))
 
 
+def _attention_positions_shifted(self, positions, hidden, attn):  # every position one further: same scores
+    return _grader_attention(self, positions + 1, hidden, attn)
+
+
+def _layer_positions_shifted(self, positions, hidden, attn):  # the layer hands its attention positions + 1
+    return _grader_layer(self, positions + 1, hidden, attn)
+
+
 def _residual_after_the_norm(self, positions, hidden, attn):  # the residual stream is the normalised one
     hidden = self.input_layernorm(hidden)
     hidden = hidden + self.self_attn(positions, hidden, attn)
@@ -575,8 +595,10 @@ def _residual_after_the_norm(self, positions, hidden, attn):  # the residual str
 WRONG_ANSWERS = [("norm", RMSNorm, "forward", _norm_without_eps), ("norm", RMSNorm, "forward", _norm_of_the_mean),
                  ("rope", RotaryEmbedding, "forward", _rope_adjacent_pairs),
                  ("attention", Attention, "forward", _kv_heads_tiled),
-                 ("attention", Attention, "forward", _qk_norm_after_rope), ("mlp", MLP, "forward", _silu_on_up),
-                 ("layer", DecoderLayer, "forward", _residual_after_the_norm)]
+                 ("attention", Attention, "forward", _qk_norm_after_rope),
+                 ("attention", Attention, "forward", _attention_positions_shifted), ("mlp", MLP, "forward", _silu_on_up),
+                 ("layer", DecoderLayer, "forward", _residual_after_the_norm),
+                 ("layer", DecoderLayer, "forward", _layer_positions_shifted)]
 
 
 @pytest.mark.parametrize("part, cls, name, wrong",
