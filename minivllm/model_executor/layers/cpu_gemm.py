@@ -24,7 +24,8 @@ PANEL_WIDTH = 64  # output columns per panel: the C++ micro-kernel's 4 AVX-512 v
 @functools.cache
 def cpu_gemm():
     """The built module of `CPU_GEMM` (functions `pack_weight`, `linear`), or None where it cannot be
-    built, `MINIVLLM_CPU_KERNEL=0`, or the CPU has no AVX-512 (the kernel is written for it)."""
+    built (with a warning saying why), `MINIVLLM_CPU_KERNEL=0`, or the CPU has no AVX-512 (the kernel
+    is written for it)."""
     module = load_extension(CPU_GEMM)
     return module if module is not None and module.has_avx512() else None
 
@@ -34,11 +35,11 @@ __all__ = ['CPU_GEMM', 'PANEL_WIDTH', 'cpu_gemm', 'PanelLinear', 'use_panel_line
 # %% ../../../notebooks/02_model.ipynb #4acd8b0f
 class PanelLinear(nn.Module):
     """A float32 CPU `nn.Linear` computed by `CPU_GEMM`, its weight packed once into panels
-    `[ceil(out_features / 64), in_features, 64]` (zero columns past the end).
-
-    `forward(x)`: `[..., in_features]` float32 -> `[..., out_features]` float32, equal to `F.linear` up to
-    the summation order (each output is one float32 fused multiply-add chain over k: relative
-    differences around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only.
+    `[ceil(out_features / 64), in_features, 64]` (zero columns past the end). `forward(x)`:
+    `[..., in_features]` float32 -> `[..., out_features]` float32, equal to `F.linear` up to the
+    summation order (each output is one float32 fused multiply-add chain over k: relative differences
+    around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only.
+    Idea: Goto and van de Geijn's GEMM (2008) and BLIS's packed panels and register micro-kernel.
 
     Raises:
         ValueError: in `__init__`, if the layer is not float32 on CPU or the kernel is not available
@@ -59,6 +60,7 @@ class PanelLinear(nn.Module):
                              f"on {linear.weight.device}, kernel {'available' if cpu_gemm() else 'not available'}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.panels = cpu_gemm().pack_weight(linear.weight.detach().contiguous())
+        assert self.panels.shape[2] == PANEL_WIDTH, "the C++ panel width and PANEL_WIDTH disagree"
         self.bias = None if linear.bias is None else linear.bias.detach().clone().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@
 // is one contiguous stream of memory. A micro-kernel keeps a 6 x 64 block of the output in 24
 // AVX-512 registers and, for each k, loads 64 weights and multiplies them with 6 broadcast inputs
 // (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
-// blocks of at most 128 so the block of a panel being read stays in the L1 cache while every 6-row chunk
-// of x passes over it; meanwhile each chunk prefetches a share of a block two ahead into the L2
-// cache, so the next weights come from memory while these are multiplied. Threads split the panels (and, for many
-// rows, blocks of rows): each reads only its own share of the weight.
+// blocks of at most 128 (256 above 96 rows) so the block of a panel being read stays in the L1 cache
+// while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
+// ahead into the L2 cache, so the next weights come from memory while these are multiplied. Up to 96
+// rows the weight is read once; more rows are cut into equal row blocks of at most 96, each reading
+// it again. Threads split the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -43,8 +44,8 @@ bool has_avx512() {
 }
 
 #if defined(__AVX512F__)
-// out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns past `cols` are neither
-// read nor written. `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
+// out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns of out and bias past `cols`
+// are neither read nor written (the panel's own columns past them are zeros). `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
 // from `pf` on are prefetched, spread over the k loop.
 template <int R>
 static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* out, int64_t ldo,
