@@ -154,6 +154,27 @@ def float32_cpu_linear() -> type:
     return PanelLinear if cpu_gemm() is not None else PackedLinear
 
 
+def runner_switch_ab(folder, switch: str, inspect) -> tuple[dict, dict]:
+    """Three engines over the tiny model saved in `folder`: "on" (float32, `ModelRunner` as it is),
+    "off" (float32, a `ModelRunner` subclass with the class switch `switch` set to False) and "float64"
+    (as it is). Returns their greedy token ids on three prompts (5, 17 and 40 tokens, 12 tokens out)
+    and `inspect(model)` of each runner's model, both keyed by those names."""
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.worker.model_runner import ModelRunner
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    switched_off = type("SwitchedOffRunner", (ModelRunner,), {switch: False})
+    outs, seen = {}, {}
+    for name, dtype, runner in (("on", "float32", ModelRunner), ("off", "float32", switched_off),
+                                ("float64", "float64", ModelRunner)):
+        engine = LLMEngine(model=str(folder), dtype=dtype, model_runner_cls=runner, num_kvcache_blocks=32)
+        seen[name] = inspect(engine.model_runner.model)
+        outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
+    return outs, seen
+
+
 def require_built(kernel, what: str):
     """`kernel` (a C++ library's function or module) if it is not None; else skip the calling test,
     or fail it under `MINIVLLM_REQUIRE_CPU_KERNEL=1` (CI, where every C++ kernel must build)."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
-from engine_helpers import make_model, require_built, run_engine
+from engine_helpers import make_model, require_built, runner_switch_ab
 from minivllm.model_executor.cpp_extension import load_extension
 from minivllm.model_executor.layers.cpu_gemm import CPU_GEMM, PANEL_WIDTH, PanelLinear, cpu_gemm, use_panel_linear
 from minivllm.model_executor.layers.linear import PackedLinear
@@ -156,23 +156,8 @@ def test_swapped_in_only_where_it_applies(gemm, monkeypatch):
 def test_the_engine_uses_it_in_float32_with_the_same_greedy_tokens(gemm, tmp_path):
     """The model runner puts float32 linear layers on the C++ GEMM (greedy tokens equal to an engine on
     oneDNN, on a tiny Qwen2 with q/k/v biases) and leaves float64 models on `nn.Linear`."""
-    from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sampling_params import SamplingParams
-    from minivllm.worker.model_runner import ModelRunner
-
     make_model(tmp_path, "qwen2")
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-    class OneDNNRunner(ModelRunner):
-        cpu_gemm = False
-
-    outs, kinds = {}, {}
-    for name, dtype, runner in (("ours", "float32", ModelRunner), ("oneDNN", "float32", OneDNNRunner),
-                                ("float64", "float64", ModelRunner)):
-        engine = LLMEngine(model=str(tmp_path), dtype=dtype, model_runner_cls=runner, num_kvcache_blocks=32)
-        model = engine.model_runner.model
-        kinds[name] = {type(m).__name__ for m in model.modules() if hasattr(m, "in_features")}
-        outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
-    assert kinds == {"ours": {"PanelLinear"}, "oneDNN": {"PackedLinear"}, "float64": {"Linear"}}
-    assert outs["ours"] == outs["oneDNN"]
+    outs, kinds = runner_switch_ab(tmp_path, "cpu_gemm",
+                                   lambda model: {type(m).__name__ for m in model.modules() if hasattr(m, "in_features")})
+    assert kinds == {"on": {"PanelLinear"}, "off": {"PackedLinear"}, "float64": {"Linear"}}
+    assert outs["on"] == outs["off"]

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from engine_helpers import make_model, require_built, run_engine
+from engine_helpers import make_model, require_built, runner_switch_ab
 from minivllm.course.testing import tiny_config
 from minivllm.model_executor.models.fused_layers import (FusedDecoderLayer, FusedDecoderModel, FusedRMSNorm,
                                                          FusedRotaryEmbedding, cpu_fused_ops, fuse_small_ops)
@@ -167,22 +167,7 @@ def test_fusion_applies_only_where_it_should(ops, monkeypatch):
 def test_the_engine_fuses_float32_and_keeps_float64_plain(ops, tmp_path):
     """The engine's model runner fuses on CPU in float32 (its greedy tokens equal a plain engine's on
     a tiny model) and leaves float64, the oracle tests' dtype, on the plain path."""
-    from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sampling_params import SamplingParams
-    from minivllm.worker.model_runner import ModelRunner
-
     make_model(tmp_path, "qwen3")
-    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-    class PlainRunner(ModelRunner):
-        fuse_cpu_small_ops = False
-
-    outs, decoders = {}, {}
-    for name, dtype, runner in (("fused", "float32", ModelRunner), ("plain", "float32", PlainRunner),
-                                ("float64", "float64", ModelRunner)):
-        engine = LLMEngine(model=str(tmp_path), dtype=dtype, model_runner_cls=runner, num_kvcache_blocks=32)
-        decoders[name] = type(engine.model_runner.model.model)
-        outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
-    assert decoders == {"fused": FusedDecoderModel, "plain": DecoderModel, "float64": DecoderModel}
-    assert outs["fused"] == outs["plain"]
+    outs, decoders = runner_switch_ab(tmp_path, "fuse_cpu_small_ops", lambda model: type(model.model))
+    assert decoders == {"on": FusedDecoderModel, "off": DecoderModel, "float64": DecoderModel}
+    assert outs["on"] == outs["off"]

@@ -2,8 +2,8 @@
 
 # %% ../../../notebooks/02_model.ipynb #5a8c1c2e
 """A float32 linear layer for CPUs with AVX-512, our own matrix multiply: the weight in panels of 64
-columns, read once per step (exported from the appendix of notebooks/02_model.ipynb). After Goto and
-van de Geijn's GEMM ("Anatomy of High-Performance Matrix Multiplication", 2008) and BLIS."""
+columns, read once per step for up to 96 rows (exported from the appendix of notebooks/02_model.ipynb).
+After Goto and van de Geijn's GEMM ("Anatomy of High-Performance Matrix Multiplication", 2008) and BLIS."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +14,7 @@ from torch import nn
 
 import minivllm.model_executor.layers
 from ..cpp_extension import CppExtension, load_extension
+from .linear import replace_linear_layers
 
 CPU_GEMM = CppExtension(
     "minivllm_gemm_cpu", Path(minivllm.model_executor.layers.__file__).parent / "gemm_cpu.cpp",
@@ -83,12 +84,6 @@ class PanelLinear(nn.Module):
 
 def use_panel_linear(model: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` inside `model` by a `PanelLinear`, where the kernel is
-    available. A tied LM head gets its own panels; the embedding keeps the shared weight.
+    available (with `replace_linear_layers`, as `pack_linear_layers`). A tied LM head gets its own panels.
     Returns the number of layers replaced (0 where `cpu_gemm()` is None, or for other dtypes)."""
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and PanelLinear.can_pack(child):
-                setattr(module, name, PanelLinear(child))
-                replaced += 1
-    return replaced
+    return replace_linear_layers(model, PanelLinear)

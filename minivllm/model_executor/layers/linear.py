@@ -23,7 +23,7 @@ def onednn_packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(mkldnn._is_mkldnn_bf16_supported())
 
 # %% auto #0
-__all__ = ['ONEDNN_PACK_BATCH_HINT', 'onednn_packing_supported', 'PackedLinear', 'pack_linear_layers']
+__all__ = ['ONEDNN_PACK_BATCH_HINT', 'onednn_packing_supported', 'PackedLinear', 'replace_linear_layers', 'pack_linear_layers']
 
 # %% ../../../notebooks/02_model.ipynb #57ad985b
 class PackedLinear(nn.Module):
@@ -68,15 +68,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linear_layers(model: nn.Module, batch_hint: int = ONEDNN_PACK_BATCH_HINT) -> int:
-    """Replace every CPU `nn.Linear` inside `model` by a `PackedLinear`, where its dtype allows.
-
-    A tied LM head gets its own packed copy; the embedding keeps the shared weight for look-ups.
-    Returns the number of layers replaced (0 for float64 or float16 models, or off CPU)."""
+def replace_linear_layers(model: nn.Module, cls: type, *args) -> int:
+    """Replace every `nn.Linear` inside `model` that `cls.can_pack` accepts by `cls(layer, *args)`, in
+    place. A tied LM head gets its own copy; the embedding keeps the shared weight for look-ups.
+    Returns the number of layers replaced."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and PackedLinear.can_pack(child):
-                setattr(module, name, PackedLinear(child, batch_hint))
+            if isinstance(child, nn.Linear) and cls.can_pack(child):
+                setattr(module, name, cls(child, *args))
                 replaced += 1
     return replaced
+
+
+def pack_linear_layers(model: nn.Module, batch_hint: int = ONEDNN_PACK_BATCH_HINT) -> int:
+    """Replace every CPU `nn.Linear` inside `model` by a `PackedLinear`, where its dtype allows.
+    Returns the number of layers replaced (0 for float64 or float16 models, or off CPU)."""
+    return replace_linear_layers(model, PackedLinear, batch_hint)
