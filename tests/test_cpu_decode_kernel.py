@@ -24,7 +24,7 @@ from engine_helpers import require_cpu_kernel
 from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.decode_planner import paged_decode_attention_planned, plan_decode
 from minivllm.attention.backends.cpu_attn import (DECODE_KERNEL, CPUPagedAttention, cpu_decode_kernel,
-                                         paged_decode_attention_cpu)
+                                         cpu_reshape_and_cache, paged_decode_attention_cpu)
 from minivllm.model_executor.cpp_extension import _build_lock, build_dir, library_path
 from minivllm.attention.paged_attention import PagedAttention, paged_decode_attention
 
@@ -173,6 +173,63 @@ def test_softmax_lanes_and_rest_over_every_length_and_a_wide_score_range(spread)
 
 
 @needs_kernel
+# The K/V store (vLLM's reshape_and_cache) in one C++ call: the same cache as the two `index_copy_` of
+# the plain backend, bit for bit, for rows that come as the q/k/v split's strided views; slot -1 skipped.
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reshape_and_cache_equals_the_plain_store(dtype):
+    store = cpu_reshape_and_cache()
+    g = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(2, 2, 10, 4, 3, 16, generator=g).to(dtype)  # [K/V, layers, blocks, block_size, heads, dim]
+    qkv = torch.randn(6, 9 * 16, generator=g).to(dtype)  # as the fused projection gives them: strided views
+    k, v = qkv[:, 3 * 16:6 * 16].view(6, 3, 16), qkv[:, 6 * 16:].view(6, 3, 16)
+    assert not k.is_contiguous()
+    slots = torch.tensor([5, 39, 0, 17, 22, 8])
+    plain_backend = PagedAttention(kv_cache.clone(), 0.25)
+    backend = CPUPagedAttention(kv_cache.clone(), 0.25)
+    md = AttentionMetadata(False, torch.arange(7), torch.ones(6, dtype=torch.int64), slots, torch.zeros(6, 1, dtype=torch.int64))
+    plain_backend.metadata = backend.metadata = md
+    plain_backend.store_kvcache(1, k, v)
+    backend.store_kvcache(1, k, v)
+    assert torch.equal(backend.kv_cache, plain_backend.kv_cache)
+    assert not torch.equal(backend.kv_cache, kv_cache)  # something was written
+    # slot -1 (a padded row) writes nothing; the other rows are written as before
+    cache = kv_cache.clone()
+    store(k, v, cache[0, 0], cache[1, 0], torch.tensor([5, -1, 0, -1, 22, 8]))
+    flat_k = cache[0, 0].view(-1, 3, 16)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[22], k[4])
+    assert torch.equal(flat_k[39], kv_cache[0, 0].view(-1, 3, 16)[39])
+    store(k[:0], v[:0], cache[0, 0], cache[1, 0], slots[:0])  # no tokens: nothing to do
+
+
+@needs_kernel
+def test_reshape_and_cache_refuses_bad_input_and_writes_nothing():
+    store = cpu_reshape_and_cache()
+    kv_cache = torch.zeros(2, 10, 4, 3, 16)
+    k, v = torch.randn(6, 3, 16), torch.randn(6, 3, 16)
+    slots = torch.tensor([5, 39, 0, 17, 22, 8])
+    def call(**kw):  # the C++ function takes its arguments by position
+        args = {**dict(k=k, v=v, k_cache=kv_cache[0], v_cache=kv_cache[1], slot_mapping=slots), **kw}
+        return store(*args.values())
+    cases = {
+        "slot_mapping\\[3\\] = 40 is not -1 or a slot": dict(slot_mapping=slots.clone().index_fill_(0, torch.tensor([3]), 40)),
+        "slot_mapping\\[0\\] = -2": dict(slot_mapping=slots.clone().index_fill_(0, torch.tensor([0]), -2)),
+        "one slot per token": dict(slot_mapping=slots[:5]),
+        "1-D int64": dict(slot_mapping=slots.int()),
+        "one dtype": dict(k=k.double()),
+        "k and v must both be": dict(v=v[:, :2]),
+        "of k's heads": dict(k=torch.randn(6, 2, 16), v=torch.randn(6, 2, 16)),
+        "contiguous": dict(k_cache=kv_cache[0].transpose(0, 1).contiguous().transpose(0, 1)),
+        "CPU tensors": dict(slot_mapping=torch.empty(6, dtype=torch.int64, device="meta")),
+    }
+    for message, kw in cases.items():
+        with pytest.raises(ValueError, match=message):
+            call(**kw)
+        assert not kv_cache.any()  # the checks come before any write
+    call()
+    assert torch.equal(kv_cache[0].view(-1, 3, 16)[slots], k) and torch.equal(kv_cache[1].view(-1, 3, 16)[slots], v)
+
+
 def test_kernel_on_an_empty_batch():
     q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)
     out = paged_decode_attention_cpu(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.25)
@@ -214,8 +271,10 @@ def fresh_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
     cpu_decode_kernel.cache_clear()
+    cpu_reshape_and_cache.cache_clear()
     yield tmp_path
     cpu_decode_kernel.cache_clear()
+    cpu_reshape_and_cache.cache_clear()
 
 
 def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch, fresh_kernel):
@@ -242,11 +301,13 @@ def test_a_failed_build_warns_and_the_backend_falls_back(monkeypatch, fresh_kern
 def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
     cpu_decode_kernel.cache_clear()
+    cpu_reshape_and_cache.cache_clear()
     try:
-        assert cpu_decode_kernel() is None
+        assert cpu_decode_kernel() is None and cpu_reshape_and_cache() is None
         assert not CPUPagedAttention.is_available("cpu", torch.float32)
     finally:
         cpu_decode_kernel.cache_clear()
+        cpu_reshape_and_cache.cache_clear()
 
 
 @needs_kernel

@@ -35,9 +35,21 @@ def cpu_decode_kernel():
     return None if module is None else module.paged_decode_attention
 
 
+@functools.cache
+def cpu_reshape_and_cache():
+    """The same library's K/V store, vLLM's `reshape_and_cache`: `(k, v, k_cache, v_cache, slot_mapping)`
+    writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`) into its slot of one layer's caches
+    (`[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, one dtype), in place, in one call;
+    slot -1 is skipped. Raises ValueError for shapes, dtypes or devices that do not fit, or a slot that is
+    neither -1 nor a slot of the cache. None where `cpu_decode_kernel` is None (the same conditions)."""
+    module = load_extension(DECODE_KERNEL)
+    return None if module is None else module.reshape_and_cache
+
+
 # %% auto #0
-__all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'cpu_decode_kernel', 'prefill_attention_sdpa',
-           'prefill_attention_grouped', 'prefill_attention_cpu', 'paged_decode_attention_cpu', 'CPUPagedAttention']
+__all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'cpu_decode_kernel', 'cpu_reshape_and_cache',
+           'prefill_attention_sdpa', 'prefill_attention_grouped', 'prefill_attention_cpu', 'paged_decode_attention_cpu',
+           'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #af67e706
 import torch.nn.functional as F
@@ -146,3 +158,11 @@ class CPUPagedAttention(PagedAttention):
         if q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES and (kernel := cpu_decode_kernel()) is not None:
             return kernel(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
         return super().decode(q, k_cache, v_cache, md)
+
+    def store_kvcache(self, layer_idx, k, v):
+        """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies."""
+        if (k.device.type == "cpu" and k.dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
+                and (store := cpu_reshape_and_cache()) is not None):
+            store(k, v, self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx], self.metadata.slot_mapping)
+        else:
+            super().store_kvcache(layer_idx, k, v)

@@ -11,8 +11,11 @@
 // one tile), so each cached row is read once per tile rather than once per query head. A tile's sums
 // stay in SIMD registers: across a K row for its scores (reduced once per row), across a block's
 // tokens for its weighted sum of V (loaded and stored once per block, not once per token). The
-// softmax's exp is a polynomial computed a register at a time. The next block is prefetched while one is
-// worked on.
+// softmax's exp is a polynomial computed a register at a time. While one block's K is worked on, the next
+// block's K is prefetched into L1 and its V into L2, so that the V pass finds V in L2 (the pass over K
+// computes the most; its memory reads then overlap the V reads). Where the CPU has AVX-512 and head_dim
+// is a multiple of 64, float32 and bfloat16 take 16-lane registers spelled with intrinsics (a tile's
+// sums and query fit its 32 registers), and bfloat16 scores take AVX512-BF16's pairwise dot product.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -23,6 +26,9 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 constexpr int64_t kMaxTile = 4;  // query heads per tile: 4 heads x 2 registers of sums fit AVX2's 16
 
@@ -57,6 +63,21 @@ static inline Vec<acc_t> load_wide(const scalar_t* p) {
   }
   return out;
 }
+
+#if defined(__AVX512F__)
+// The 16-lane path: head_dim a multiple of 64, float32 or bfloat16 data (float64 keeps the generic one).
+template <typename scalar_t, int64_t kHeadDim>
+constexpr bool kWide = kHeadDim > 0 && kHeadDim % 64 == 0 &&
+                       (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // 16 bfloat16 widened: each the high half of a float32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#else
+template <typename scalar_t, int64_t kHeadDim>
+constexpr bool kWide = false;
+#endif
 
 // The sum of a register's lanes, halving it step by step (a tree: log2(L) dependent adds, not L).
 template <typename V>
@@ -131,11 +152,36 @@ static acc_t softmax_numerators(acc_t* __restrict s, int64_t len) {
   return total;
 }
 
-// Scores of a tile of kTile query heads q [kTile, D] against one cached K row k [D]:
-// s[h * s_stride] = scale * q[h] . k. Two registers of partial sums per head, summed once at the end.
+// Scores of a tile of kTile query heads q [kTile, D] (q_raw: the same, not widened) against one cached
+// K row k [D]: s[h * s_stride] = scale * q[h] . k. Two registers of partial sums per head (one on the
+// 16-lane path), summed once at the end.
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_t* __restrict q,
-                               const scalar_t* __restrict k, int64_t head_dim, acc_t scale) {
+                               const scalar_t* __restrict q_raw, const scalar_t* __restrict k, int64_t head_dim,
+                               acc_t scale) {
+#if defined(__AVX512F__)
+  if constexpr (kWide<scalar_t, kHeadDim>) {
+    __m512 part[kTile];
+    for (int64_t h = 0; h < kTile; ++h) part[h] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // 32 products a step, a pair added per lane:
+      for (int64_t d = 0; d < kHeadDim; d += 32) {            // exact products, float32 sums, no widening
+        const __m512bh kk = (__m512bh)_mm512_loadu_si512(k + d);
+        for (int64_t h = 0; h < kTile; ++h)
+          part[h] = _mm512_dpbf16_ps(part[h], (__m512bh)_mm512_loadu_si512(q_raw + h * kHeadDim + d), kk);
+      }
+    } else
+#endif
+    {
+      for (int64_t d = 0; d < kHeadDim; d += 16) {
+        const __m512 kk = load16(k + d);
+        for (int64_t h = 0; h < kTile; ++h) part[h] = _mm512_fmadd_ps(load16(q + h * kHeadDim + d), kk, part[h]);
+      }
+    }
+    for (int64_t h = 0; h < kTile; ++h) s[h * s_stride] = _mm512_reduce_add_ps(part[h]) * scale;
+    return;
+  }
+#endif
   constexpr int64_t L = kVecLen<acc_t>;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t D_vec = D / (2 * L) * (2 * L);
@@ -160,6 +206,26 @@ static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
                                      const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim) {
+#if defined(__AVX512F__)
+  if constexpr (kWide<scalar_t, kHeadDim>) {
+    for (int64_t d0 = 0; d0 < kHeadDim; d0 += 64) {  // 64 values of D at a time: kTile x 4 sums in registers
+      __m512 sum[kTile][4];
+      for (int64_t h = 0; h < kTile; ++h)
+        for (int64_t c = 0; c < 4; ++c) sum[h][c] = load16(a + h * kHeadDim + d0 + 16 * c);
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 vv[4];
+        for (int64_t c = 0; c < 4; ++c) vv[c] = load16(v + i * v_stride + d0 + 16 * c);
+        for (int64_t h = 0; h < kTile; ++h) {
+          const __m512 w = _mm512_set1_ps(p[h * p_stride + i]);
+          for (int64_t c = 0; c < 4; ++c) sum[h][c] = _mm512_fmadd_ps(w, vv[c], sum[h][c]);
+        }
+      }
+      for (int64_t h = 0; h < kTile; ++h)
+        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(a + h * kHeadDim + d0 + 16 * c, sum[h][c]);
+    }
+    return;
+  }
+#endif
   constexpr int64_t L = kVecLen<acc_t>;
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   const int64_t D_vec = D / (2 * L) * (2 * L);
@@ -186,12 +252,13 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
       for (int64_t h = 0; h < kTile; ++h) a[h * D + d] += p[h * p_stride + i] * acc_t(v[i * v_stride + d]);
 }
 
-// Asks for a block of the cache to be brought into the caches while the current one is worked on:
-// blocks lie anywhere in memory, so the hardware's stream prefetcher cannot guess the next one.
-template <typename scalar_t>
-static inline void prefetch(const scalar_t* block, int64_t size) {
-  const char* p = reinterpret_cast<const char*>(block);
-  for (int64_t off = 0; off < size * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
+// Asks for size values of the cache to be brought into the caches while the current block is worked
+// on: blocks lie anywhere in memory, so the hardware's stream prefetcher cannot guess the next one.
+// kLocality: 3 into L1 (and all levels), 1 into L2 only (GCC's __builtin_prefetch hint).
+template <int kLocality = 3, typename scalar_t>
+static inline void prefetch(const scalar_t* start, int64_t size) {
+  const char* p = reinterpret_cast<const char*>(start);
+  for (int64_t off = 0; off < size * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off, 0, kLocality);
 }
 
 // Calls f(std::integral_constant<int64_t, tile>) for tile in 1..kMaxTile: the tile size as a
@@ -240,11 +307,12 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   for (int64_t b = 0; b < num_blocks; ++b) {
     const scalar_t* k_block = k_cache + block_table[b] * block_stride;
     const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-    const scalar_t* k_next = k_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
     for (int64_t i = 0; i < n; ++i) {
-      prefetch(k_next + i * token_stride, token_stride);
+      prefetch(k_cache + next + i * token_stride, token_stride);     // the next block's K row, into L1
+      prefetch<1>(v_cache + next + i * token_stride, token_stride);  // and its V row, into L2 for step 3
       for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
-        tile_scores<decltype(tile)::value, kHeadDim>(s + h0 * len + t0 + i, len, qw + h0 * D,
+        tile_scores<decltype(tile)::value, kHeadDim>(s + h0 * len + t0 + i, len, qw + h0 * D, q + h0 * D,
                                                      k_block + i * token_stride + kv * D, D, acc_t(scale));
       });
     }
@@ -351,7 +419,52 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// vLLM's reshape_and_cache for one layer: this step's k, v [N, num_kv_heads, head_dim] copied into their
+// slots (slot = block id * block_size + offset in the block) of k_cache, v_cache [num_blocks, block_size,
+// num_kv_heads, head_dim]; slot -1 marks a padded row, skipped. One row copy per token and cache, in one
+// call (a pair of index_copy_ calls costs several times as much at decode sizes).
+void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slot_mapping) {
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [num_tokens, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
+                        k_cache.size(3) == k.size(2),
+                    "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] of k's heads ",
+                    "and head_dim, got ", k_cache.sizes(), " for k ", k.sizes());
+  TORCH_CHECK_VALUE(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() &&
+                        v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+                    "reshape_and_cache takes CPU tensors");
+  TORCH_CHECK_VALUE(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    "k, v, k_cache and v_cache must have one dtype");
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == torch::kInt64 &&
+                        slot_mapping.size(0) == k.size(0),
+                    "slot_mapping must be 1-D int64 with one slot per token of k");
+  const int64_t n = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0) * k_cache.size(1);
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)  // checked before anything is written
+    TORCH_CHECK_VALUE(slots[i] >= -1 && slots[i] < num_slots, "slot_mapping[", i, "] = ", slots[i],
+                      " is not -1 or a slot of the cache (", num_slots, " slots)");
+  // each token's heads must lie as one row; a q/k/v split's views do (their token stride is wider)
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2)) k = k.contiguous();
+  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
+  const int64_t bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    if (slots[i] < 0) continue;
+    std::memcpy(kc + slots[i] * bytes, kp + i * k_step, bytes);
+    std::memcpy(vc + slots[i] * bytes, vp + i * v_step, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
 }
