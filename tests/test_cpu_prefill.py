@@ -1,7 +1,9 @@
 """Chapter 05's CPU backend prefill: `CPUPagedAttention` runs each sequence's causal attention through
-torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`, a batch of one so that torch's
-fused CPU kernel takes it), which accumulates in float32 for bfloat16; `prefill_attention_grouped`
-(one product per K/V head and query chunk), the unfused alternative the chapter measures, is checked too.
+`prefill_attention_cpu`: in float32 (head_dim 64 or 128) the C++ prefill kernel of the appendix where it
+is built with AVX-512, otherwise torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`,
+a batch of one so that torch's fused CPU kernel takes it), which accumulates in float32 for bfloat16.
+`prefill_attention_grouped` (one product per K/V head and query chunk), the unfused alternative the
+chapter measures, is checked too.
 
 Oracle: `attention_reference` in float64 on the same bfloat16-rounded inputs."""
 import pytest
@@ -133,3 +135,123 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
         err = (out.double() - ref).abs().max().item()
         assert err <= BF16_TOL * max(v.double().abs().max().item(), cache[1].double().abs().max().item()), \
             f"max error {err:.3g}"
+
+
+# The C++ prefill kernel (chapter 05's appendix): float32, FlashAttention-2's tiles of six query rows
+# (a K/V head's query heads at consecutive tokens) over blocks of 64 keys. It is called here directly
+# from the library, which builds its function on every machine; the backend uses it where the build has
+# AVX-512 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths above: float32 scores,
+# exp and sums, in another order than the reference's.
+@pytest.fixture
+def prefill_kernel():
+    from engine_helpers import require_cpu_kernel
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    require_cpu_kernel()
+    return load_extension(DECODE_KERNEL).prefill_attention
+
+
+LONG_CASES = [*CASES, (64, 64), (65, 65), (200, 200), (70, 333)]  # one, two and several blocks of 64 keys
+
+
+@pytest.mark.parametrize("tq,tk", LONG_CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_is_close_to_the_float64_reference(prefill_kernel, tq, tk, heads, kv_heads, head_dim):
+    q, k, v = qkv(tq, tk, heads, kv_heads, head_dim, seed=8)
+    scale = head_dim ** -0.5
+    out = prefill_kernel(q.float(), k.float(), v.float(), scale)
+    assert out.dtype == torch.float32 and out.shape == (tq, heads, head_dim)
+    # 1e-5 per 64 products in a score: a score's float32 rounding grows with the products it sums (torch's
+    # fused path and the grouped products reach 1.2e-5 on some of these head_dim-128 cases, as this kernel)
+    tol = 1e-5 * head_dim / 64
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, scale), rtol=tol, atol=tol)
+
+
+def test_prefill_kernel_masks_each_row_at_its_own_token(prefill_kernel):
+    """The check can fail: without the causal mask, or with each row seeing one key more, the outputs differ
+    by far more than the tolerance; the kernel matches neither."""
+    q, k, v = qkv(70, 333, 9, 3, 64, seed=9)
+    out = prefill_kernel(q.float(), k.float(), v.float(), 0.125).double()
+    ref = attention_reference(q, k, v, 0.125)
+    unmasked = attention_reference(q, k, v, 0.125, causal=False)
+    one_more = torch.cat([attention_reference(q[i:i + 1], k[:264 + i + 1], v[:264 + i + 1], 0.125) for i in range(69)])
+    assert (out - ref).abs().max() < 1e-5
+    assert (out - unmasked).abs().max() > 1e-2 and (out[:69] - one_more).abs().max() > 1e-3
+
+
+def test_prefill_kernel_rows_do_not_depend_on_threads_or_strides(prefill_kernel):
+    """Each tile is one thread's, in a fixed order: the bits are the same on 1, 2 or 3 threads, and for
+    q, k, v given as the strided views of a fused q/k/v projection."""
+    q, k, v = (x.float() for x in qkv(100, 100, 9, 3, 64, seed=10))
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (9 + 3 + 3) * 64]
+    qv, kv, vv = (fused[:, a * 64:b * 64].view(100, b - a, 64) for a, b in ((0, 9), (9, 12), (12, 15)))
+    assert not kv.is_contiguous()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(prefill_kernel(q, k, v, 0.125))
+        outs.append(prefill_kernel(qv, kv, vv, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_prefill_kernel_refuses_bad_input_with_a_clear_error(prefill_kernel):
+    q, k, v = (x.float() for x in qkv(5, 40, 9, 3, 64))
+    cases = {
+        "takes float32": (q.double(), k.double(), v.double()),
+        "head_dim 64 or 128": (q[..., :40], k[..., :40], v[..., :40]),
+        "multiple of num_kv_heads": (q[:, :8], k, v),
+        "at least Tq": (q, k[:4], v[:4]),
+        "k, v both": (q, k, v[:, :2]),
+        "CPU tensors": (q, k, torch.empty(40, 3, 64, device="meta")),
+    }
+    for message, args in cases.items():
+        with pytest.raises(ValueError, match=message):
+            prefill_kernel(*args, 0.125)
+    assert prefill_kernel(q[:0], k, v, 0.125).shape == (0, 9, 64)
+
+
+def test_the_backend_takes_the_kernel_for_float32_only(prefill_kernel, monkeypatch):
+    """`prefill_attention_cpu` calls the kernel for float32 with head_dim 64 or 128 where it is available
+    (`cpu_prefill_kernel`), and torch's fused path for every other dtype and head_dim."""
+    import minivllm.attention.backends.cpu_attn as cd
+
+    calls = []
+    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: (lambda *a: calls.append(a[0].dtype) or prefill_kernel(*a)))
+    for dtype, head_dim in ((torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 64), (torch.float64, 64),
+                            (torch.float32, 40)):
+        q, k, v = (x.to(dtype) for x in qkv(7, 20, 4, 2, head_dim))
+        out = cd.prefill_attention_cpu(q, k, v, 0.25)
+        torch.testing.assert_close(out.double(), attention_reference(q.double(), k.double(), v.double(), 0.25),
+                                   rtol=1e-5 if dtype != torch.bfloat16 else 0, atol=1e-5 if dtype != torch.bfloat16
+                                   else BF16_TOL * v.double().abs().max().item())
+    assert calls == [torch.float32, torch.float32]
+    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: None)  # no AVX-512 build: torch's fused path
+    q, k, v = (x.float() for x in qkv(7, 20, 4, 2, 64))
+    torch.testing.assert_close(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))
+
+
+def test_the_engine_with_the_prefill_kernel_gives_the_same_greedy_tokens(prefill_kernel, monkeypatch, tmp_path):
+    """A tiny Qwen3 with head_dim 64, float32, `CPUPagedAttention`: greedy tokens with the kernel in prefill
+    equal those with torch's fused path (prompts of 5 to 130 tokens: one to three blocks of keys)."""
+    import minivllm.attention.backends.cpu_attn as cd
+    from engine_helpers import make_model, run_engine
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+
+    make_model(tmp_path, "qwen3", head_dim=64)
+    prompts = [[3 + i % 120 for i in range(n)] for n in (5, 17, 40, 130)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    calls, outs = [], {}
+    for name, kernel in (("kernel", lambda *a: calls.append(1) or prefill_kernel(*a)), ("torch", None)):
+        monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda kernel=kernel: kernel)
+        engine = LLMEngine(model=str(tmp_path), dtype="float32", num_kvcache_blocks=64,
+                           attention_backend=cd.CPUPagedAttention)
+        outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
+    assert calls and outs["kernel"] == outs["torch"]

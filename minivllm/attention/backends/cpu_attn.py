@@ -47,9 +47,9 @@ def cpu_reshape_and_cache():
 
 
 # %% auto #0
-__all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'cpu_decode_kernel', 'cpu_reshape_and_cache',
-           'prefill_attention_sdpa', 'prefill_attention_grouped', 'prefill_attention_cpu', 'paged_decode_attention_cpu',
-           'CPUPagedAttention']
+__all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'PREFILL_KERNEL_HEAD_DIMS', 'cpu_decode_kernel',
+           'cpu_reshape_and_cache', 'prefill_attention_sdpa', 'prefill_attention_grouped', 'cpu_prefill_kernel',
+           'prefill_attention_cpu', 'paged_decode_attention_cpu', 'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #af67e706
 import torch.nn.functional as F
@@ -110,11 +110,28 @@ def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(num_kv_heads, tq, group, head_dim).transpose(0, 1).reshape(tq, num_heads, head_dim)
 
 
+# %% ../../../notebooks/05_paged_attention.ipynb #ee1063b5
+PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # the C++ prefill kernel's head dimensions
+
+
+@functools.cache
+def cpu_prefill_kernel():
+    """The same library's causal prefill in float32, `(q, k, v, scale)` with `prefill_attention_sdpa`'s
+    shapes and head_dim in `PREFILL_KERNEL_HEAD_DIMS` (FlashAttention-2's tiling; ValueError for
+    inputs outside that). None where `cpu_decode_kernel` is None, and where the build has no AVX-512,
+    whose 64-byte vectors the kernel's registers are."""
+    module = load_extension(DECODE_KERNEL)
+    return None if module is None or not module.has_avx512() else module.prefill_attention
+
+
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's prefill attention on a CPU: `prefill_attention_sdpa` in every dtype (in chapter 05's
-    timing the fastest in bfloat16, and in float32 but for long prompts on one thread, where the grouped
-    products lead; bfloat16 accumulates in float32; float64 equals the reference to rounding). Shapes
-    and dtypes: as `prefill_attention_sdpa`."""
+    """One sequence's prefill attention on a CPU: float32 with head_dim 64 or 128 through the C++ kernel
+    where it is built with AVX-512 (`cpu_prefill_kernel`); everything else through `prefill_attention_sdpa`
+    (in chapter 05's timing the fastest of the torch paths in bfloat16, where it accumulates in float32;
+    float64 equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
+            and (kernel := cpu_prefill_kernel()) is not None):
+        return kernel(q, k, v, scale)
     return prefill_attention_sdpa(q, k, v, scale)
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01

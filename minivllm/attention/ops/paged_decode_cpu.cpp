@@ -95,16 +95,22 @@ static inline auto sum_lanes(V v) {
 // register of lanes at a time: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' polynomial, 2**n
 // put into the exponent bits; floor from truncation (a lane whose truncation lies above its value
 // steps down by one). Plain arithmetic on SIMD registers, because GCC does not vectorise a loop of
-// the scalar steps, even under `omp simd` (nor one of std::exp, without -ffast-math).
-static inline Vec<float> exp_approx(Vec<float> x) {
-  using Ints = int32_t __attribute__((vector_size(kVecBytes)));
-  const Vec<float> lowest = Vec<float>{} - 87.0f;
+// the scalar steps, even under `omp simd` (nor one of std::exp, without -ffast-math). V: any width of
+// float32 register (the decode's Vec<float>, the prefill's 16 lanes).
+template <typename V>
+struct IntsOf;  // the int32 register of V's lanes
+template <>
+struct IntsOf<Vec<float>> { typedef int32_t type __attribute__((vector_size(kVecBytes))); };
+template <typename V>
+static inline V exp_approx(V x) {
+  using Ints = typename IntsOf<V>::type;
+  const V lowest = V{} - 87.0f;
   x = x < lowest ? lowest : x;  // keeps 2**n a normal float (exp(-87) ~ 1.6e-38); a NaN lane stays NaN
-  const Vec<float> t = x * 1.44269504088896341f + 0.5f;
-  Vec<float> n = __builtin_convertvector(__builtin_convertvector(t, Ints), Vec<float>);
+  const V t = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(t, Ints), V);
   n = n > t ? n - 1.0f : n;
-  const Vec<float> r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts: n * ln2 exact
-  Vec<float> p = Vec<float>{} + 1.9875691500e-4f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts: n * ln2 exact
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -112,7 +118,7 @@ static inline Vec<float> exp_approx(Vec<float> x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-  Vec<float> two_n;
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
@@ -462,9 +468,182 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Causal prefill attention in float32: FlashAttention-2's tiling (Dao, 2023) on a CPU. A tile of kRows
+// query rows (a K/V head's group of query heads at consecutive tokens: they share K, V and nearly their
+// causal limit) walks the keys in blocks of kKeys: scores S = Q K^T from K transposed once per call, so
+// that a register holds 16 keys' scores of one row and each step is a broadcast q value times a K^T row;
+// then the online softmax (the block's max, exp, a rescale of the running sum and output); then
+// O += P V, the tile's outputs held in registers across the block's V rows. The scores never leave the
+// first-level cache. The registers are 64-byte vectors of the GCC/Clang extension: one AVX-512
+// register each, which is where the engine uses this kernel (has_avx512()).
+constexpr int64_t kLanes = 16;             // float32 values per 64-byte vector
+constexpr int64_t kRows = 6;               // query rows per tile: 6 x 4 sums of S, then 6 x 4 of O, in registers
+constexpr int64_t kKeyVecs = 4;            // vectors of keys per block
+constexpr int64_t kKeys = kKeyVecs * kLanes;
+typedef float Vec16 __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t Int16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+template <>
+struct IntsOf<Vec16> { typedef Int16 type; };
+
+static inline Vec16 load_vec16(const float* p) { Vec16 v; std::memcpy(&v, p, sizeof(v)); return v; }
+static inline void store_vec16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+static inline float max_lanes(Vec16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);  // shuffles within the register, not through memory
+#else
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof(v));
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2)
+    for (int64_t l = 0; l < w; ++l) t[l] = std::max(t[l], t[l + w]);
+  return t[0];
+#endif
+}
+static inline float add_lanes(Vec16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  return sum_lanes(v);
+#endif
+}
+
+// One tile: rows r < n of q [kRows, D] (scaled), row r seeing keys 0..last[r]; K^T kt [D, ldk] (zero
+// past the last key, ldk a multiple of kKeys), V rows v + j * ldv; row r's output written to out[r].
+template <int64_t D>
+static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t n, const float* __restrict kt,
+                         int64_t ldk, const float* __restrict v, int64_t ldv, float* const* out) {
+  static_assert(D % (4 * kLanes) == 0, "head_dim: a multiple of 64");
+  alignas(64) float o[kRows][D] = {};
+  alignas(64) float p[kRows][kKeys] = {};
+  float m[kRows], l[kRows], alpha[kRows];
+  int64_t num_keys = 0;
+  for (int64_t r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY, l[r] = 0, alpha[r] = 1;
+    if (r < n) num_keys = std::max(num_keys, last[r] + 1);
+  }
+  Int16 lane;
+  for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
+  const Vec16 minus_inf = Vec16{} - INFINITY;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += kKeys) {
+    Vec16 s[kRows][kKeyVecs] = {};  // 1. scores of the block's keys
+    for (int64_t d = 0; d < D; ++d) {
+      Vec16 k[kKeyVecs];
+      for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = load_vec16(kt + d * ldk + j0 + c * kLanes);
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t c = 0; c < kKeyVecs; ++c) s[r][c] += q[r * D + d] * k[c];  // scalar x vector: a broadcast
+    }
+    for (int64_t r = 0; r < n; ++r) {  // 2. online softmax: probabilities, rescale factor alpha
+      Int16 hidden[kKeyVecs];
+      Vec16 mx = minus_inf, sum = {};
+      for (int64_t c = 0; c < kKeyVecs; ++c) {
+        hidden[c] = lane + int32_t(c * kLanes) > int32_t(last[r] - j0);  // causal: keys past the row's last
+        s[r][c] = hidden[c] ? minus_inf : s[r][c];
+        mx = mx > s[r][c] ? mx : s[r][c];
+      }
+      const float m_new = std::max(m[r], max_lanes(mx));  // finite: the first block holds key 0, seen by all
+      for (int64_t c = 0; c < kKeyVecs; ++c) {
+        const Vec16 e = hidden[c] ? Vec16{} : exp_approx(s[r][c] - m_new);
+        sum += e;
+        store_vec16(p[r] + c * kLanes, e);
+      }
+      alpha[r] = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - m_new);
+      l[r] = l[r] * alpha[r] + add_lanes(sum);
+      m[r] = m_new;
+    }
+    const int64_t keys = std::min(kKeys, num_keys - j0);
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {  // 3. o = alpha o + P V, 64 values of D at a time
+      Vec16 a[kRows][4];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t c = 0; c < 4; ++c) a[r][c] = alpha[r] * load_vec16(o[r] + d0 + c * kLanes);
+      for (int64_t j = 0; j < keys; ++j) {
+        Vec16 vj[4];
+        for (int64_t c = 0; c < 4; ++c) vj[c] = load_vec16(v + (j0 + j) * ldv + d0 + c * kLanes);
+        for (int64_t r = 0; r < kRows; ++r)
+          for (int64_t c = 0; c < 4; ++c) a[r][c] += p[r][j] * vj[c];
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t c = 0; c < 4; ++c) store_vec16(o[r] + d0 + c * kLanes, a[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / l[r];
+}
+
+template <int64_t D>
+static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+                          double scale) {
+  const int64_t tq = q.size(0), num_heads = q.size(1), tk = k.size(0), num_kv_heads = k.size(1);
+  const int64_t group = num_heads / num_kv_heads, offset = tk - tq, ldk = (tk + kKeys - 1) / kKeys * kKeys;
+  auto kt_padded = torch::zeros({num_kv_heads, D, ldk}, k.options());  // K^T per K/V head (ATen's transposing copy)
+  kt_padded.narrow(2, 0, tk).copy_(k.permute({1, 2, 0}));
+  const float* kt = kt_padded.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), v_stride = v.stride(0);
+  // a K/V head's rows are (token, query head of its group), token-major: tile i covers rows kRows * i..
+  const int64_t rows = tq * group, tiles_per_head = (rows + kRows - 1) / kRows, num_tiles = num_kv_heads * tiles_per_head;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qt[kRows * D];
+    for (int64_t th = begin; th < end; ++th)
+      for (int64_t i = th; i < num_tiles; i += threads) {  // every threads-th tile: causal tiles grow with the token
+        const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
+        int64_t last[kRows];
+        float* out_rows[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
+          last[r] = offset + t;
+          out_rows[r] = r < n ? op + (t * num_heads + h) * D : nullptr;
+          if (r >= n) {  // a short last tile: zero rows (a condition inside the copy would make it a gather)
+            std::memset(qt + r * D, 0, D * sizeof(float));
+            continue;
+          }
+          const float* q_row = qp + t * q_stride + h * D;
+          for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * float(scale);
+        }
+        prefill_tile<D>(qt, last, n, kt + kv * D * ldk, ldk, vp + kv * D, v_stride, out_rows);
+      }
+  });
+}
+
+// One sequence's causal attention: q [Tq, num_heads, D] over k, v [Tk, num_kv_heads, D], Tk >= Tq, query
+// i seeing keys 0..Tk - Tq + i; float32, D 64 or 128. Returns [Tq, num_heads, D].
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                    "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "the CPU prefill kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+                    "the CPU prefill kernel takes float32");
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128),
+                    "the CPU prefill kernel takes head_dim 64 or 128, the same for q, k and v");
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+  // each token's heads one row of D values, whatever the token stride (a q/k/v split's views keep theirs)
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2)) k = k.contiguous();
+  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, scale);
+  else prefill_heads<128>(q, k, v, out, scale);
+  return out;
+}
+
+// Whether this build has AVX-512, where the prefill kernel's 64-byte vectors are single registers.
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
   m.def("reshape_and_cache", &reshape_and_cache,
         "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
+  m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
+  m.def("has_avx512", &has_avx512, "whether this build has AVX-512");
 }
