@@ -1,6 +1,6 @@
 """Chapter 05's CPU backend prefill: `CPUPagedAttention` runs each sequence's causal attention through
-`prefill_attention_cpu`: in float32 (head_dim 64 or 128) the C++ prefill kernel of the appendix where it
-is built with AVX-512, otherwise torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`,
+`prefill_attention_cpu`: in float32 (head_dim 64 or 128) the C++ prefill kernel of the appendix where
+the CPU has AVX-512, otherwise torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`,
 a batch of one so that torch's fused CPU kernel takes it), which accumulates in float32 for bfloat16.
 `prefill_attention_grouped` (one product per K/V head and query chunk), the unfused alternative the
 chapter measures, is checked too.
@@ -139,7 +139,7 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
 
 # The C++ prefill kernel (chapter 05's appendix): float32, FlashAttention-2's tiles of six query rows
 # (a K/V head's query heads at consecutive tokens) over blocks of 64 keys. It is called here directly
-# from the library, which builds its function on every machine; the backend uses it where the build has
+# from the library, which builds its function on every machine; the backend uses it where the CPU has
 # AVX-512 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths above: float32 scores,
 # exp and sums, in another order than the reference's.
 @pytest.fixture
@@ -232,7 +232,7 @@ def test_the_backend_takes_the_kernel_for_float32_only(prefill_kernel, monkeypat
                                    rtol=1e-5 if dtype != torch.bfloat16 else 0, atol=1e-5 if dtype != torch.bfloat16
                                    else BF16_TOL * v.double().abs().max().item())
     assert calls == [torch.float32, torch.float32]
-    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: None)  # no AVX-512 build: torch's fused path
+    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: None)  # no AVX-512: torch's fused path
     q, k, v = (x.float() for x in qkv(7, 20, 4, 2, 64))
     torch.testing.assert_close(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))
 

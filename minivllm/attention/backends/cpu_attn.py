@@ -118,15 +118,17 @@ PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # the C++ prefill kernel's head dimensions
 def cpu_prefill_kernel():
     """The same library's causal prefill in float32, `(q, k, v, scale)` with `prefill_attention_sdpa`'s
     shapes and head_dim in `PREFILL_KERNEL_HEAD_DIMS` (FlashAttention-2's tiling; ValueError for
-    inputs outside that). None where `cpu_decode_kernel` is None, and where the build has no AVX-512,
-    whose 64-byte vectors the kernel's registers are."""
+    inputs outside that). None where `cpu_decode_kernel` is None, and where the CPU has no AVX-512
+    (torch's own dispatch level says), whose 64-byte registers the kernel's vectors are meant for."""
     module = load_extension(DECODE_KERNEL)
-    return None if module is None or not module.has_avx512() else module.prefill_attention
+    if module is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    return module.prefill_attention
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's prefill attention on a CPU: float32 with head_dim 64 or 128 through the C++ kernel
-    where it is built with AVX-512 (`cpu_prefill_kernel`); everything else through `prefill_attention_sdpa`
+    where the CPU has AVX-512 (`cpu_prefill_kernel`); everything else through `prefill_attention_sdpa`
     (in chapter 05's timing the fastest of the torch paths in bfloat16, where it accumulates in float32;
     float64 equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
     if (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS

@@ -476,7 +476,7 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // then the online softmax (the block's max, exp, a rescale of the running sum and output); then
 // O += P V, the tile's outputs held in registers across the block's V rows. The scores never leave the
 // first-level cache. The registers are 64-byte vectors of the GCC/Clang extension: one AVX-512
-// register each, which is where the engine uses this kernel (has_avx512()).
+// register each, which is where the engine uses this kernel (cpu_attn.py's cpu_prefill_kernel).
 constexpr int64_t kLanes = 16;             // float32 values per 64-byte vector
 constexpr int64_t kRows = 6;               // query rows per tile: 6 x 4 sums of S, then 6 x 4 of O, in registers
 constexpr int64_t kKeyVecs = 4;            // vectors of keys per block
@@ -630,20 +630,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return out;
 }
 
-// Whether this build has AVX-512, where the prefill kernel's 64-byte vectors are single registers.
-bool has_avx512() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
   m.def("reshape_and_cache", &reshape_and_cache,
         "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
   m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
-  m.def("has_avx512", &has_avx512, "whether this build has AVX-512");
 }
