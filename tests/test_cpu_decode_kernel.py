@@ -172,7 +172,6 @@ def test_softmax_lanes_and_rest_over_every_length_and_a_wide_score_range(spread)
     assert (wrong.double() - exact).abs().max() > 1e-3  # the check can fail: one slot short
 
 
-@needs_kernel
 # The K/V store (vLLM's reshape_and_cache) in one C++ call: the same cache as the two `index_copy_` of
 # the plain backend, bit for bit, for rows that come as the q/k/v split's strided views; slot -1 skipped.
 @needs_kernel
@@ -193,13 +192,17 @@ def test_reshape_and_cache_equals_the_plain_store(dtype):
     backend.store_kvcache(1, k, v)
     assert torch.equal(backend.kv_cache, plain_backend.kv_cache)
     assert not torch.equal(backend.kv_cache, kv_cache)  # something was written
-    # slot -1 (a padded row) writes nothing; the other rows are written as before
-    cache = kv_cache.clone()
-    store(k, v, cache[0, 0], cache[1, 0], torch.tensor([5, -1, 0, -1, 22, 8]))
-    flat_k = cache[0, 0].view(-1, 3, 16)
-    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[22], k[4])
-    assert torch.equal(flat_k[39], kv_cache[0, 0].view(-1, 3, 16)[39])
+    # slot -1 (a padded row) writes nothing, anywhere in the whole cache (layer 1: a write before the
+    # first slot would land in layer 0); the other rows are written as index_copy_ writes them
+    cache, expected = kv_cache.clone(), kv_cache.clone()
+    padded = torch.tensor([5, -1, 0, -1, 22, 8])
+    store(k, v, cache[0, 1], cache[1, 1], padded)
+    kept = padded >= 0
+    for layer_cache, new in ((expected[0, 1], k), (expected[1, 1], v)):
+        layer_cache.view(-1, 3, 16).index_copy_(0, padded[kept], new[kept])
+    assert torch.equal(cache, expected)
     store(k[:0], v[:0], cache[0, 0], cache[1, 0], slots[:0])  # no tokens: nothing to do
+    assert torch.equal(cache, expected)
 
 
 @needs_kernel
@@ -230,6 +233,7 @@ def test_reshape_and_cache_refuses_bad_input_and_writes_nothing():
     assert torch.equal(kv_cache[0].view(-1, 3, 16)[slots], k) and torch.equal(kv_cache[1].view(-1, 3, 16)[slots], v)
 
 
+@needs_kernel
 def test_kernel_on_an_empty_batch():
     q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, torch.float64)
     out = paged_decode_attention_cpu(q[:0], k_cache, v_cache, tables[:0], lens[:0], 0.25)

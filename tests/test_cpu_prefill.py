@@ -112,7 +112,8 @@ def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backend_prefill_over_a_cached_prefix(dtype):
     """The whole backend call: the new tokens of three sequences, two of them over a cached prefix read
-    through shuffled block tables, through the fused path: bfloat16 within one rounding of plain torch
+    through shuffled block tables, through `prefill_attention_cpu` (the C++ kernel in float32 where the
+    CPU has AVX-512, torch's fused path otherwise): bfloat16 within one rounding of plain torch
     in float64 on the same inputs; float32 within 1e-5 of plain torch in float32 (the same sums in
     another order)."""
     lens_q, lens, block_size, num_blocks = [6, 1, 33], [6, 20, 50], 16, 16
@@ -141,7 +142,9 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
 # (a K/V head's query heads at consecutive tokens) over blocks of 64 keys. It is called here directly
 # from the library, which builds its function on every machine; the backend uses it where the CPU has
 # AVX-512 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths above: float32 scores,
-# exp and sums, in another order than the reference's.
+# exp and sums, in another order than the reference's. Not covered on a given machine: the kernel's
+# speed where its 64-byte vectors are two AVX2 registers (it is not used there), and, in the decode
+# kernel's tests, whichever bfloat16 score path this CPU does not take (vdpbf16ps or widening).
 @pytest.fixture
 def prefill_kernel():
     from engine_helpers import require_cpu_kernel
@@ -167,6 +170,20 @@ def test_prefill_kernel_is_close_to_the_float64_reference(prefill_kernel, tq, tk
     # fused path and the grouped products reach 1.2e-5 on some of these head_dim-128 cases, as this kernel)
     tol = 1e-5 * head_dim / 64
     torch.testing.assert_close(out.double(), attention_reference(q, k, v, scale), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_prefill_kernel_over_a_wide_score_range_errs_no_more_than_torch(prefill_kernel, spread):
+    """Scores that span far more than exp's range (q and k scaled up: most probabilities underflow, a few
+    carry the sums): finite, and within twice torch's fused float32 error of the float64 reference (the
+    error grows with the scores' size, in both)."""
+    q, k, v = qkv(70, 333, 9, 3, 64, seed=11)
+    q, k = q * spread, k * spread
+    ref = attention_reference(q, k, v, 0.125)
+    out = prefill_kernel(q.float(), k.float(), v.float(), 0.125).double()
+    torch_err = (prefill_attention_sdpa(q.float(), k.float(), v.float(), 0.125).double() - ref).abs().max().item()
+    assert out.isfinite().all()
+    assert (out - ref).abs().max().item() <= 2 * torch_err + 1e-6
 
 
 def test_prefill_kernel_masks_each_row_at_its_own_token(prefill_kernel):

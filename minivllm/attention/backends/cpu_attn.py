@@ -38,9 +38,10 @@ def cpu_decode_kernel():
 @functools.cache
 def cpu_reshape_and_cache():
     """The same library's K/V store, vLLM's `reshape_and_cache`: `(k, v, k_cache, v_cache, slot_mapping)`
-    writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`) into its slot of one layer's caches
-    (`[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, one dtype), in place, in one call;
-    slot -1 is skipped. Raises ValueError for shapes, dtypes or devices that do not fit, or a slot that is
+    writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`, strided views such as a fused q/k/v
+    projection's split allowed) into its slot of one layer's caches (`[num_blocks, block_size,
+    num_kv_heads, head_dim]`, contiguous, one dtype), in place, in one call; `slot_mapping` is `[N]`
+    int64, flat slots `block_id * block_size + offset`, and slot -1 is skipped. Raises ValueError for shapes, dtypes or devices that do not fit, or a slot that is
     neither -1 nor a slot of the cache. None where `cpu_decode_kernel` is None (the same conditions)."""
     module = load_extension(DECODE_KERNEL)
     return None if module is None else module.reshape_and_cache
@@ -130,7 +131,8 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     """One sequence's prefill attention on a CPU: float32 with head_dim 64 or 128 through the C++ kernel
     where the CPU has AVX-512 (`cpu_prefill_kernel`); everything else through `prefill_attention_sdpa`
     (in chapter 05's timing the fastest of the torch paths in bfloat16, where it accumulates in float32;
-    float64 equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`."""
+    float64 equals the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`. Raises:
+    ValueError (the kernel) or RuntimeError (torch) for shapes that do not fit."""
     if (q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
             and (kernel := cpu_prefill_kernel()) is not None):
         return kernel(q, k, v, scale)

@@ -207,8 +207,8 @@ static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_
 }
 
 // A tile's weighted sum over n consecutive cached tokens of a block: a[h] += sum over i < n of
-// p[h * p_stride + i] * v[i * v_stride] (rows of D values), two registers of D at a time, so that
-// the tile's 2 x kTile sums stay in registers across the n tokens.
+// p[h * p_stride + i] * v[i * v_stride] (rows of D values), two registers of D at a time (on the
+// AVX-512 path four of 16 lanes, 64 values), so that the tile's sums stay in registers across the n tokens.
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
                                      const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim) {
@@ -260,7 +260,7 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
 
 // Asks for size values of the cache to be brought into the caches while the current block is worked
 // on: blocks lie anywhere in memory, so the hardware's stream prefetcher cannot guess the next one.
-// kLocality: 3 into L1 (and all levels), 1 into L2 only (GCC's __builtin_prefetch hint).
+// kLocality: 3 into L1 (and all levels), 1 into L2 (not L1) (GCC's __builtin_prefetch hint).
 template <int kLocality = 3, typename scalar_t>
 static inline void prefetch(const scalar_t* start, int64_t size) {
   const char* p = reinterpret_cast<const char*>(start);
@@ -332,6 +332,8 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
     const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
     const scalar_t* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
     for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
+      // a 1/num_kv_heads slice of the next block per K/V head (rows interleave the heads): the whole
+      // block over the heads, into L1
       prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);
       tile_weighted_sum<decltype(tile)::value, kHeadDim>(a + h0 * D, s + h0 * len + t0, len, v_block + kv * D,
                                                          token_stride, n, D);
@@ -431,7 +433,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // call (a pair of index_copy_ calls costs several times as much at decode sizes).
 void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor slot_mapping) {
-  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [num_tokens, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(),
+                    "k and v must both be [num_tokens, num_kv_heads, head_dim]");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
                         k_cache.size(3) == k.size(2),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] of k's heads ",
@@ -582,12 +585,14 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), v_stride = v.stride(0);
   // a K/V head's rows are (token, query head of its group), token-major: tile i covers rows kRows * i..
-  const int64_t rows = tq * group, tiles_per_head = (rows + kRows - 1) / kRows, num_tiles = num_kv_heads * tiles_per_head;
+  const int64_t rows = tq * group, tiles_per_head = (rows + kRows - 1) / kRows;
+  const int64_t num_tiles = num_kv_heads * tiles_per_head;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[kRows * D];
     for (int64_t th = begin; th < end; ++th)
-      for (int64_t i = th; i < num_tiles; i += threads) {  // every threads-th tile: causal tiles grow with the token
+      // tiles dealt round-robin: later tokens' tiles see more keys, so each thread gets early and late ones
+      for (int64_t i = th; i < num_tiles; i += threads) {
         const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
         int64_t last[kRows];
         float* out_rows[kRows];
@@ -612,8 +617,10 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
                     "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "the CPU prefill kernel takes CPU tensors");
-  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+                    "the CPU prefill kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+                        v.scalar_type() == torch::kFloat,
                     "the CPU prefill kernel takes float32");
   TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128),
                     "the CPU prefill kernel takes head_dim 64 or 128, the same for q, k and v");
