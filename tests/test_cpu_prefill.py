@@ -272,3 +272,27 @@ def test_the_engine_with_the_prefill_kernel_gives_the_same_greedy_tokens(prefill
                            attention_backend=cd.CPUPagedAttention)
         outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
     assert calls and outs["kernel"] == outs["torch"]
+
+
+def test_prefill_kernel_over_a_wide_score_range_and_a_nan_in_a_later_key(prefill_kernel):
+    """The online softmax across blocks of 64 keys when the running max jumps by hundreds (the first block's
+    keys scaled by -20, the second's by +20: rescale factors underflow to 0, most numerators to the clamp at
+    exp(-87)), against float64 on the same float32 inputs. The error of float32 scores grows with their size,
+    so the bound is 16 float32 ulps of the largest |score| (the kernel and torch's fused path reach ~4). Then a
+    NaN in key 150: rows that may not see it (tokens 0..19, offset 130) stay finite and as before, as in the
+    reference (a hidden score and its numerator are replaced, not added to: a kernel that masks by adding
+    -inf and takes exp of every lane fails here); rows that see it are NaN."""
+    q, k, v = (x.float() for x in qkv(70, 200, 9, 3, 128, seed=12))
+    k[:64] *= -20
+    k[64:128] *= 20
+    for scale in (128 ** -0.5, 2.0):
+        ref = attention_reference(q.double(), k.double(), v.double(), scale)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(3, 1)) * scale
+        out = prefill_kernel(q, k, v, scale).double()
+        assert (out - ref).abs().max().item() <= 16 * 2.0 ** -24 * scores.abs().max().item()
+    before = prefill_kernel(q, k, v, 0.125)
+    k[150, 1, 7] = float("nan")
+    out = prefill_kernel(q, k, v, 0.125)
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    assert torch.equal(out[:20], before[:20]) and torch.isfinite(ref[:20]).all()
+    assert out[20:, 3:6].isnan().all() and ref[20:, 3:6].isnan().all() and torch.isfinite(out[20:, :3]).all()
