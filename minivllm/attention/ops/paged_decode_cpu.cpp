@@ -170,8 +170,10 @@ static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_
     __m512 part[kTile];
     for (int64_t h = 0; h < kTile; ++h) part[h] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // 32 products a step, a pair added per lane:
-      for (int64_t d = 0; d < kHeadDim; d += 32) {            // exact products, float32 sums, no widening
+    // bfloat16: 32 products a step, a pair added per lane: exact products, float32 sums, no widening.
+    // vdpbf16ps flushes subnormal inputs and sums (below 2**-126) to zero: far smaller than q and K values.
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      for (int64_t d = 0; d < kHeadDim; d += 32) {
         const __m512bh kk = (__m512bh)_mm512_loadu_si512(k + d);
         for (int64_t h = 0; h < kTile; ++h)
           part[h] = _mm512_dpbf16_ps(part[h], (__m512bh)_mm512_loadu_si512(q_raw + h * kHeadDim + d), kk);
