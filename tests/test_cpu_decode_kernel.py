@@ -186,7 +186,8 @@ def test_reshape_and_cache_equals_the_plain_store(dtype):
     slots = torch.tensor([5, 39, 0, 17, 22, 8])
     plain_backend = PagedAttention(kv_cache.clone(), 0.25)
     backend = CPUPagedAttention(kv_cache.clone(), 0.25)
-    md = AttentionMetadata(False, torch.arange(7), torch.ones(6, dtype=torch.int64), slots, torch.zeros(6, 1, dtype=torch.int64))
+    md = AttentionMetadata(False, torch.arange(7), torch.ones(6, dtype=torch.int64), slots,
+                           torch.zeros(6, 1, dtype=torch.int64))
     plain_backend.metadata = backend.metadata = md
     plain_backend.store_kvcache(1, k, v)
     backend.store_kvcache(1, k, v)
@@ -215,7 +216,8 @@ def test_reshape_and_cache_refuses_bad_input_and_writes_nothing():
         args = {**dict(k=k, v=v, k_cache=kv_cache[0], v_cache=kv_cache[1], slot_mapping=slots), **kw}
         return store(*args.values())
     cases = {
-        "slot_mapping\\[3\\] = 40 is not -1 or a slot": dict(slot_mapping=slots.clone().index_fill_(0, torch.tensor([3]), 40)),
+        "slot_mapping\\[3\\] = 40 is not -1 or a slot":
+            dict(slot_mapping=slots.clone().index_fill_(0, torch.tensor([3]), 40)),
         "slot_mapping\\[0\\] = -2": dict(slot_mapping=slots.clone().index_fill_(0, torch.tensor([0]), -2)),
         "one slot per token": dict(slot_mapping=slots[:5]),
         "1-D int64": dict(slot_mapping=slots.int()),

@@ -2,8 +2,8 @@
 
 # %% ../../../notebooks/05_paged_attention.ipynb #0c757f29
 """Chapter 05's C++ attention kernels for CPUs (decode, the K/V store, float32 prefill), built once per
-machine as chapter 02's fused ops are, and `CPUPagedAttention`, the backend that uses them (exported from the appendix of
-notebooks/05_paged_attention.ipynb). After vLLM's CPU backend (`csrc/cpu/attention.cpp`)."""
+machine as chapter 02's fused ops are, and `CPUPagedAttention`, the backend that uses them (exported
+from the appendix of notebooks/05_paged_attention.ipynb). After vLLM's CPU backend (`csrc/cpu/attention.cpp`)."""
 from __future__ import annotations
 
 import functools
@@ -41,8 +41,9 @@ def cpu_reshape_and_cache():
     writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`, strided views such as a fused q/k/v
     projection's split allowed) into its slot of one layer's caches (`[num_blocks, block_size,
     num_kv_heads, head_dim]`, contiguous, one dtype), in place, in one call; `slot_mapping` is `[N]`
-    int64, flat slots `block_id * block_size + offset`, and slot -1 is skipped. Raises ValueError for shapes, dtypes or devices that do not fit, or a slot that is
-    neither -1 nor a slot of the cache. None where `cpu_decode_kernel` is None (the same conditions)."""
+    int64, flat slots `block_id * block_size + offset`, and slot -1 is skipped. Raises ValueError for
+    shapes, dtypes or devices that do not fit, or a slot that is neither -1 nor a slot of the cache.
+    None where `cpu_decode_kernel` is None (the same conditions)."""
     module = load_extension(DECODE_KERNEL)
     return None if module is None else module.reshape_and_cache
 
