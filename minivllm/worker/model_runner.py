@@ -137,6 +137,7 @@ class _CacheAndPrompts:
         return self.model.compute_logits(self.model(ids, torch.arange(len(ids), device=self.device), no_cache))
 
 # %% ../../notebooks/04_scheduler.ipynb #ac8af34b
+from ..model_executor.layers.amx_gemm import use_amx_linear
 from ..model_executor.layers.cpu_gemm import use_panel_linear
 from ..model_executor.layers.linear import pack_linear_layers
 from ..model_executor.models.fused_layers import fuse_small_ops
@@ -146,13 +147,15 @@ from ..model_executor.models.fused_qkv import fuse_qkv_projections
 def prepare_cpu_model(model: LlamaForCausalLM, pack_linears: bool = True, cpu_gemm: bool = True,
                       fuse_ops: bool = True) -> None:
     """Put a loaded CPU model on chapter 02's faster paths, in place. `pack_linears`: fuse q/k/v
-    (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 (`cpu_gemm`,
-    appendix C) and the rest on oneDNN (float64 and float16 layers stay `nn.Linear`); `fuse_ops`:
-    the small ops in C++ (appendix B; float32 and bfloat16 only)."""
+    (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 and bfloat16
+    ones on the C++ AMX GEMM where it has AMX (`cpu_gemm`, appendix C), the rest on oneDNN (float64 and
+    float16 layers stay `nn.Linear`); `fuse_ops`: the small ops in C++
+    (appendix B; float32 and bfloat16 only)."""
     if pack_linears:
         fuse_qkv_projections(model)
         if cpu_gemm:
             use_panel_linear(model)
+            use_amx_linear(model)
         pack_linear_layers(model)
     if fuse_ops:
         fuse_small_ops(model)
@@ -169,7 +172,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
         pack_cpu_linears, cpu_gemm, fuse_cpu_small_ops: class switches (True), the arguments of
-            `prepare_cpu_model` on CPU: chapter 02's fast linear layers, its C++ GEMM, its fused small ops.
+            `prepare_cpu_model` on CPU: chapter 02's fast linear layers, its C++ GEMMs, its fused small ops.
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
         sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """

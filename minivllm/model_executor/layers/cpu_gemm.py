@@ -39,49 +39,59 @@ class PanelLinear(nn.Module):
     `[ceil(out_features / 64), in_features, 64]` (zero columns past the end). `forward(x)`:
     `[..., in_features]` float32 -> `[..., out_features]` float32, equal to `F.linear` up to the
     summation order (each output is one float32 fused multiply-add chain over k: relative differences
-    around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only.
+    around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only. A subclass sets
+    `dtype` and `kernel` (a module with `pack_weight` and `linear`) for another kernel.
     Idea: Goto and van de Geijn's GEMM (2008) and BLIS's packed panels and register micro-kernel.
 
     Raises:
-        ValueError: in `__init__`, if the layer is not float32 on CPU or the kernel is not available
-            (`cpu_gemm()` is None); in `forward`, if `x` is not float32, not on the CPU, its last dim is not
+        ValueError: in `__init__`, if the layer is not `dtype` on CPU or the kernel is not available
+            (`kernel()` is None); in `forward`, if `x` is not `dtype`, not on the CPU, its last dim is not
             `in_features`, or it requires grad while autograd records (the kernel has no backward).
     """
 
-    @staticmethod
-    def can_pack(linear: nn.Linear) -> bool:
-        """Whether `linear` can use the kernel: float32, on CPU, with `cpu_gemm()` available."""
+    dtype = torch.float32  # the one dtype the kernel takes
+    kernel = staticmethod(cpu_gemm)  # the built kernel, or None
+
+    @classmethod
+    def can_pack(cls, linear: nn.Linear) -> bool:
+        """Whether `linear` can use the kernel: `dtype`, on CPU, with `kernel()` available."""
         w = linear.weight
-        return w.device.type == "cpu" and w.dtype == torch.float32 and cpu_gemm() is not None
+        return w.device.type == "cpu" and w.dtype == cls.dtype and cls.kernel() is not None
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        name, dtype = type(self).__name__, str(self.dtype).removeprefix("torch.")
         if not self.can_pack(linear):
-            raise ValueError(f"PanelLinear needs a float32 CPU weight and the C++ GEMM; got {linear.weight.dtype} "
-                             f"on {linear.weight.device}, kernel {'available' if cpu_gemm() else 'not available'}")
+            raise ValueError(f"{name} needs a {dtype} CPU weight and its C++ kernel; got {linear.weight.dtype} "
+                             f"on {linear.weight.device}, kernel {'available' if self.kernel() else 'not available'}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.panels = cpu_gemm().pack_weight(linear.weight.detach().contiguous())
-        assert self.panels.shape[2] == PANEL_WIDTH, "the C++ panel width and PANEL_WIDTH disagree"
+        self.panels = self.kernel().pack_weight(linear.weight.detach().contiguous())
+        assert len(self.panels) == -(-self.out_features // PANEL_WIDTH), "the C++ panel width and PANEL_WIDTH disagree"
         self.bias = None if linear.bias is None else linear.bias.detach().clone().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise ValueError(f"PanelLinear holds float32 weights; got a {x.dtype} input")
+        name = type(self).__name__
+        if x.dtype != self.dtype:
+            raise ValueError(f"{name} holds {str(self.dtype).removeprefix('torch.')} weights; got a {x.dtype} input")
         if x.device.type != "cpu":  # the kernel reads raw CPU pointers
-            raise ValueError(f"PanelLinear runs on the CPU; got x on {x.device}")
+            raise ValueError(f"{name} runs on the CPU; got x on {x.device}")
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"PanelLinear takes {self.in_features} input features; got x of shape {tuple(x.shape)}")
+            raise ValueError(f"{name} takes {self.in_features} input features; got x of shape {tuple(x.shape)}")
         if x.requires_grad and torch.is_grad_enabled():  # the output would silently leave the graph
-            raise ValueError("PanelLinear is for running only (no gradients): call it under torch.no_grad() "
+            raise ValueError(f"{name} is for running only (no gradients): call it under torch.no_grad() "
                              "or torch.inference_mode(), or on a detached x")
         rows = x.reshape(x.shape[:-1].numel(), self.in_features).contiguous()  # -1 is ambiguous for K = 0
-        out = cpu_gemm().linear(rows, self.panels, self.bias, self.out_features)
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.matmul(rows).view(*x.shape[:-1], self.out_features)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` `[M, in_features]` (contiguous, `dtype`, checked by `forward`) -> `[M, out_features]`, by the kernel."""
+        return self.kernel().linear(rows, self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+# %% ../../../notebooks/02_model.ipynb #b6f8d498
 def use_panel_linear(model: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` inside `model` by a `PanelLinear`, where the kernel is
     available (with `replace_linear_layers`, as `pack_linear_layers`). A tied LM head gets its own panels.

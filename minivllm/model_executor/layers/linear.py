@@ -45,8 +45,9 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def can_pack(linear: nn.Linear) -> bool:
-        """Whether `linear` can be packed: on CPU, with a dtype `onednn_packing_supported` accepts."""
-        return linear.weight.device.type == "cpu" and onednn_packing_supported(linear.weight.dtype)
+        """Whether `linear` can be packed: on CPU, not empty, with a dtype `onednn_packing_supported` accepts."""
+        w = linear.weight
+        return w.device.type == "cpu" and w.numel() > 0 and onednn_packing_supported(w.dtype)
 
     def __init__(self, linear: nn.Linear, batch_hint: int = ONEDNN_PACK_BATCH_HINT):
         super().__init__()
@@ -68,6 +69,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+# %% ../../../notebooks/02_model.ipynb #16a73a44
 def replace_linear_layers(model: nn.Module, cls: type, *args) -> int:
     """Replace every `nn.Linear` inside `model` that `cls.can_pack` accepts by `cls(layer, *args)`, in
     place. A tied LM head gets its own copy; the embedding keeps the shared weight for look-ups.

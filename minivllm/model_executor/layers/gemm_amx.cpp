@@ -1,0 +1,169 @@
+// A bfloat16 matrix multiply for linear layers on CPUs with AMX (chapter 02, appendix C):
+// out[M, N] = x[M, K] @ weight[N, K]^T (+ bias), bfloat16 in and out, float32 sums.
+//
+// AMX (Advanced Matrix Extensions, Intel Sapphire Rapids and later) adds eight tile registers of up to
+// 16 rows x 64 bytes and one instruction, tdpbf16ps, that multiplies a 16 x 32 bfloat16 tile of x by a
+// 32 x 16 bfloat16 tile of the weight and adds the 16 x 16 float32 products into a third tile. The
+// weight tile must be in "VNNI" order: 16 rows, each holding 16 columns x 2 consecutive k (pairs along
+// K), so the weight is packed once into panels of 64 output columns, [ceil(N/64), ceil(K/32), 4, 16, 16, 2]:
+// for each block of 32 k, the panel's four tiles of 16 columns, 1 KiB each, one after another. A panel
+// is one contiguous stream of memory. For each block of up to 16 rows of x, four float32 tiles hold a
+// 16 x 64 block of the output over the whole of K; then they are stored, the bias added, and the sums
+// rounded to bfloat16 once. Rows beyond 16 walk the panel again, from the L2 cache. Threads split the
+// panels. Ideas: Intel's AMX programming reference (tile configuration, VNNI layout) and the weight
+// packing of oneDNN's and SGLang's CPU kernels.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define MINIVLLM_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+static constexpr int64_t PANEL = 64;  // output columns per panel: four tiles of 16 float32 columns
+static constexpr int64_t KT = 32;     // k per tile: 16 rows of pairs
+static constexpr int64_t TILE = 16 * KT;  // bfloat16 values in one weight tile (1 KiB)
+static constexpr int64_t ROWS = 16;   // most rows of x per tile
+static constexpr int64_t MC = 128;    // rows per row block: 128 rows of x stay in the L2 cache beside a panel
+
+// [N, K] -> [ceil(N/64), ceil(K/32), 4, 16, 16, 2]: packed[p][b][t][i][c][e] = weight[64p + 16t + c][32b + 2i + e],
+// zeros past N and K.
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.device().is_cpu(),
+              "pack_weight: a 2-D bfloat16 CPU weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (k + KT - 1) / KT;
+  auto padded = torch::zeros({panels * PANEL, blocks * KT}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({panels, 4, 16, blocks, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
+}
+
+#if defined(MINIVLLM_AMX)
+// Linux hands out AMX's 8 KiB of tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction kills the process.
+static bool request_amx() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// The tile shapes (the "palette 1" layout): tiles 0-3 the output (rows x 16 float32), 4 the rows of x
+// (rows x 32 bfloat16), 5 and 6 the weight (16 pairs x 16 columns).
+static void configure_tiles(int rows) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = t < 5 ? rows : 16;
+    cfg.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// out[0:rows, 0:cols] = x[0:rows, :] @ one panel (+ bias), rounded to bfloat16 once; the tiles are
+// configured for `rows`. x: rows of `k` bfloat16 (k a multiple of 32); w: the panel's first tile.
+static void panel_kernel(const uint16_t* x, int64_t k, const uint16_t* w, int rows, int64_t cols, const uint16_t* bias,
+                         uint16_t* out, int64_t ldo) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t k0 = 0; k0 < k; k0 += KT, w += 4 * TILE) {
+    _tile_loadd(4, x + k0, k * 2);  // rows x 32 of x; the row stride in bytes
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, w + TILE, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, w + 2 * TILE, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, w + 3 * TILE, 64);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  alignas(64) float sums[ROWS * PANEL];
+  _tile_stored(0, sums, PANEL * 4);
+  _tile_stored(1, sums + 16, PANEL * 4);
+  _tile_stored(2, sums + 32, PANEL * 4);
+  _tile_stored(3, sums + 48, PANEL * 4);
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
+    if (c == 0) break;
+    const __mmask16 mask = __mmask16((1u << c) - 1u);
+    // bfloat16 -> float32: the 16 bits are a float32's upper half
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + r * PANEL + 16 * j), b));
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * j, mask, (__m256i)v);
+    }
+  }
+}
+#endif
+
+bool has_amx() {
+#if defined(MINIVLLM_AMX)
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bfloat16 contiguous, packed from pack_weight, bias [N] bfloat16 or None -> [M, N] bfloat16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                     int64_t n) {
+#if defined(MINIVLLM_AMX)
+  TORCH_CHECK(request_amx(), "linear: Linux did not grant this process AMX's tile state");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and the packed weight must be on the CPU; got ",
+              x.device(), " and ", packed.device());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
+              "linear: x must be a contiguous 2-D bfloat16 tensor");
+  const int64_t m = x.size(0), k = x.size(1), blocks = (k + KT - 1) / KT;
+  TORCH_CHECK(packed.dim() == 6 && packed.size(1) == blocks && packed.size(2) == 4 && packed.size(3) == 16 &&
+              packed.size(4) == 16 && packed.size(5) == 2 && packed.is_contiguous() &&
+              packed.scalar_type() == torch::kBFloat16,
+              "linear: packed weight of shape ", packed.sizes(), " (", packed.scalar_type(), ") does not fit bfloat16 x of shape ",
+              x.sizes());
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(n > (panels - 1) * PANEL && n <= panels * PANEL, "linear: ", n, " columns do not fit ", panels, " panels");
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == torch::kBFloat16 &&
+                bias->device().is_cpu(), "linear: bias must be a bfloat16 CPU tensor [", n, "]");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  if (k == 0) return b ? out.copy_(bias->reshape({1, n}).expand({m, n})) : out.zero_();  // no K blocks: the bias
+  // the tiles read whole blocks of 32 k: pad x's rows with zeros (the packed weight has zeros there)
+  const torch::Tensor xp = k % KT ? torch::constant_pad_nd(x, {0, blocks * KT - k}) : x;
+  const auto* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t kp = blocks * KT;
+  const int64_t row_blocks = (m + MC - 1) / MC;
+  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    int configured = 0;  // tile configurations are per thread
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item % panels, r0 = item / panels * MC, r1 = std::min(m, r0 + MC);
+      const int64_t cols = std::min(PANEL, n - p * PANEL);
+      for (int64_t m0 = r0; m0 < r1; m0 += ROWS) {
+        const int rows = static_cast<int>(std::min(ROWS, r1 - m0));
+        if (rows != configured) configure_tiles(configured = rows);
+        panel_kernel(X + m0 * kp, kp, W + p * blocks * 4 * TILE, rows, cols, b ? b + p * PANEL : nullptr,
+                     O + m0 * n + p * PANEL, n);
+      }
+    }
+    if (configured) _tile_release();  // leave no tile state behind for the thread's next work
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "linear: this library was built without AMX (amx_tile, amx_bf16, avx512_bf16)");
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_weight", &pack_weight, "[N, K] bfloat16 -> [ceil(N/64), ceil(K/32), 4, 16, 16, 2] AMX weight tiles");
+  m.def("linear", &linear, "x [M, K] @ weight^T (+ bias) -> [M, N] bfloat16, from pack_weight's tiles");
+  m.def("has_amx", &has_amx, "whether this build has the AMX kernel and Linux granted the tile state");
+}
