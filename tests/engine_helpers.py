@@ -175,6 +175,22 @@ def runner_switch_ab(folder, switch: str, inspect) -> tuple[dict, dict]:
     return outs, seen
 
 
+def swap_with_kernels_off(monkeypatch, loader, swap, model) -> int:
+    """`swap(model)` with the C++ kernels switched off (`MINIVLLM_CPU_KERNEL=0`) and `loader`'s cache
+    cleared before and after; any warning fails (switched off on purpose: nothing to warn about).
+    Returns what `swap` returns: the number of layers replaced."""
+    import warnings
+
+    monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
+    loader.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return swap(model)
+    finally:
+        loader.cache_clear()
+
+
 def require_built(kernel, what: str):
     """`kernel` (a C++ library's function or module) if it is not None; else skip the calling test,
     or fail it under `MINIVLLM_REQUIRE_CPU_KERNEL=1` (CI, where every C++ kernel must build)."""

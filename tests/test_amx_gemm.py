@@ -11,8 +11,6 @@ meets the same bound on the same inputs.
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from engine_helpers import make_model, require_built, run_engine
+from engine_helpers import make_model, require_built, run_engine, swap_with_kernels_off
 from minivllm.model_executor.cpp_extension import load_extension
 from minivllm.model_executor.layers.amx_gemm import CPU_AMX_GEMM, AMXLinear, amx_gemm, use_amx_linear
 from minivllm.model_executor.layers.linear import PackedLinear
@@ -164,14 +162,8 @@ def test_swapped_in_only_where_it_applies(amx, monkeypatch):
     model = nn.Sequential(nn.Linear(8, 16, dtype=BF16), nn.Sequential(nn.Linear(16, 4), nn.Linear(16, 8, dtype=BF16)))
     assert use_amx_linear(model) == 2
     assert [type(m) for m in (model[0], model[1][0], model[1][1])] == [AMXLinear, nn.Linear, AMXLinear]
-    monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
-    amx_gemm.cache_clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # switched off on purpose: no warning
-            assert use_amx_linear(nn.Sequential(nn.Linear(8, 16, dtype=BF16))) == 0
-    finally:
-        amx_gemm.cache_clear()
+    one_layer = nn.Sequential(nn.Linear(8, 16, dtype=BF16))
+    assert swap_with_kernels_off(monkeypatch, amx_gemm, use_amx_linear, one_layer) == 0
 
 
 def test_the_engine_uses_it_in_bfloat16(amx, tmp_path):

@@ -8,8 +8,6 @@ standard bound for a recursive sum, fused multiply-adds or not; terms = K, plus 
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -17,7 +15,7 @@ from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
-from engine_helpers import make_model, require_built, runner_switch_ab
+from engine_helpers import make_model, require_built, runner_switch_ab, swap_with_kernels_off
 from minivllm.model_executor.cpp_extension import load_extension
 from minivllm.model_executor.layers.cpu_gemm import CPU_GEMM, PANEL_WIDTH, PanelLinear, cpu_gemm, use_panel_linear
 from minivllm.model_executor.layers.linear import PackedLinear
@@ -143,14 +141,7 @@ def test_swapped_in_only_where_it_applies(gemm, monkeypatch):
     model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 4).double(), nn.Linear(16, 8)))
     assert use_panel_linear(model) == 2
     assert [type(m) for m in (model[0], model[1][0], model[1][1])] == [PanelLinear, nn.Linear, PanelLinear]
-    monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
-    cpu_gemm.cache_clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # switched off on purpose: no warning
-            assert use_panel_linear(nn.Sequential(nn.Linear(8, 16))) == 0
-    finally:
-        cpu_gemm.cache_clear()
+    assert swap_with_kernels_off(monkeypatch, cpu_gemm, use_panel_linear, nn.Sequential(nn.Linear(8, 16))) == 0
 
 
 def test_the_engine_uses_it_in_float32_with_the_same_greedy_tokens(gemm, tmp_path):
