@@ -26,8 +26,9 @@ CPU_AMX_GEMM = CppExtension(
 @functools.cache
 def amx_gemm():
     """The built module of `CPU_AMX_GEMM` (functions `pack_weight`, `linear`, `has_amx`), or None where it
-    cannot be built (with a warning saying why), `MINIVLLM_CPU_KERNEL=0`, the CPU has no AMX (amx_tile,
-    amx_bf16) and AVX512-BF16, or Linux does not grant the process AMX's tile state."""
+    cannot be built (with a warning saying why), `MINIVLLM_CPU_KERNEL=0`, the CPU lacks amx_tile, amx_bf16
+    or avx512_bf16 (or the compiler cannot target them), or Linux (5.16 on) does not grant the process
+    AMX's tile state."""
     module = load_extension(CPU_AMX_GEMM)
     return module if module is not None and module.has_amx() else None
 
@@ -42,12 +43,16 @@ class AMXLinear(PanelLinear):
     block of 32 inputs, four 16 x 32 tiles in VNNI order (pairs of consecutive inputs side by side;
     zeros past the ends). `forward(x)`: `[..., in_features]` bfloat16 -> `[..., out_features]` bfloat16:
     float32 sums of the exact bfloat16 products (subnormal inputs read as zero), the bias added in
-    float32, rounded once to bfloat16 (round to nearest even). Equal to `F.linear` in bfloat16 up to
-    the order of the float32 additions. More than `max_rows` rows (a prefill) go to oneDNN's packed
-    layer (`PackedLinear`, a second copy of the weight in oneDNN's layout), whose AMX kernels are faster
-    for hundreds of rows. For running only, as `PanelLinear`.
-    Idea: Intel's AMX instructions (`tdpbf16ps`) and the VNNI weight packing of oneDNN's and SGLang's
-    CPU kernels.
+    float32, rounded once to bfloat16 (round to nearest even; subnormal sums flushed to zero). Equal to
+    `F.linear` in bfloat16 up to the order of the float32 additions. More than `max_rows` rows (a
+    prefill) go to `many_rows`, oneDNN's packed layer of the same weight (`PackedLinear`: a second copy
+    of the weight, about 270 MB more for the default model with its LM head), whose AMX kernels are
+    faster for hundreds of rows; `many_rows` is None for an empty weight, and our kernel takes every
+    row count. For running only, as `PanelLinear`.
+    Idea: Intel's AMX instructions (`tdpbf16ps`; Intel Architecture Instruction Set Extensions
+    Programming Reference, the AMX chapter) and the VNNI weight packing of oneDNN's and SGLang's CPU
+    kernels (SGLang's `weight_packed_linear`, which vLLM's CPU backend can call, also hands many rows
+    to oneDNN's brgemm).
 
     Raises:
         ValueError: as `PanelLinear`, with bfloat16 in place of float32 and `amx_gemm()` as the kernel.
@@ -55,7 +60,7 @@ class AMXLinear(PanelLinear):
 
     dtype = torch.bfloat16
     kernel = staticmethod(amx_gemm)
-    max_rows = 128  # most rows for our kernel; oneDNN's beyond (the crossover is at 128-256 rows here)
+    max_rows = 128  # most rows for our kernel; oneDNN's is as fast from about 128 rows (appendix C's timings)
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)

@@ -40,7 +40,8 @@ class PanelLinear(nn.Module):
     `[..., in_features]` float32 -> `[..., out_features]` float32, equal to `F.linear` up to the
     summation order (each output is one float32 fused multiply-add chain over k: relative differences
     around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only. A subclass sets
-    `dtype` and `kernel` (a module with `pack_weight` and `linear`) for another kernel.
+    `dtype` and `kernel` (a function returning the built module, with `pack_weight` and `linear`, or
+    None) for another kernel, and may override `matmul`.
     Idea: Goto and van de Geijn's GEMM (2008) and BLIS's packed panels and register micro-kernel.
 
     Raises:
