@@ -37,7 +37,8 @@ def amx():
     module = require_built(load_extension(CPU_AMX_GEMM), "the C++ bfloat16 AMX GEMM")
     if not module.has_amx():
         assert amx_gemm() is None  # built, but not used
-        assert not cpu_has_amx(), "the CPU has AMX, yet the library has no AMX kernel or Linux refused the tile state"
+        if cpu_has_amx():  # the compiler could not target AMX, or Linux refused the tile state
+            require_built(None, "the C++ bfloat16 AMX GEMM with AMX on this AMX CPU")  # fails under CI, else skips
         pytest.skip("this CPU has no AMX: bfloat16 layers stay on oneDNN")
     return module
 
@@ -96,8 +97,9 @@ def test_the_bound_catches_a_wrong_product(amx):
 
 @torch.inference_mode()
 def test_a_row_does_not_depend_on_the_rows_beside_it(amx):
-    """Up to `max_rows`, each output is the same float32 tile sum over k for any number of rows, so a
-    sequence's logits in a decode step are the same bits in a batch of 1 or of 128."""
+    """Up to `max_rows`, each output is the same float32 tile sum over k for any number of rows: a row's
+    outputs of this layer are the same bits in a batch of 1 or of 128 (so a decode step's rows do not
+    depend on which other sequences share the step)."""
     layer = AMXLinear(nn.Linear(300, 130, bias=True, dtype=BF16))
     x = torch.randn(AMXLinear.max_rows, 300).to(BF16)
     full = layer(x)
@@ -107,14 +109,39 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(amx):
 
 @torch.inference_mode()
 def test_many_rows_go_to_onednn(amx):
-    """Above `max_rows` rows `AMXLinear` returns oneDNN's product of the same weight; up to it, the kernel's."""
-    linear = nn.Linear(64, 96, bias=True, dtype=BF16)
+    """Above `max_rows` rows `AMXLinear` calls oneDNN's layer of the same weight and returns its product;
+    up to it, the kernel's. The call count tells the two apart (on these inputs their bits agree)."""
+    g = torch.Generator().manual_seed(0)
+    linear = bf16_linear(576, 96, True, g)
     layer, onednn = AMXLinear(linear), PackedLinear(linear)
+    calls = []
+    layer.many_rows.register_forward_hook(lambda *args: calls.append(1))
     packed = amx.pack_weight(linear.weight)
-    x = torch.randn(AMXLinear.max_rows + 1, 64).to(BF16)
-    assert torch.equal(layer(x), onednn(x))
+    x = torch.randn(AMXLinear.max_rows + 1, 576, generator=g).to(BF16)
+    ours = amx.linear(x, packed, linear.bias, 96)
+    assert torch.equal(layer(x), onednn(x)) and calls == [1]
     few = x[:AMXLinear.max_rows]
-    assert torch.equal(layer(few), amx.linear(few, packed, linear.bias, 96))
+    assert torch.equal(layer(few), ours[:AMXLinear.max_rows]) and calls == [1]
+
+
+@torch.inference_mode()
+def test_the_same_bits_on_any_number_of_threads(amx):
+    """Each thread configures its own tiles for its panels: 1, 2, 3 and 4 threads give the same bits
+    (a thread that used unconfigured tiles would crash the process instead)."""
+    g = torch.Generator().manual_seed(1)
+    linear = bf16_linear(300, 700, True, g)  # 11 panels
+    packed = amx.pack_weight(linear.weight)
+    x = torch.randn(200, 300, generator=g).to(BF16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            outs.append(amx.linear(x, packed, linear.bias, 700))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert share_of_bound(outs[0], x, linear.weight, linear.bias) <= 1.0
 
 
 @torch.inference_mode()
