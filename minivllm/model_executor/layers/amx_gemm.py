@@ -41,11 +41,11 @@ class AMXLinear(PanelLinear):
     `[ceil(out_features / 64), ceil(in_features / 32), 4, 16, 16, 2]`: per panel of 64 output columns and
     block of 32 inputs, four 16 x 32 tiles in VNNI order (pairs of consecutive inputs side by side;
     zeros past the ends). `forward(x)`: `[..., in_features]` bfloat16 -> `[..., out_features]` bfloat16:
-    float32 sums of the exact bfloat16 products (subnormal inputs read as zero), the bias added in
-    float32, rounded once to bfloat16 (round to nearest even). Equal to `F.linear` in bfloat16 up to
-    the order of the float32 additions. More than `max_rows` rows (a prefill) go to oneDNN's packed
-    layer (`PackedLinear`, a second copy of the weight in oneDNN's layout), whose AMX kernels are faster
-    for hundreds of rows. For running only, as `PanelLinear`.
+    float32 sums of the exact bfloat16 products (subnormal inputs, products, sums and results, below 2**-126,
+    read as zero), the bias added in float32, rounded once to bfloat16 (round to nearest even). Equal to
+    `F.linear` in bfloat16 up to the order of the float32 additions. More than `max_rows` rows (a prefill) go
+    to oneDNN's packed layer (`PackedLinear`, a second copy of the weight in oneDNN's layout), whose AMX
+    kernels are faster for hundreds of rows. For running only, as `PanelLinear`.
     Idea: Intel's AMX instructions (`tdpbf16ps`) and the VNNI weight packing of oneDNN's and SGLang's
     CPU kernels.
 
