@@ -8,6 +8,8 @@ bfloat16. The float32 sum may differ from the exact one by at most `a = terms * 
 significant bits, round to nearest even) adds at most 2**-8 of the rounded value's size:
 `|out - exact| <= 2**-8 * (|exact| + a) + a`, computed per output. oneDNN's bfloat16 `PackedLinear`
 meets the same bound on the same inputs.
+The bound is for normal numbers: `tdpbf16ps` flushes subnormal products and sums (below 2**-126) to
+zero, and the rounding to bfloat16 a subnormal result (test_subnormals_read_as_zero).
 """
 from __future__ import annotations
 
@@ -93,6 +95,18 @@ def test_the_bound_catches_a_wrong_product(amx):
     halves = [F.linear(x[:, s], linear.weight[:, s]).float() for s in (slice(0, 48), slice(48, 96))]
     twice = (halves[0] + halves[1]).to(BF16)
     assert share_of_bound(twice, x, linear.weight, None) > 1.0
+
+
+@torch.inference_mode()
+def test_subnormals_read_as_zero(amx):
+    """64 products 2**-65 * 2**-65 = 2**-130 (subnormal in float32) sum to the normal 2**-124, yet come
+    out as 0, outside the bound; a subnormal bias over a zero product comes out as 0 too."""
+    x = torch.full((1, 64), 2.0 ** -65, dtype=BF16)
+    w = torch.full((3, 64), 2.0 ** -65, dtype=BF16)
+    out = amx.linear(x, amx.pack_weight(w), None, 3)
+    assert out.tolist() == [[0.0, 0.0, 0.0]] and share_of_bound(out, x, w, None) > 1.0
+    bias = torch.tensor([2.0 ** -130, 1.0, -2.0 ** -127], dtype=BF16)  # subnormal, normal, subnormal
+    assert amx.linear(torch.zeros_like(x), amx.pack_weight(w), bias, 3).tolist() == [[0.0, 1.0, 0.0]]
 
 
 @torch.inference_mode()

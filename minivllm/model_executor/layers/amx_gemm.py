@@ -42,9 +42,9 @@ class AMXLinear(PanelLinear):
     `[ceil(out_features / 64), ceil(in_features / 32), 4, 16, 16, 2]`: per panel of 64 output columns and
     block of 32 inputs, four 16 x 32 tiles in VNNI order (pairs of consecutive inputs side by side;
     zeros past the ends). `forward(x)`: `[..., in_features]` bfloat16 -> `[..., out_features]` bfloat16:
-    float32 sums of the exact bfloat16 products (subnormal inputs read as zero), the bias added in
-    float32, rounded once to bfloat16 (round to nearest even; subnormal sums flushed to zero). Equal to
-    `F.linear` in bfloat16 up to the order of the float32 additions. More than `max_rows` rows (a
+    float32 sums of the exact bfloat16 products (subnormal inputs, products, sums and results, below
+    2**-126, read as zero), the bias added in float32, rounded once to bfloat16 (round to nearest even).
+    Equal to `F.linear` in bfloat16 up to the order of the float32 additions. More than `max_rows` rows (a
     prefill) go to `many_rows`, oneDNN's packed layer of the same weight (`PackedLinear`: a second copy
     of the weight, about 270 MB more for the default model with its LM head), whose AMX kernels are
     faster for hundreds of rows; `many_rows` is None for an empty weight, and our kernel takes every
