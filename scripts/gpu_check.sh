@@ -12,7 +12,8 @@
 # It runs from the repository root with the machine's own Python (PY; default `python`, else
 # `python3`) and installs nothing: PYTHONPATH=. makes the package importable without installing it.
 # Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP, MIXED_CAP, GRAPHS_CAP seconds; defaults 120,
-# 290, 90 and 75, so the whole check stays under 10 minutes), and the ladder rewrites its JSON record
+# 290, 90 and 75, so the whole check stays under 10 minutes; LADDER_TIME_LIMIT, default 35, caps each rung
+# of the ladder in seconds), and the ladder rewrites its JSON record
 # after every rung, so a stage stopped by its cap still leaves what it finished. STAGES chooses the
 # stages (default "pytest ladder mixed graphs").
 # Files written into OUT_DIR:
@@ -80,8 +81,9 @@ if ((!DRY_RUN)) && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_ava
 fi
 
 if [[ $STAGES_TO_RUN == *" pytest "* ]]; then
-    # only the test files that mark tests `gpu`: the others import packages the GPU image lacks (hypothesis)
-    mapfile -t GPU_TESTS < <(grep -l 'mark\.gpu' tests/test_*.py)
+    # only the test files that mark tests `gpu` (a decorator or a parameter's marks, not a string that writes
+    # one): the others import packages the GPU image lacks (nbformat, llguidance)
+    mapfile -t GPU_TESTS < <(grep -lE '^\s*@?pytest\.mark\.gpu\b' tests/test_*.py)
     stage pytest "$PYTEST_CAP" "$OUT_DIR/gpu_pytest.log" \
         "$PY" -m pytest -m gpu "${GPU_TESTS[@]:-tests/}" -q -rA --durations=15 -p no:cacheprovider \
         --continue-on-collection-errors --junitxml="$OUT_DIR/gpu_pytest.xml"
@@ -100,7 +102,7 @@ tiny_config("qwen3", tie_word_embeddings=True).to_json_file(sys.argv[1], use_dif
            --mixed-first-arrival-step 2 --mixed-arrival-every 4 --mixed-budget 16)
 else
     LADDER=(--model-config qwen3-0.6b --dtype bfloat16 --num-requests 256 --input-len 100 1024
-            --output-len 100 1024 --hf-batch-size 256 --time-limit 35)
+            --output-len 100 1024 --hf-batch-size 256 --time-limit "${LADDER_TIME_LIMIT:-35}")
     MIXED=(--model-config qwen3-0.6b --dtype bfloat16 --mixed-budget 512)  # MixedWorkload's defaults
 fi
 if [[ $STAGES_TO_RUN == *" ladder "* ]]; then

@@ -133,13 +133,16 @@ def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
     """(what, figure, record) of chapter 11's records, where present: the mixed workload (prefill-first
     against a token budget) and the headline workload through the default engine against chapter 09's."""
     rows = []
-    mixed_path = results / "cpu_chunked_prefill_mixed.json"
-    if mixed_path.is_file():
+    for device, mixed_path in (("CPU", results / "cpu_chunked_prefill_mixed.json"),
+                               ("GPU", results / "gpu_bench_mixed.json")):
+        if not mixed_path.is_file():
+            continue
         m = load(results, mixed_path.name)
         w, pf, ch, ratio, t = m["workload"], *(m["contenders"][k] for k in ("prefill_first", "chunked")), \
             m["ratios"], m["targets"]
-        rows.append((f"CPU, chunked prefill: {w['num_decoding']} streams decoding ({w['decode_output_len']} tokens "
-                     f"each) while {w['num_long']} prompts of {w['long_input_len']:,} tokens arrive, {m['dtype']}",
+        model = f"{m['model']}, " if device == "GPU" else ""
+        rows.append((f"{device}, chunked prefill: {w['num_decoding']} streams decoding ({w['decode_output_len']} tokens "
+                     f"each) while {w['num_long']} prompts of {w['long_input_len']:,} tokens arrive, {model}{m['dtype']}",
                      f"p99 inter-token latency with a budget of {m['budget']} tokens per step {ch['p99_itl_s']:.2f} s "
                      f"against prefill-first {pf['p99_itl_s']:.2f} s: **{ratio['p99_itl']:.2f}×** (target ≤ "
                      f"{t['p99_itl_ratio_max']:g}×); output {ch['output_tok_s']:,.1f} against "
@@ -223,11 +226,38 @@ def gpu_rows(results: Path) -> list[tuple[str, str, str]]:
     if check_path.is_file():
         c = load(results, check_path.name)
         t = c["pytest"]
-        rows.append(("GPU tests (`pytest -m gpu`)",
-                     f"{t['tests']} run: {t['tests'] - t['failures'] - t['errors'] - t['skipped']} passed, "
-                     f"{t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped",
-                     source(check_path.name, c)))
+        figure = (f"{t['tests']} run: {t['tests'] - t['failures'] - t['errors'] - t['skipped']} passed, "
+                  f"{t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped")
+        where = source(check_path.name, c)
+        junit = results / "gpu_pytest.xml"
+        if junit.is_file():
+            figure += gpu_test_details(junit)
+            where += f"; `{junit.name}`"
+        rows.append(("GPU tests (`pytest -m gpu`)", figure, where))
     return rows
+
+
+def gpu_test_details(junit: Path) -> str:
+    """What the GPU tests' JUnit record adds to the counts: each test that did not pass, with its message's
+    first words, and the speed parts' recorded ratios (the student's time over the reference's)."""
+    import xml.etree.ElementTree as ET
+
+    notes, ratios = [], []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name") or case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+        for outcome in case:
+            if outcome.tag in ("failure", "error", "skipped"):
+                message = " ".join((outcome.get("message") or outcome.tag).split())
+                notes.append(f"`{name}` {outcome.tag}: {message[:90]}{'…' if len(message) > 90 else ''}")
+        for prop in case.iter("property"):
+            if prop.get("name", "").endswith("speed_ratio"):
+                ratios.append(f"`{name}` {float(prop.get('value')):.2f}×")
+    details = ""
+    if ratios:
+        details += "; speed parts, the book's time over the grader's: " + ", ".join(ratios)
+    if notes:
+        details += "; " + "; ".join(notes)
+    return details
 
 
 def ladder_table(results: Path) -> str:

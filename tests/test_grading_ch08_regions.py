@@ -48,7 +48,7 @@ import minivllm.worker.cuda_graph as cg
 from engine_helpers import hf_greedy, make_model, one_thread, random_prompts, run_engine, speed_ratio
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.block_manager import BlockManager
-from minivllm.course.grade import EXERCISES as GRADED, SPEED_RATIO
+from minivllm.course.grade import EXERCISES as GRADED, SPEED_RATIO, speed_points
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model_executor.model_loader import load_model
 from minivllm.sampling_params import SamplingParams
@@ -732,6 +732,21 @@ def test_ch08_ex1_decode_step_speed_on_a_gpu(record_property):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the speed part times real CUDA graphs")
     record_property(SPEED_RATIO, check_decode_speed("cuda"))
+
+
+@pytest.mark.gpu
+def test_ch08_ex1_speed_bands_tell_an_eager_runner_from_graphs(record_property):
+    """The bands can fail a slow answer (not graded: it checks the grader): a runner whose graphs never
+    replay (`DecodeGraphs.run` answers None, so every decode step runs eagerly, with the same logits)
+    loses points against the grader's runner on a CUDA GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the speed part times real CUDA graphs")
+    with mock.patch.object(DecodeGraphs, "run", lambda self, seqs: None):  # the grader's runner re-patches it
+        ratio = check_decode_speed("cuda")
+    record_property("eager_" + SPEED_RATIO, ratio)
+    (_, bands), = GRADED["ch08_ex1"].speed
+    assert speed_points(bands, ratio) < bands[0][1], (
+        f"an eager decode step took {ratio:.2f}x the graphs' time and kept full points (bands {bands})")
 
 
 def test_ch08_ex1_speed_check_runs_on_a_cpu():
