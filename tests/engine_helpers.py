@@ -191,6 +191,13 @@ def swap_with_kernels_off(monkeypatch, loader, swap, model) -> int:
         loader.cache_clear()
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU says it has AMX's bfloat16 tiles and AVX512-BF16 (/proc/cpuinfo's flags)."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    return all(flag in flags.split() for flag in ("amx_tile", "amx_bf16", "avx512_bf16"))
+
+
 def require_built(kernel, what: str):
     """`kernel` (a C++ library's function or module) if it is not None; else skip the calling test,
     or fail it under `MINIVLLM_REQUIRE_CPU_KERNEL=1` (CI, where every C++ kernel must build)."""

@@ -20,18 +20,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from engine_helpers import make_model, require_built, run_engine, swap_with_kernels_off
+from engine_helpers import cpu_has_amx, make_model, require_built, run_engine, swap_with_kernels_off
 from minivllm.model_executor.cpp_extension import load_extension
 from minivllm.model_executor.layers.amx_gemm import CPU_AMX_GEMM, AMXLinear, amx_gemm, use_amx_linear
 from minivllm.model_executor.layers.linear import PackedLinear
 
 BF16 = torch.bfloat16
-
-
-def cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
-    return all(flag in flags.split() for flag in ("amx_tile", "amx_bf16", "avx512_bf16"))
 
 
 @pytest.fixture(scope="module")

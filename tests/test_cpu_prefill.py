@@ -1,7 +1,8 @@
 """Chapter 05's CPU backend prefill: `CPUPagedAttention` runs each sequence's causal attention through
-`prefill_attention_cpu`: in float32 (head_dim 64 or 128) the C++ prefill kernel of the appendix where
-the CPU has AVX-512, otherwise torch's fused `scaled_dot_product_attention` (`prefill_attention_sdpa`,
-a batch of one so that torch's fused CPU kernel takes it), which accumulates in float32 for bfloat16.
+`prefill_attention_cpu`: with head_dim 64 or 128, the appendix's C++ prefill kernel in float32 where the
+CPU has AVX-512 and its AMX kernel in bfloat16 where the CPU has AMX; otherwise torch's fused
+`scaled_dot_product_attention` (`prefill_attention_sdpa`, a batch of one so that torch's fused CPU
+kernel takes it), which accumulates in float32 for bfloat16.
 `prefill_attention_grouped` (one product per K/V head and query chunk), the unfused alternative the
 chapter measures, is checked too.
 
@@ -113,7 +114,8 @@ def metadata(lens_q: list[int], lens: list[int], block_size: int, num_blocks: in
 def test_backend_prefill_over_a_cached_prefix(dtype):
     """The whole backend call: the new tokens of three sequences, two of them over a cached prefix read
     through shuffled block tables, through `prefill_attention_cpu` (the C++ kernel in float32 where the
-    CPU has AVX-512, torch's fused path otherwise): bfloat16 within one rounding of plain torch
+    CPU has AVX-512, the AMX kernel in bfloat16 where it has AMX, torch's fused path otherwise): bfloat16
+    within one rounding of plain torch
     in float64 on the same inputs; float32 within 1e-5 of plain torch in float32 (the same sums in
     another order)."""
     lens_q, lens, block_size, num_blocks = [6, 1, 33], [6, 20, 50], 16, 16
@@ -296,3 +298,135 @@ def test_prefill_kernel_over_a_wide_score_range_and_a_nan_in_a_later_key(prefill
     ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
     assert torch.equal(out[:20], before[:20]) and torch.isfinite(ref[:20]).all()
     assert out[20:, 3:6].isnan().all() and ref[20:, 3:6].isnan().all() and torch.isfinite(out[20:, :3]).all()
+
+
+# The bfloat16 prefill kernel on AMX tiles (chapter 05's appendix): the same walk in tiles of 16 query rows
+# and blocks of 32 keys, S = Q K^T and P V by tdpbf16ps, the softmax in float32 with a cubic 2**x, the
+# probabilities rounded to bfloat16 before P V. The bound is the one torch's fused bfloat16 path meets above
+# (2**-8 of max |v|: the output's own rounding is half of it); on the wide score ranges, twice torch's error.
+@pytest.fixture
+def amx_prefill():
+    from engine_helpers import cpu_has_amx, require_built, require_cpu_kernel
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL, cpu_amx_prefill_kernel
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    require_cpu_kernel()
+    module = load_extension(DECODE_KERNEL)
+    if not module.prefill_amx_available():
+        assert cpu_amx_prefill_kernel() is None  # built, not used
+        if cpu_has_amx():  # the compiler could not target AMX, or Linux refused the tile state
+            require_built(None, "the AMX prefill kernel on this AMX CPU")  # fails under CI, else skips
+        pytest.skip("this CPU has no AMX: bfloat16 prefill stays on torch's fused path")
+    return module.prefill_attention_amx
+
+
+@pytest.mark.parametrize("tq,tk", [*LONG_CASES, (31, 31), (33, 47), (16, 16)])  # blocks of 16 and 32 keys, ragged
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_prefill_is_within_one_rounding_of_the_float64_reference(amx_prefill, tq, tk, heads, kv_heads, head_dim):
+    q, k, v = (x.bfloat16() for x in qkv(tq, tk, heads, kv_heads, head_dim, seed=13))
+    scale = head_dim ** -0.5
+    out = amx_prefill(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (tq, heads, head_dim)
+    err = (out.double() - attention_reference(q.double(), k.double(), v.double(), scale)).abs().max().item()
+    assert err <= BF16_TOL * v.double().abs().max().item(), f"max error {err:.3g}"
+
+
+@pytest.mark.parametrize("spread", [1.0, 30.0])
+def test_amx_prefill_over_a_wide_score_range_errs_no_more_than_torch(amx_prefill, spread):
+    """Scores spanning far more than exp's range: finite, and within twice the error of torch's fused bfloat16
+    path on the same inputs (a float32 score of size s carries s * 2**-24 of error in both, and the cubic
+    2**x adds about 1e-4 relative to a probability, below bfloat16's rounding of it)."""
+    q, k, v = (x.bfloat16() for x in qkv(70, 333, 9, 3, 64, seed=11))
+    q, k = (x * spread for x in (q, k))
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    out = amx_prefill(q, k, v, 0.125).double()
+    torch_err = (prefill_attention_sdpa(q, k, v, 0.125).double() - ref).abs().max().item()
+    assert out.isfinite().all()
+    assert (out - ref).abs().max().item() <= 2 * torch_err + 1e-6
+
+
+def test_amx_prefill_masks_each_row_at_its_own_token(amx_prefill):
+    """The check can fail: without the causal mask, or with each row seeing one key more, the outputs differ by
+    far more than the tolerance; the kernel matches neither."""
+    q, k, v = (x.bfloat16().double() for x in qkv(70, 333, 9, 3, 64, seed=9))
+    out = amx_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125).double()
+    tol = BF16_TOL * v.abs().max().item()
+    ref = attention_reference(q, k, v, 0.125)
+    unmasked = attention_reference(q, k, v, 0.125, causal=False)
+    one_more = torch.cat([attention_reference(q[i:i + 1], k[:264 + i + 1], v[:264 + i + 1], 0.125) for i in range(69)])
+    assert (out - ref).abs().max() <= tol
+    assert (out - unmasked).abs().max() > 4 * tol and (out[:69] - one_more).abs().max() > 4 * tol
+
+
+def test_amx_prefill_rows_do_not_depend_on_threads_or_strides(amx_prefill):
+    """The same bits on 1, 2 or 3 threads (each configures its own tiles), and for the strided views of a
+    fused q/k/v projection (K's words gathered, V's rows read where they lie)."""
+    q, k, v = (x.bfloat16() for x in qkv(100, 100, 9, 3, 64, seed=10))
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv, kv, vv = (fused[:, a * 64:b * 64].view(100, b - a, 64) for a, b in ((0, 9), (9, 12), (12, 15)))
+    assert not kv.is_contiguous()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(amx_prefill(q, k, v, 0.125))
+        outs.append(amx_prefill(qv, kv, vv, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_amx_prefill_refuses_bad_input_with_a_clear_error(amx_prefill):
+    q, k, v = (x.bfloat16() for x in qkv(5, 40, 9, 3, 64))
+    cases = {
+        "takes bfloat16": (q.float(), k.float(), v.float()),
+        "head_dim 64 or 128": (q[..., :40], k[..., :40], v[..., :40]),
+        "multiple of num_kv_heads": (q[:, :8], k, v),
+        "at least Tq": (q, k[:4], v[:4]),
+        "k, v both": (q, k, v[:, :2]),
+        "CPU tensors": (q, k, torch.empty(40, 3, 64, device="meta", dtype=torch.bfloat16)),
+    }
+    for message, args in cases.items():
+        with pytest.raises(ValueError, match=message):
+            amx_prefill(*args, 0.125)
+    assert amx_prefill(q[:0], k, v, 0.125).shape == (0, 9, 64)
+
+
+def test_amx_prefill_with_a_nan_in_a_later_key(amx_prefill):
+    """Across blocks of 32 keys with the running max jumping by hundreds (the first 32 keys scaled by -20, the
+    next 32 by +20), within twice torch's fused error; then a NaN in key 150: rows that may not see it (tokens
+    0..19, offset 130) stay finite and as before; rows that see it are NaN, as in the reference (the clamp of
+    2**x keeps a NaN: a max that dropped it would turn the row finite)."""
+    q, k, v = (x.bfloat16() for x in qkv(70, 200, 9, 3, 128, seed=12))
+    k[:32] *= -20
+    k[32:64] *= 20
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    torch_err = (prefill_attention_sdpa(q, k, v, 0.125).double() - ref).abs().max().item()
+    before = amx_prefill(q, k, v, 0.125)
+    assert (before.double() - ref).abs().max().item() <= 2 * torch_err + 1e-6
+    k[150, 1, 7] = float("nan")
+    out = amx_prefill(q, k, v, 0.125)
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    assert torch.equal(out[:20], before[:20]) and torch.isfinite(ref[:20]).all()
+    assert out[20:, 3:6].isnan().all() and ref[20:, 3:6].isnan().all() and torch.isfinite(out[20:, :3]).all()
+
+
+def test_the_backend_takes_the_amx_kernel_for_bfloat16(amx_prefill, monkeypatch):
+    """`prefill_attention_cpu` calls the AMX kernel for bfloat16 with head_dim 64 or 128 where it is available
+    (`cpu_amx_prefill_kernel`), torch's fused path for bfloat16 with another head_dim or without the kernel."""
+    import minivllm.attention.backends.cpu_attn as cd
+
+    calls = []
+    monkeypatch.setattr(cd, "cpu_amx_prefill_kernel", lambda: (lambda *a: calls.append(a[0].shape[-1]) or amx_prefill(*a)))
+    for head_dim in (64, 128, 40):
+        q, k, v = (x.bfloat16() for x in qkv(7, 20, 4, 2, head_dim))
+        out = cd.prefill_attention_cpu(q, k, v, 0.25)
+        ref = attention_reference(q.double(), k.double(), v.double(), 0.25)
+        assert (out.double() - ref).abs().max().item() <= BF16_TOL * v.double().abs().max().item()
+    assert calls == [64, 128]
+    monkeypatch.setattr(cd, "cpu_amx_prefill_kernel", lambda: None)
+    q, k, v = (x.bfloat16() for x in qkv(7, 20, 4, 2, 64))
+    assert torch.equal(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))

@@ -4,7 +4,8 @@
 // Hand-written (not generated); built and loaded by minivllm/attention/backends/cpu_attn.py, explained in the
 // appendix of notebooks/05_paged_attention.ipynb. float32, float64 and bfloat16: a bfloat16 cache
 // and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
-// sum of V stay in float32, and the output is rounded to bfloat16 once, at the end.
+// sum of V stay in float32, and the output is rounded to bfloat16 once, at the end. Further down: the
+// K/V store (reshape_and_cache) and two causal prefill kernels, float32 and bfloat16 on AMX tiles.
 //
 // How the work is laid out: the `group` query heads that share a K/V head are done together, in
 // tiles of up to kMaxTile heads (as GQA-aware decode kernels such as FlashInfer's pack a group into
@@ -640,10 +641,244 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Causal prefill attention in bfloat16 on AMX tiles (Intel Sapphire Rapids and later; chapter 02's
+// appendix C introduces the tiles and tdpbf16ps). The same FlashAttention-2 walk as prefill_tile, but a
+// tile of 16 query rows meets a block of 32 keys in tile instructions: S = Q K^T as two 16 x 16 float32
+// tiles (D / 32 products each), the online softmax on those scores in AVX-512 registers (float32), the
+// probabilities rounded to bfloat16 into a 16 x 32 tile P, and P V as D / 16 products of 16 x 16, added
+// into the float32 output held in memory after its rescale. The matrices are put in the tiles' order once
+// per call: K as B tiles of Q K^T (16 pairs of head dimensions x 16 keys), V as B tiles of P V (16 pairs
+// of keys x 16 head dimensions). Ideas: FlashAttention-2 (Dao, 2023) and the AMX paths of CPU attention
+// kernels (SGLang's and vLLM's CPU backends, which also round P to bfloat16 before P V).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define MINIVLLM_AMX_PREFILL 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Linux grants AMX's tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for XTILEDATA).
+static bool request_amx() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys per block
+
+// 2**x for x <= 0, within 7.8e-5 relative (P is rounded to bfloat16 right after, up to 2**-9 = 2e-3):
+// x = n + f with n whole and |f| <= 1/2, 2**f by a cubic (least squares of the relative error on
+// Chebyshev points of [-1/2, 1/2]: near the best cubic; Taylor's would be off by 8e-4), times 2**n by
+// vscalefps; 2**-127 and below come out subnormal or 0.
+static inline Vec16 exp2_fast(Vec16 x) {
+  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN (second operand) stays NaN
+  const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(v, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05508868396f), f, _mm512_set1_ps(0.24260404706f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69327622652f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992895126f));
+  return (Vec16)_mm512_scalef_ps(p, n);
+}
+
+// Every tile 16 rows x 64 bytes: 0-1 S, 2 Q, 3 K, 4 P V, 5 P, 6 V.
+static void configure_prefill_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.bytes_per_row[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// One tile: rows r < n of q [16, D] (bfloat16, unscaled, rows >= n zero), row r seeing keys 0..last[r];
+// kb: this K/V head's K tiles, [key blocks of 16][D / 32][16][16][2]; vb: its V tiles, [key blocks of
+// 32][D / 16][16][16][2]; row r's output (bfloat16) written to out[r].
+template <int64_t D>
+static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, const uint16_t* kb,
+                             const uint16_t* vb, float scale, uint16_t* const* out) {
+  constexpr int64_t C = D / 32, J = D / 16, T = 16 * 32;  // T: bfloat16 values per tile
+  alignas(64) float o[kAmxRows][D] = {};
+  alignas(64) float s[kAmxRows][kAmxKeys];
+  alignas(64) uint16_t p[kAmxRows][kAmxKeys] = {};  // rows >= n stay zero
+  alignas(64) float pv[kAmxRows][16];
+  alignas(64) Vec16 l[kAmxRows], lsum[kAmxRows] = {};  // a block's and the running sums, lane by lane
+  alignas(64) float m[kAmxRows], m_new[kAmxRows] = {}, alpha[kAmxRows];
+  int64_t num_keys = 0, min_last = INT64_MAX;
+  for (int64_t r = 0; r < kAmxRows; ++r) m[r] = -INFINITY;
+  for (int64_t r = 0; r < n; ++r)
+    num_keys = std::max(num_keys, last[r] + 1), min_last = std::min(min_last, last[r]);
+  Int16 lane;
+  for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
+  const Vec16 minus_inf = Vec16{} - INFINITY;
+  const float scale2 = scale * 1.4426950408889634f;
+  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
+    _tile_zero(0);  // 1. S = Q K^T for 32 keys: two 16 x 16 tiles
+    _tile_zero(1);
+    for (int64_t c = 0; c < C; ++c) {
+      _tile_loadd(2, q + c * 32, D * 2);
+      _tile_loadd(3, kb + ((2 * b) * C + c) * T, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_loadd(3, kb + ((2 * b + 1) * C + c) * T, 64);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, &s[0][0], kAmxKeys * 4);
+    _tile_stored(1, &s[0][16], kAmxKeys * 4);
+    const bool all_seen = j0 + kAmxKeys <= min_last + 1;  // no row's causal limit inside the block
+    for (int64_t r = 0; r < n; ++r) {  // 2. online softmax in float32, P rounded to bfloat16
+      Vec16 x[2], e[2];
+      Int16 hidden[2] = {};
+      for (int64_t h = 0; h < 2; ++h) {
+        x[h] = load_vec16(s[r] + h * kLanes) * scale2;  // in base 2: scale * log2(e)
+        if (!all_seen) {
+          hidden[h] = lane + int32_t(j0 + h * kLanes) > int32_t(last[r]);
+          x[h] = hidden[h] ? minus_inf : x[h];
+        }
+      }
+      m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));  // finite: key 0 is in block 0
+      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_fast(x[h] - m_new[r]);
+      l[r] = e[0] + e[1];  // this block's part; the running sum's rescale follows
+      _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]));  // e[0] first
+    }
+    {  // the rescale factors of all 16 rows in one register: exp(m - m_new), 0 where m was -inf (block 0)
+      const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
+      const Vec16 a = mo == minus_inf ? Vec16{} : exp2_fast(mo - mn);
+      store_vec16(alpha, a);
+      store_vec16(m, mn);
+    }
+    for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
+    _tile_loadd(5, &p[0][0], kAmxKeys * 2);
+    for (int64_t j = 0; j < J; ++j) {  // 3. o = alpha o + P V, 16 head dimensions at a time
+      _tile_zero(4);
+      _tile_loadd(6, vb + (b * J + j) * T, 64);
+      _tile_dpbf16ps(4, 5, 6);
+      _tile_stored(4, &pv[0][0], 64);
+      for (int64_t r = 0; r < n; ++r)
+        store_vec16(o[r] + j * 16, alpha[r] * load_vec16(o[r] + j * 16) + load_vec16(pv[r]));
+    }
+  }
+  float sums[kAmxRows];
+  for (int64_t r = 0; r < n; ++r) sums[r] = add_lanes(lsum[r]);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; d += kLanes)
+      _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vec16(o[r] + d) / sums[r])));
+}
+
+template <int64_t D>
+static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              torch::Tensor& out, double scale) {
+  const int64_t tq = q.size(0), num_heads = q.size(1), tk = k.size(0), num_kv_heads = k.size(1);
+  const int64_t group = num_heads / num_kv_heads, offset = tk - tq;
+  const int64_t padded = (tk + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  // the tiles' order, once per call: kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key
+  // 16n + col's row in head h (a gather of 16 keys' words), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col]
+  // (two keys' rows interleaved); zeros past the last key
+  const int64_t n16 = padded / 16, blocks = padded / 32, head_elems = padded * D;
+  auto packed = torch::empty({2, num_kv_heads * head_elems}, k.options());
+  auto* kb_w = reinterpret_cast<int32_t*>(packed[0].data_ptr());
+  auto* vb = reinterpret_cast<uint16_t*>(packed[1].data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32(int32_t(k_stride / 2)));  // in words
+  __m512i interleave;  // element 2i from the first row, 2i + 1 from the second
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; ++i) idx[2 * i] = int16_t(i), idx[2 * i + 1] = int16_t(32 + i);
+  interleave = _mm512_load_si512(idx);
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    for (int64_t n = 0; n < n16; ++n) {
+      const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
+      for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
+        const auto* base = reinterpret_cast<const int32_t*>(kp + 16 * n * k_stride + h * D) + w;
+        _mm512_storeu_si512(kb_w + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t pr = 0; pr < 16; ++pr) {
+        const int64_t t = 32 * b + 2 * pr;
+        for (int64_t j = 0; j < D / 16; ++j) {
+          const __m256i a = t < tk ? _mm256_loadu_si256((const __m256i*)(vp + t * v_stride + h * D + 16 * j))
+                                   : _mm256_setzero_si256();
+          const __m256i c = t + 1 < tk ? _mm256_loadu_si256((const __m256i*)(vp + (t + 1) * v_stride + h * D + 16 * j))
+                                       : _mm256_setzero_si256();
+          _mm512_storeu_si512(vb + ((h * blocks + b) * (D / 16) + j) * 512 + pr * 32,
+                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
+        }
+      }
+  }
+  const auto* kb = reinterpret_cast<const uint16_t*>(kb_w);
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t q_stride = q.stride(0), rows = tq * group, tiles_per_head = (rows + kAmxRows - 1) / kAmxRows;
+  const int64_t num_tiles = num_kv_heads * tiles_per_head;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    configure_prefill_tiles();
+    alignas(64) uint16_t qt[kAmxRows * D];
+    for (int64_t th = begin; th < end; ++th)
+      for (int64_t i = th; i < num_tiles; i += threads) {  // round-robin, as prefill_heads
+        const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
+        int64_t last[kAmxRows];
+        uint16_t* out_rows[kAmxRows];
+        for (int64_t r = 0; r < kAmxRows; ++r) {
+          if (r >= n) {
+            std::memset(qt + r * D, 0, D * sizeof(uint16_t));
+            continue;
+          }
+          const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
+          last[r] = offset + t;
+          out_rows[r] = op + (t * num_heads + h) * D;
+          std::memcpy(qt + r * D, qp + t * q_stride + h * D, D * sizeof(uint16_t));
+        }
+        prefill_tile_amx<D>(qt, last, n, kb + kv * head_elems, vb + kv * head_elems, float(scale), out_rows);
+      }
+    _tile_release();
+  });
+}
+#endif
+
+bool prefill_amx_available() {
+#if defined(MINIVLLM_AMX_PREFILL)
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// prefill_attention's contract in bfloat16 (float32 scores, softmax and sums; P and the output rounded to
+// bfloat16), on AMX tiles: for a build and a CPU where prefill_amx_available().
+torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                    "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+                    "the AMX prefill kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
+                        v.scalar_type() == torch::kBFloat16,
+                    "the AMX prefill kernel takes bfloat16");
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128),
+                    "the AMX prefill kernel takes head_dim 64 or 128, the same for q, k and v");
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+  TORCH_CHECK(prefill_amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2) k = k.contiguous();  // whole 32-bit words
+  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+#if defined(MINIVLLM_AMX_PREFILL)
+  if (q.size(0) == 0) return out;
+  if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, scale);
+  else prefill_heads_amx<128>(q, k, v, out, scale);
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
   m.def("reshape_and_cache", &reshape_and_cache,
         "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
   m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
+  m.def("prefill_attention_amx", &prefill_attention_amx,
+        "one sequence's causal attention in bfloat16 on AMX tiles (q, k, v, scale)");
+  m.def("prefill_amx_available", &prefill_amx_available, "whether this build and CPU run prefill_attention_amx");
 }
