@@ -200,10 +200,10 @@ def test_prefill_kernel_masks_each_row_at_its_own_token(prefill_kernel):
     assert (out - unmasked).abs().max() > 1e-2 and (out[:69] - one_more).abs().max() > 1e-3
 
 
-def test_prefill_kernel_rows_do_not_depend_on_threads_or_strides(prefill_kernel):
-    """Each tile is one thread's, in a fixed order: the bits are the same on 1, 2 or 3 threads, and for
-    q, k, v given as the strided views of a fused q/k/v projection."""
-    q, k, v = (x.float() for x in qkv(100, 100, 9, 3, 64, seed=10))
+def same_bits_on_threads_and_views(kernel, dtype: torch.dtype) -> None:
+    """`kernel`'s output on a 100-token prompt (9 query heads over 3 K/V heads of 64) is bit for bit the same
+    on 1, 2 and 3 threads, and for q, k, v given as the strided views of one fused q/k/v projection."""
+    q, k, v = (x.to(dtype) for x in qkv(100, 100, 9, 3, 64, seed=10))
     fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (9 + 3 + 3) * 64]
     qv, kv, vv = (fused[:, a * 64:b * 64].view(100, b - a, 64) for a, b in ((0, 9), (9, 12), (12, 15)))
     assert not kv.is_contiguous()
@@ -212,12 +212,18 @@ def test_prefill_kernel_rows_do_not_depend_on_threads_or_strides(prefill_kernel)
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(prefill_kernel(q, k, v, 0.125))
-        outs.append(prefill_kernel(qv, kv, vv, 0.125))
+            outs.append(kernel(q, k, v, 0.125))
+        outs.append(kernel(qv, kv, vv, 0.125))
     finally:
         torch.set_num_threads(before)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+def test_prefill_kernel_rows_do_not_depend_on_threads_or_strides(prefill_kernel):
+    """Each tile is one thread's, in a fixed order: the same bits on any number of threads and for strided
+    views."""
+    same_bits_on_threads_and_views(prefill_kernel, torch.float32)
 
 
 def test_prefill_kernel_refuses_bad_input_with_a_clear_error(prefill_kernel):
@@ -360,23 +366,9 @@ def test_amx_prefill_masks_each_row_at_its_own_token(amx_prefill):
 
 
 def test_amx_prefill_rows_do_not_depend_on_threads_or_strides(amx_prefill):
-    """The same bits on 1, 2 or 3 threads (each configures its own tiles), and for the strided views of a
+    """The same bits on any number of threads (each configures its own tiles), and for the strided views of a
     fused q/k/v projection (K's words gathered, V's rows read where they lie)."""
-    q, k, v = (x.bfloat16() for x in qkv(100, 100, 9, 3, 64, seed=10))
-    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    qv, kv, vv = (fused[:, a * 64:b * 64].view(100, b - a, 64) for a, b in ((0, 9), (9, 12), (12, 15)))
-    assert not kv.is_contiguous()
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(amx_prefill(q, k, v, 0.125))
-        outs.append(amx_prefill(qv, kv, vv, 0.125))
-    finally:
-        torch.set_num_threads(before)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
+    same_bits_on_threads_and_views(amx_prefill, torch.bfloat16)
 
 
 def test_amx_prefill_refuses_bad_input_with_a_clear_error(amx_prefill):
