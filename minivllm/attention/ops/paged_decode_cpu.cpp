@@ -664,10 +664,11 @@ static bool request_amx() {
 
 constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys per block
 
-// 2**x for x <= 0, within 7.8e-5 relative (P is rounded to bfloat16 right after, up to 2**-9 = 2e-3):
+// 2**x for x <= 0, within 7.8e-5 relative (P is rounded to bfloat16 right after, up to 2**-8 = 3.9e-3):
 // x = n + f with n whole and |f| <= 1/2, 2**f by a cubic (least squares of the relative error on
 // Chebyshev points of [-1/2, 1/2]: near the best cubic; Taylor's would be off by 8e-4), times 2**n by
-// vscalefps; 2**-127 and below come out subnormal or 0.
+// vscalefps. x below -127 is taken as -127, so that -inf gives about 2**-127 (subnormal, or 0), not the
+// NaN of -inf - (-inf).
 static inline Vec16 exp2_fast(Vec16 x) {
   const __m512 v = _mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN (second operand) stays NaN
   const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -690,8 +691,9 @@ static void configure_prefill_tiles() {
 }
 
 // One tile: rows r < n of q [16, D] (bfloat16, unscaled, rows >= n zero), row r seeing keys 0..last[r];
-// kb: this K/V head's K tiles, [key blocks of 16][D / 32][16][16][2]; vb: its V tiles, [key blocks of
-// 32][D / 16][16][16][2]; row r's output (bfloat16) written to out[r].
+// kb: this K/V head's K tiles, [key blocks of 16][D / 32][16 pairs of dimensions][16 keys][2]; vb: its
+// V tiles, [key blocks of 32][D / 16][16 pairs of keys][16 dimensions][2]; row r's output (bfloat16)
+// written to out[r].
 template <int64_t D>
 static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, const uint16_t* kb,
                              const uint16_t* vb, float scale, uint16_t* const* out) {
@@ -738,7 +740,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
       l[r] = e[0] + e[1];  // this block's part; the running sum's rescale follows
       _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]));  // e[0] first
     }
-    {  // the rescale factors of all 16 rows in one register: exp(m - m_new), 0 where m was -inf (block 0)
+    {  // the rescale factors of all 16 rows in one register: 2**(m - m_new) (m in base 2), 0 where m was -inf
       const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
       const Vec16 a = mo == minus_inf ? Vec16{} : exp2_fast(mo - mn);
       store_vec16(alpha, a);
