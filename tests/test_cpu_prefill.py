@@ -430,3 +430,23 @@ def test_the_backend_takes_the_amx_kernel_for_bfloat16(amx_prefill, monkeypatch)
     monkeypatch.setattr(cd, "cpu_amx_prefill_kernel", lambda: None)
     q, k, v = (x.bfloat16() for x in qkv(7, 20, 4, 2, 64))
     assert torch.equal(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))
+
+
+@pytest.mark.parametrize("overflowed", [32, 40, 64])
+def test_amx_prefill_when_a_whole_block_of_scores_overflows_to_minus_inf(amx_prefill, overflowed):
+    """Finite inputs whose float32 scores overflow to -inf for the first `overflowed` keys (q·k about -1e40):
+    a row whose first block of 32 keys holds only such scores has a running max of -inf there, and 2**(x - max)
+    is then 2**(-inf + inf) = NaN unless the kernel takes the max as 0 (it did not: every row came out NaN).
+    Rows that see a finite score match the float64 reference (those keys weigh nothing); rows that see none
+    give torch's fused path's answer, 0, whichever rows share their tile (found by a tester)."""
+    q, k, v = (x.bfloat16() for x in qkv(40, 70, 4, 2, 64, seed=5))
+    q[:, :, 0] = 1e20
+    k[:, :, 0] = 0
+    k[:overflowed, :, 0] = -1e20
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    out = amx_prefill(q, k, v, 0.125).double()
+    assert ref.isfinite().all() and not out.isnan().any()
+    sees_finite = torch.arange(40) + 30 >= overflowed
+    assert (out - ref)[sees_finite].abs().max().item() <= BF16_TOL * v.double().abs().max().item()
+    blind = ~sees_finite
+    assert torch.equal(out[blind], prefill_attention_sdpa(q, k, v, 0.125).double()[blind])
