@@ -450,3 +450,16 @@ def test_amx_prefill_when_a_whole_block_of_scores_overflows_to_minus_inf(amx_pre
     assert (out - ref)[sees_finite].abs().max().item() <= BF16_TOL * v.double().abs().max().item()
     blind = ~sees_finite
     assert torch.equal(out[blind], prefill_attention_sdpa(q, k, v, 0.125).double()[blind])
+
+
+@pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
+def test_amx_prefill_refuses_a_sparse_or_mkldnn_tensor_with_a_value_error(amx_prefill, layout):
+    """A sparse or mkldnn q, k or v is refused up front with a ValueError that names the layout (before: a
+    RuntimeError or NotImplementedError from deep inside, "unsupported memory format option Contiguous" or
+    "Cannot access data pointer"; found by a tester)."""
+    q, k, v = (x.bfloat16() for x in qkv(5, 40, 9, 3, 64))
+    for i in range(3):
+        args = [q, k, v]
+        args[i] = args[i].to_sparse() if layout == "sparse" else args[i].to_mkldnn()
+        with pytest.raises(ValueError, match="dense"):
+            amx_prefill(*args, 0.125)

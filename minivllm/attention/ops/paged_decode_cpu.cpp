@@ -857,6 +857,8 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
                     "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
   TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
                     "the AMX prefill kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.layout() == torch::kStrided && k.layout() == torch::kStrided && v.layout() == torch::kStrided,
+                    "the AMX prefill kernel takes dense (strided) tensors, not sparse or mkldnn ones");
   TORCH_CHECK_VALUE(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                         v.scalar_type() == torch::kBFloat16,
                     "the AMX prefill kernel takes bfloat16");
