@@ -463,3 +463,19 @@ def test_amx_prefill_refuses_a_sparse_or_mkldnn_tensor_with_a_value_error(amx_pr
         args[i] = args[i].to_sparse() if layout == "sparse" else args[i].to_mkldnn()
         with pytest.raises(ValueError, match="dense"):
             amx_prefill(*args, 0.125)
+
+
+def test_amx_prefill_with_a_token_stride_of_k_past_int32_offsets(amx_prefill):
+    """K's words are gathered 16 keys at a time with int32 offsets of lane * token stride (in words): a k whose
+    token stride is 2**29 elements (a view into 9 GiB of address space, 10 rows touched) put lane 8's offset
+    past 2**31, and the gather read outside the tensor (the process died of a segmentation fault; found by a
+    tester). Such a k is copied to a contiguous one first; the output equals that of the copy."""
+    tk, stride = 10, 2 ** 29
+    try:
+        store = torch.empty((tk - 1) * stride + 64, dtype=torch.bfloat16)  # untouched pages take no memory
+    except RuntimeError:
+        pytest.skip("no 9 GiB of address space for the strided view")
+    q, k, v = (x.bfloat16() for x in qkv(3, tk, 2, 1, 64, seed=14))
+    k_far = store.as_strided((tk, 1, 64), (stride, 64, 1))
+    k_far.copy_(k)
+    assert torch.equal(amx_prefill(q, k_far, v, 0.125), amx_prefill(q, k, v, 0.125))

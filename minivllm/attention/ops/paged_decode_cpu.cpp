@@ -868,7 +868,10 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
   TORCH_CHECK(prefill_amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2) k = k.contiguous();  // whole 32-bit words
+  // whole 32-bit words, and the gather's offsets (15 token strides, in words) within int32
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2 || k.stride(0) / 2 > INT32_MAX / 15)
+    k = k.contiguous();
+  TORCH_CHECK_VALUE(k.stride(0) / 2 <= INT32_MAX / 15, "the AMX prefill kernel takes num_kv_heads * head_dim below 2**28");
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(MINIVLLM_AMX_PREFILL)
