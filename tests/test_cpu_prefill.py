@@ -422,3 +422,52 @@ def test_the_backend_takes_the_amx_kernel_for_bfloat16(amx_prefill, monkeypatch)
     monkeypatch.setattr(cd, "cpu_amx_prefill_kernel", lambda: None)
     q, k, v = (x.bfloat16() for x in qkv(7, 20, 4, 2, 64))
     assert torch.equal(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))
+
+
+@pytest.mark.parametrize("overflowed", [32, 40, 64])
+def test_amx_prefill_when_a_whole_block_of_scores_overflows_to_minus_inf(amx_prefill, overflowed):
+    """Finite inputs whose float32 scores overflow to -inf for the first `overflowed` keys (q·k about -1e40):
+    a row whose first block of 32 keys holds only such scores has a running max of -inf there, and 2**(x - max)
+    is then 2**(-inf + inf) = NaN unless the kernel takes the max as 0 (it did not: every row came out NaN).
+    Rows that see a finite score match the float64 reference (those keys weigh nothing); rows that see none
+    give torch's fused path's answer, 0, whichever rows share their tile (found by a tester)."""
+    q, k, v = (x.bfloat16() for x in qkv(40, 70, 4, 2, 64, seed=5))
+    q[:, :, 0] = 1e20
+    k[:, :, 0] = 0
+    k[:overflowed, :, 0] = -1e20
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    out = amx_prefill(q, k, v, 0.125).double()
+    assert ref.isfinite().all() and not out.isnan().any()
+    sees_finite = torch.arange(40) + 30 >= overflowed
+    assert (out - ref)[sees_finite].abs().max().item() <= BF16_TOL * v.double().abs().max().item()
+    blind = ~sees_finite
+    assert torch.equal(out[blind], prefill_attention_sdpa(q, k, v, 0.125).double()[blind])
+
+
+@pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
+def test_amx_prefill_refuses_a_sparse_or_mkldnn_tensor_with_a_value_error(amx_prefill, layout):
+    """A sparse or mkldnn q, k or v is refused up front with a ValueError that names the layout (before: a
+    RuntimeError or NotImplementedError from deep inside, "unsupported memory format option Contiguous" or
+    "Cannot access data pointer"; found by a tester)."""
+    q, k, v = (x.bfloat16() for x in qkv(5, 40, 9, 3, 64))
+    for i in range(3):
+        args = [q, k, v]
+        args[i] = args[i].to_sparse() if layout == "sparse" else args[i].to_mkldnn()
+        with pytest.raises(ValueError, match="dense"):
+            amx_prefill(*args, 0.125)
+
+
+def test_amx_prefill_with_a_token_stride_of_k_past_int32_offsets(amx_prefill):
+    """K's words are gathered 16 keys at a time with int32 offsets of lane * token stride (in words): a k whose
+    token stride is 2**29 elements (a view into 9 GiB of address space, 10 rows touched) put lane 8's offset
+    past 2**31, and the gather read outside the tensor (the process died of a segmentation fault; found by a
+    tester). Such a k is copied to a contiguous one first; the output equals that of the copy."""
+    tk, stride = 10, 2 ** 29
+    try:
+        store = torch.empty((tk - 1) * stride + 64, dtype=torch.bfloat16)  # untouched pages take no memory
+    except RuntimeError:
+        pytest.skip("no 9 GiB of address space for the strided view")
+    q, k, v = (x.bfloat16() for x in qkv(3, tk, 2, 1, 64, seed=14))
+    k_far = store.as_strided((tk, 1, 64), (stride, 64, 1))
+    k_far.copy_(k)
+    assert torch.equal(amx_prefill(q, k_far, v, 0.125), amx_prefill(q, k, v, 0.125))

@@ -735,8 +735,11 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
           x[h] = hidden[h] ? minus_inf : x[h];
         }
       }
-      m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));  // finite: key 0 is in block 0
-      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_fast(x[h] - m_new[r]);
+      m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
+      // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
+      // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
+      const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
+      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_fast(x[h] - m_ref);
       l[r] = e[0] + e[1];  // this block's part; the running sum's rescale follows
       _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]));  // e[0] first
     }
@@ -758,7 +761,9 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     }
   }
   float sums[kAmxRows];
-  for (int64_t r = 0; r < n; ++r) sums[r] = add_lanes(lsum[r]);
+  // a sum of 0: every score the row saw was -inf (or 2**-127 flushed to 0), its P all 0 and o 0: output 0, as
+  // torch's fused path, whichever rows share the tile (a block hidden from this row sets alpha 0 and the sum 0)
+  for (int64_t r = 0; r < n; ++r) sums[r] = add_lanes(lsum[r]), sums[r] = sums[r] == 0.0f ? 1.0f : sums[r];
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; d += kLanes)
       _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vec16(o[r] + d) / sums[r])));
@@ -854,6 +859,8 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
                     "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
   TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
                     "the AMX prefill kernel takes CPU tensors");
+  TORCH_CHECK_VALUE(q.layout() == torch::kStrided && k.layout() == torch::kStrided && v.layout() == torch::kStrided,
+                    "the AMX prefill kernel takes dense (strided) tensors, not sparse or mkldnn ones");
   TORCH_CHECK_VALUE(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
                         v.scalar_type() == torch::kBFloat16,
                     "the AMX prefill kernel takes bfloat16");
@@ -863,7 +870,10 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
   TORCH_CHECK(prefill_amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2) k = k.contiguous();  // whole 32-bit words
+  // whole 32-bit words, and the gather's offsets (15 token strides, in words) within int32
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2 || k.stride(0) / 2 > INT32_MAX / 15)
+    k = k.contiguous();
+  TORCH_CHECK_VALUE(k.stride(0) / 2 <= INT32_MAX / 15, "the AMX prefill kernel takes num_kv_heads * head_dim below 2**28");
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(MINIVLLM_AMX_PREFILL)
