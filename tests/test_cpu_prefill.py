@@ -444,6 +444,25 @@ def test_amx_prefill_when_a_whole_block_of_scores_overflows_to_minus_inf(amx_pre
     assert torch.equal(out[blind], prefill_attention_sdpa(q, k, v, 0.125).double()[blind])
 
 
+@pytest.mark.parametrize("overflowed", [64, 70, 100])
+def test_prefill_kernel_when_a_whole_block_of_scores_overflows_to_minus_inf(prefill_kernel, overflowed):
+    """The float32 kernel on the AMX kernel's case above, with its blocks of 64 keys: float32 scores that
+    overflow to -inf for the first `overflowed` keys (finite inputs) made every row NaN (a running max of -inf);
+    now rows that see a finite score match the float64 reference within the float32 tolerance, and rows that
+    see none give torch's fused float32 path's answer, 0."""
+    q, k, v = (x.float() for x in qkv(40, 100, 4, 2, 64, seed=5))
+    q[:, :, 0] = 1e20
+    k[:, :, 0] = 0
+    k[:overflowed, :, 0] = -1e20
+    ref = attention_reference(q.double(), k.double(), v.double(), 0.125)
+    out = prefill_kernel(q, k, v, 0.125).double()
+    assert ref.isfinite().all() and not out.isnan().any()
+    sees_finite = torch.arange(40) + 60 >= overflowed
+    torch.testing.assert_close(out[sees_finite], ref[sees_finite], rtol=1e-5, atol=1e-5)
+    blind = ~sees_finite
+    assert blind.any() and torch.equal(out[blind], prefill_attention_sdpa(q, k, v, 0.125).double()[blind])
+
+
 @pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
 def test_amx_prefill_refuses_a_sparse_or_mkldnn_tensor_with_a_value_error(amx_prefill, layout):
     """A sparse or mkldnn q, k or v is refused up front with a ValueError that names the layout (before: a

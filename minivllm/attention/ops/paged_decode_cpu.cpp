@@ -546,9 +546,12 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
         s[r][c] = hidden[c] ? minus_inf : s[r][c];
         mx = mx > s[r][c] ? mx : s[r][c];
       }
-      const float m_new = std::max(m[r], max_lanes(mx));  // finite: the first block holds key 0, seen by all
+      const float m_new = std::max(m[r], max_lanes(mx));
+      // -inf where every score seen so far is -inf (a product that overflowed float32, finite inputs): the
+      // exponent from 0 then, not -inf + inf = NaN; -inf scores, hidden or overflowed, weigh exactly 0
+      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
       for (int64_t c = 0; c < kKeyVecs; ++c) {
-        const Vec16 e = hidden[c] ? Vec16{} : exp_approx(s[r][c] - m_new);
+        const Vec16 e = s[r][c] == minus_inf ? Vec16{} : exp_approx(s[r][c] - m_ref);
         sum += e;
         store_vec16(p[r] + c * kLanes, e);
       }
@@ -572,7 +575,7 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
     }
   }
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / l[r];
+    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / (l[r] == 0 ? 1.0f : l[r]);  // no finite score seen: 0
 }
 
 template <int64_t D>
