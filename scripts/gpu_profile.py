@@ -3,29 +3,37 @@
     python scripts/gpu_profile.py --out results/gpu_profile.json     # on a CUDA machine (about 2 minutes)
     python scripts/gpu_profile.py --dry-run --out /tmp/p.json         # the same stages on a CPU, tiny model
 
-Three measurements, each in this one process:
+Four measurements (`--stages`, default all), each in this one process:
 
-1. **Step parts.** The default assembly (`LLM` on CUDA: Triton kernels, CUDA graphs) runs the ladder's
-   workload (Qwen3-0.6B's config with dummy bfloat16 weights, 256 requests, prompts and outputs
-   100-1024 tokens) with wall-clock timers around the parts of each step, the device synchronised at
-   each timer: the scheduler (`schedule` + `postprocess`), the forward pass (for decode split into the
-   static buffers' filling, `prepare_decode_inputs`, and the graph's replay), sampling, and the rest of
-   `LLMEngine.step`. Per step kind (prefill, decode): steps, sequences, seconds per part.
-2. **Decode kernel bandwidth.** `paged_decode_attention_triton` alone on a random paged cache of the
-   model's shape (16 query heads, 8 KV heads, head size 128, the engine's block size), for decode
+1. **Step parts** (`parts`). The default assembly (`LLM` on CUDA: Triton kernels, CUDA graphs) runs the
+   ladder's workload (Qwen3-0.6B's config with dummy weights, bfloat16 unless `--dtype`, 256 requests
+   unless `--num-requests`, prompts and outputs 100-1024 tokens) with wall-clock timers around the parts of
+   each step, the device synchronised at each timer: the scheduler (`schedule` + `postprocess`), the
+   forward pass (for decode split into the static buffers' filling, `prepare_decode_inputs`, and the
+   graph's replay), sampling, and the rest of `LLMEngine.step`. Per step kind (prefill, decode): steps,
+   sequences, seconds per part.
+2. **Decode kernel bandwidth** (`kernel`). `paged_decode_attention_triton` alone on a random paged cache
+   of the model's shape (16 query heads, 8 KV heads, head size 128, the engine's block size), for decode
    batches and context lengths like the workload's: milliseconds per call (CUDA events, median of
    20) and the K/V bytes read per second, next to a plain copy's rate measured here.
-3. **Compiled small ops, end to end.** The same workload with `CompiledOpsGraphRunner` (chapter 08's
-   graphs with `torch.compile` on the RMSNorms and rotary embedding) against the default runner:
-   output tokens per second of each, measured one after the other.
+3. **Compiled modules** (`modules`). Each module `compile_small_ops` compiles (the layers' RMSNorm,
+   Qwen3's per-head q norm on a view of one q/k/v projection, the rotary embedding) at the model's
+   shapes for 1 to 1,000 tokens, random inputs: how many outputs differ from eager's.
+4. **Compiled small ops, end to end** (`compiled`). The same workload through four engines one after
+   the other: the default runner, `CUDAGraphModelRunner`, `CompiledOpsGraphRunner` (chapter 08's graphs
+   with `torch.compile` on the RMSNorms and rotary embedding), and `CUDAGraphModelRunner` again as the
+   control: output tokens per second of each, and the requests whose greedy tokens the compiled runner
+   (and the repeat, and the default runner) share with the first `CUDAGraphModelRunner`. Compare the
+   counts only for runs the time limit did not cut (equal output token counts).
 
 The timers of part 1 synchronise the device, so its total is a little above an untimed run's; parts
-2 and 3 are untimed by anything else. Writes one JSON record (`--out`) with the exact command,
+2 to 4 are untimed by anything else. Writes one JSON record (`--out`) with the exact command,
 rewritten after each stage.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shlex
 import statistics
@@ -173,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU (checks the script)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per engine run")
-    p.add_argument("--stages", default="parts,kernel,compiled")
+    p.add_argument("--stages", default="parts,kernel,modules,compiled")
+    p.add_argument("--dtype", default="bfloat16", help="of the dummy model on CUDA (the ladder's: bfloat16)")
+    p.add_argument("--num-requests", type=int, default=256, help="of the ladder's workload, on CUDA")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     stages = set(args.stages.split(","))
@@ -188,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = {"device": "cpu", "max_model_len": 64}
         batches, contexts, block_size = (2,), (16,), 16
     else:
-        folder, dtype, device = dummy_model("qwen3-0.6b", "bfloat16"), "bfloat16", torch.device("cuda")
-        workload = make_workload(256, (100, 1024), (100, 1024), vocab_size(folder), seed=0)
+        folder, dtype, device = dummy_model("qwen3-0.6b", args.dtype), args.dtype, torch.device("cuda")
+        workload = make_workload(args.num_requests, (100, 1024), (100, 1024), vocab_size(folder), seed=0)
         engine_args = {"max_model_len": 2048}  # as the ladder's
         batches, contexts, block_size = (64, 256), (256, 1024), None
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -210,9 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"copy_gb_per_s": record["copy_gb_per_s"], "decode_kernel": record["decode_kernel"]},
                          indent=1), flush=True)
         save(record, args.out)
+    if "modules" in stages:
+        record["compiled_modules"] = compiled_modules(Path(folder), device, dtype)
+        print(json.dumps(record["compiled_modules"], indent=1), flush=True)
+        save(record, args.out)
     if "compiled" in stages:
         runs = {}
-        for name, cls in (("default runner", None), ("compiled small ops", decode_step.CompiledOpsGraphRunner)):
+        # the compiled runner subclasses CUDAGraphModelRunner: that class, uncompiled, is its like-for-like baseline
+        # (the default runner adds mixed prefill/decode steps, which run other kernels)
+        # and the uncompiled runner a second time is the control: how many requests two identical runs agree on
+        for name, cls in (("default runner", None), ("graphs, uncompiled", cuda_graph.CUDAGraphModelRunner),
+                          ("compiled small ops", decode_step.CompiledOpsGraphRunner),
+                          ("graphs, uncompiled, again", cuda_graph.CUDAGraphModelRunner)):
             llm = LLM(str(folder), dtype=dtype, **engine_args, **({"model_runner_cls": cls} if cls else {}))
             warm_up_engine(llm)
             prompts = [{"prompt_token_ids": list(p)} for p in workload.prompts]
@@ -225,12 +244,56 @@ def main(argv: list[str] | None = None) -> int:
             print(name, runs[name]["runner"], f"{n / seconds:.1f} tok/s", flush=True)
             del llm
             release_memory()
-        a, b = runs["default runner"].pop("tokens"), runs["compiled small ops"].pop("tokens")
-        runs["requests_with_equal_tokens"] = sum(x == y for x, y in zip(a, b))
+        a, base, b, again = (runs[k].pop("tokens") for k in ("default runner", "graphs, uncompiled",
+                                                              "compiled small ops", "graphs, uncompiled, again"))
+        runs["requests_with_equal_tokens"] = sum(x == y for x, y in zip(base, b))  # compiled vs its own base
+        runs["uncompiled_repeat_equal_tokens"] = sum(x == y for x, y in zip(base, again))  # the control
+        runs["default_vs_uncompiled_equal_tokens"] = sum(x == y for x, y in zip(a, base))
         record["compiled"] = runs
         print(json.dumps(runs, indent=1), flush=True)
         save(record, args.out)
     return 0
+
+
+def compiled_modules(folder: Path, device: torch.device, dtype: str, token_counts=(1, 7, 64, 256, 1000)) -> dict:
+    """Outputs of `compile_small_ops`' modules at the model's shapes that differ from eager: the
+    layers' RMSNorm over `[T, hidden]`, Qwen3's q/k norms over head views of one `[T, (H + 2 KV) * D]`
+    projection (as `qkv` gives them), and the rotary embedding, for T tokens in a step (decode batches,
+    prefill chunks); random inputs, one fresh compile of each module. Per module and T: how many
+    outputs differ, of how many, and the largest difference."""
+    from transformers import AutoConfig
+
+    from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding, rope_theta_of
+    from minivllm.worker.cuda_graph import compile_small_ops
+
+    c = AutoConfig.from_pretrained(folder)
+    hidden, heads, kv, eps = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    dt, g = getattr(torch, dtype), torch.Generator(device).manual_seed(0)
+    with torch.device(device):
+        eager = torch.nn.ModuleList([RMSNorm(hidden, eps), RMSNorm(head_dim, eps),
+                                     RotaryEmbedding(head_dim, c.max_position_embeddings, rope_theta_of(c))])
+    eager = eager.to(dt)
+    with torch.no_grad():
+        for norm in eager[:2]:
+            norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g, device=device))
+    compiled = copy.deepcopy(eager)
+    compile_small_ops(compiled)
+    found = {}
+    with torch.inference_mode():
+        for t in token_counts:
+            x = (3 * torch.randn(t, hidden, generator=g, device=device)).to(dt)
+            qkv = torch.randn(t, (heads + 2 * kv) * head_dim, generator=g, device=device).to(dt)
+            q, k = qkv[:, :heads * head_dim].view(t, heads, head_dim), qkv[:, heads * head_dim:(heads + kv) * head_dim]
+            k = k.view(t, kv, head_dim)
+            pos = torch.randint(0, min(2048, c.max_position_embeddings), (t,), generator=g, device=device)
+            outs = {"RMSNorm (hidden)": (lambda m: m[0](x)), "q_norm (head view)": (lambda m: m[1](q)),
+                    "rotary q": (lambda m: m[2](pos, q, k)[0]), "rotary k": (lambda m: m[2](pos, q, k)[1])}
+            for name, fn in outs.items():
+                a, b = fn(compiled), fn(eager)
+                found.setdefault(name, {})[t] = {"differ": int((a != b).sum()), "of": a.numel(),
+                                                 "largest": float((a.float() - b.float()).abs().max())}
+    return found
 
 
 def save(record: dict, out: str | None) -> None:
