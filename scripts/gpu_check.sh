@@ -11,6 +11,8 @@
 #
 # It runs from the repository root with the machine's own Python (PY; default `python`, else
 # `python3`) and installs nothing: PYTHONPATH=. makes the package importable without installing it.
+# Chapter 15's GPU test needs llguidance and skips without it: on a machine that cannot reach PyPI, install its
+# wheel first (`pip install --no-deps --target DIR llguidance-*.whl`, DIR on PYTHONPATH, which is kept).
 # Each stage has a wall-clock cap (PYTEST_CAP, BENCH_CAP, MIXED_CAP, GRAPHS_CAP seconds; defaults 120,
 # 290, 90 and 75, so the whole check stays under 10 minutes; LADDER_TIME_LIMIT, default 35, caps each rung
 # of the ladder in seconds), and the ladder rewrites its JSON record

@@ -210,6 +210,25 @@ def run_note(e: dict, r: dict) -> str:
     return note
 
 
+def later_default_runner(results: Path, r: dict) -> str:
+    """A note for a GPU record of the default assembly that a later record shows to be stale: where
+    `gpu_profile_compiled.json` is later than `r` and ran the same workload, the default runner it found
+    (chapter 11's, once chapter 11 made it the default) and its rate over chapter 08's graph runner's
+    in that run; "" otherwise."""
+    path = results / "gpu_profile_compiled.json"
+    if not path.is_file():
+        return ""
+    later = load(results, path.name)
+    runs = later.get("compiled", {})
+    default, plain = runs.get("default runner"), runs.get("graphs, uncompiled")
+    if (later["date"] <= r["date"] or later.get("workload") != r.get("workload") or not default or not plain
+            or default["runner"] == "CUDAGraphModelRunner"):
+        return ""
+    return (f"older than the default runner: on {day(later)} the default ({default['runner']}) ran this workload "
+            f"at {default['tok_s'] / plain['tok_s']:.2f}× the rate of chapter 08's CUDAGraphModelRunner in one run "
+            f"(`{path.name}`); not rerun since")
+
+
 def gpu_rows(results: Path) -> list[tuple[str, str, str]]:
     """(what, figure, record) of the GPU records: the fastest rung against transformers, the `gpu` tests."""
     rows = []
@@ -220,7 +239,8 @@ def gpu_rows(results: Path) -> list[tuple[str, str, str]]:
         hf_note = f" ({run_note(hf, g)})" if run_note(hf, g) else ""
         rows.append((f"GPU, nano-vllm's workload ({g['model']}, {workload(g)}, {g['dtype']})",
                      f"{best['label']} **{best['tok_s']:,.0f}** output tok/s against transformers' {hf['tok_s']:,.0f}"
-                     f"{hf_note} in the same run: **{g['hf_ratio']:.1f}×**; roofline ratio {g['roofline_ratio']:.2f}",
+                     f"{hf_note} in the same run: **{g['hf_ratio']:.1f}×**; roofline ratio {g['roofline_ratio']:.2f}"
+                     + (f" ({stale})" if (stale := later_default_runner(results, g)) else ""),
                      source(graphs_path.name, g)))
     check_path = results / "gpu_check.json"
     if check_path.is_file():
@@ -271,7 +291,9 @@ def ladder_table(results: Path) -> str:
     rerun = results / "gpu_bench_graphs.json"
     later = rerun.is_file() and load(results, rerun.name)["date"] > r["date"]
     lines = [f"The speedup ladder on that workload, `{path.name}`, {day(r)}, {r['hardware']['gpu']}"
-             + (f" (an earlier run than `{rerun.name}`, whose CUDA graphs rung is the one above)" if later else "")
+             + (f" ({'; '.join(notes)})" if (notes := [n for n in (
+                 later and f"an earlier run than `{rerun.name}`, whose CUDA graphs rung is the one above",
+                 later_default_runner(results, r)) if n]) else "")
              + ":", "", "| rung (chapter) | output tok/s | what it ran | steps (ms each) |", "|---|---:|---|---:|"]
     entries = [(f"{e['label']} ({e['chapter']})", e) for e in r["rungs"].values()]
     if r.get("hf"):
