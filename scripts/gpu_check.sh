@@ -29,6 +29,9 @@
 #   gpu_cuda_graphs.log    its output
 #   gpu_check.json         each stage's command, exit status and seconds; the tests' counts; the ladder's and
 #                          the mixed workload's summaries
+# and with STAGES naming `profile` (not a default stage: about 3 minutes more; its cap PROFILE_CAP, default 240),
+#   gpu_profile_latest.json/.log  scripts/gpu_profile.py's parts of a step (the default runner), compiled modules
+#                          against eager, and the default, plain-graph and compiled runners end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$(command -v python || command -v python3)}
@@ -115,6 +118,13 @@ fi
 if [[ $STAGES_TO_RUN == *" mixed "* ]]; then
     stage mixed "$MIXED_CAP" "$OUT_DIR/gpu_bench_mixed.log" \
         "$PY" -m minivllm bench --workload mixed "${MIXED[@]}" --output-json "$OUT_DIR/gpu_bench_mixed.json"
+fi
+
+if [[ $STAGES_TO_RUN == *" profile "* ]]; then
+    PROFILE_ARGS=(--time-limit 25 --stages parts,modules,compiled)
+    ((DRY_RUN)) && PROFILE_ARGS=(--dry-run --time-limit 10 --stages parts,modules,compiled)
+    stage profile "${PROFILE_CAP:-240}" "$OUT_DIR/gpu_profile_latest.log" \
+        "$PY" scripts/gpu_profile.py "${PROFILE_ARGS[@]}" --out "$OUT_DIR/gpu_profile_latest.json"
 fi
 
 if [[ $STAGES_TO_RUN == *" graphs "* ]]; then

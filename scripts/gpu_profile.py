@@ -11,7 +11,8 @@ Four measurements (`--stages`, default all), each in this one process:
    each step, the device synchronised at each timer: the scheduler (`schedule` + `postprocess`), the
    forward pass (for decode split into the static buffers' filling, `prepare_decode_inputs`, and the
    graph's replay), sampling, and the rest of `LLMEngine.step`. Per step kind (prefill, decode): steps,
-   sequences, seconds per part.
+   sequences, seconds per part. `--parts-runner graphs` runs it with chapter 08's `CUDAGraphModelRunner`
+   instead of the default runner (chapter 11's, whose steps with prompt chunks are one mixed pass each).
 2. **Decode kernel bandwidth** (`kernel`). `paged_decode_attention_triton` alone on a random paged cache
    of the model's shape (16 query heads, 8 KV heads, head size 128, the engine's block size), for decode
    batches and context lengths like the workload's: milliseconds per call (CUDA events, median of
@@ -89,6 +90,8 @@ def timed_parts(llm: LLM, sync) -> tuple[dict, dict]:
     scheduler.schedule = schedule_and_note
     scheduler.postprocess = wrap(scheduler.postprocess, "scheduler")
     runner.forward_logits = wrap(runner.forward_logits, "forward")
+    if hasattr(runner, "forward_mixed"):  # chapter 11's runner: a step with prompt chunks is one mixed pass
+        runner.forward_mixed = wrap(runner.forward_mixed, "forward")
     runner.sample = wrap(runner.sample, "sampling")
     engine.step = wrap(engine.step, "step")
     cuda_graph.prepare_decode_inputs = wrap(cuda_graph.prepare_decode_inputs, "graph inputs")
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="parts,kernel,modules,compiled")
     p.add_argument("--dtype", default="bfloat16", help="of the dummy model on CUDA (the ladder's: bfloat16)")
     p.add_argument("--num-requests", type=int, default=256, help="of the ladder's workload, on CUDA")
+    p.add_argument("--parts-runner", choices=("default", "graphs"), default="default",
+                   help="the parts stage's model runner: the default assembly's, or chapter 08's CUDAGraphModelRunner")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     stages = set(args.stages.split(","))
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python scripts/gpu_profile.py", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                           else argv)])}
     if "parts" in stages:
-        record["parts"] = step_parts(str(folder), workload, dtype, args.time_limit, sync, **engine_args)
+        runner_args = {"model_runner_cls": cuda_graph.CUDAGraphModelRunner} if args.parts_runner == "graphs" else {}
+        record["parts"] = step_parts(str(folder), workload, dtype, args.time_limit, sync, **engine_args, **runner_args)
         print(json.dumps(record["parts"], indent=1), flush=True)
         save(record, args.out)
         block_size = block_size or record["parts"]["block_size"]
