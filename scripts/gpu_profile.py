@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         save(record, args.out)
     if "compiled" in stages:
         runs = {}
-        # the compiled runner subclasses CUDAGraphModelRunner: that class, uncompiled, is its like-for-like baseline
-        # (the default runner adds mixed prefill/decode steps, which run other kernels)
-        # and the uncompiled runner a second time is the control: how many requests two identical runs agree on
+        # the compiled runner subclasses CUDAGraphModelRunner: that class, uncompiled, is its like-for-like
+        # baseline (the default runner adds mixed prefill/decode steps, which run other kernels); the
+        # uncompiled runner a second time is the control: how many requests two identical runs agree on
         for name, cls in (("default runner", None), ("graphs, uncompiled", cuda_graph.CUDAGraphModelRunner),
                           ("compiled small ops", decode_step.CompiledOpsGraphRunner),
                           ("graphs, uncompiled, again", cuda_graph.CUDAGraphModelRunner)):
@@ -263,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def compiled_modules(folder: Path, device: torch.device, dtype: str, token_counts=(1, 7, 64, 256, 1000)) -> dict:
     """Outputs of `compile_small_ops`' modules at the model's shapes that differ from eager: the
-    layers' RMSNorm over `[T, hidden]`, Qwen3's q/k norms over head views of one `[T, (H + 2 KV) * D]`
-    projection (as `qkv` gives them), and the rotary embedding, for T tokens in a step (decode batches,
-    prefill chunks); random inputs, one fresh compile of each module. Per module and T: how many
-    outputs differ, of how many, and the largest difference."""
+    layers' RMSNorm over `[T, hidden]`, Qwen3's per-head norm over the q heads' view `[T, H, D]` of one
+    `[T, (H + 2 KV) * D]` projection (as `qkv` gives them; the k heads' norm has the same shape but
+    for the head count, and is not measured), and the rotary embedding, for T tokens in a step (decode
+    batches, prefill chunks); random inputs in `dtype`, one compile of each module on `device`.
+    Returns `{module: {T: {"differ": outputs unlike eager's, "of": outputs, "largest": largest
+    absolute difference}}}`."""
     from transformers import AutoConfig
 
     from minivllm.model_executor.models.llama import RMSNorm, RotaryEmbedding, rope_theta_of
@@ -293,10 +295,8 @@ def compiled_modules(folder: Path, device: torch.device, dtype: str, token_count
             q, k = qkv[:, :heads * head_dim].view(t, heads, head_dim), qkv[:, heads * head_dim:(heads + kv) * head_dim]
             k = k.view(t, kv, head_dim)
             pos = torch.randint(0, min(2048, c.max_position_embeddings), (t,), generator=g, device=device)
-            outs = {"RMSNorm (hidden)": (lambda m: m[0](x)), "q_norm (head view)": (lambda m: m[1](q)),
-                    "rotary q": (lambda m: m[2](pos, q, k)[0]), "rotary k": (lambda m: m[2](pos, q, k)[1])}
-            for name, fn in outs.items():
-                a, b = fn(compiled), fn(eager)
+            got, want = ((m[0](x), m[1](q), *m[2](pos, q, k)) for m in (compiled, eager))
+            for name, a, b in zip(("RMSNorm (hidden)", "q_norm (head view)", "rotary q", "rotary k"), got, want):
                 found.setdefault(name, {})[t] = {"differ": int((a != b).sum()), "of": a.numel(),
                                                  "largest": float((a.float() - b.float()).abs().max())}
     return found

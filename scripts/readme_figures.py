@@ -213,8 +213,8 @@ def run_note(e: dict, r: dict) -> str:
 def later_default_runner(results: Path, r: dict) -> str:
     """A note for a GPU record of the default assembly that a later record shows to be stale: where
     `gpu_profile_compiled.json` is later than `r` and ran the same workload, the default runner it found
-    (chapter 11's, once chapter 11 made it the default) and its rate over chapter 08's graph runner's
-    in that run; "" otherwise."""
+    (chapter 11's, once chapter 11 made it the default) and its rate over each run of chapter 08's graph
+    runner in that process; "" otherwise."""
     path = results / "gpu_profile_compiled.json"
     if not path.is_file():
         return ""
