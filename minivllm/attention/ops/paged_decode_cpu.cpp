@@ -477,12 +477,14 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // ---------------------------------------------------------------------------------------------------
 // Causal prefill attention in float32: FlashAttention-2's tiling (Dao, 2023) on a CPU. A tile of kRows
 // query rows (a K/V head's group of query heads at consecutive tokens: they share K, V and nearly their
-// causal limit) walks the keys in blocks of kKeys: scores S = Q K^T from K transposed once per call, so
-// that a register holds 16 keys' scores of one row and each step is a broadcast q value times a K^T row;
-// then the online softmax (the block's max, exp, a rescale of the running sum and output); then
-// O += P V, the tile's outputs held in registers across the block's V rows. The scores never leave the
-// first-level cache. The registers are 64-byte vectors of the GCC/Clang extension: one AVX-512
-// register each, which is where the engine uses this kernel (cpu_attn.py's cpu_prefill_kernel).
+// causal limit) walks the keys in blocks of kKeys: scores S = Q K^T from K transposed once per call (block
+// by block, each block's K^T contiguous), so that a register holds 16 keys' scores of one row and each step
+// is a broadcast q value times a K^T row; then the online softmax in base 2 (the block's max, 2**x by a
+// polynomial, a rescale of the running sum and output); then O += P V, the tile's outputs held in
+// registers across the block's V rows. The scores never leave the first-level cache. The registers are
+// 64-byte vectors of the GCC/Clang extension: one AVX-512 register each, which is where the engine uses
+// this kernel (cpu_attn.py's cpu_prefill_kernel); AVX-512 intrinsics where the vector extension has no
+// word for an instruction (vscalefps, gathers), with plain fallbacks.
 constexpr int64_t kLanes = 16;             // float32 values per 64-byte vector
 constexpr int64_t kRows = 6;               // query rows per tile: 6 x 4 sums of S, then 6 x 4 of O, in registers
 constexpr int64_t kKeyVecs = 4;            // vectors of keys per block
@@ -513,53 +515,112 @@ static inline float add_lanes(Vec16 v) {
 #endif
 }
 
-// One tile: rows r < n of q [kRows, D] (scaled), row r seeing keys 0..last[r]; K^T kt [D, ldk] (zero
-// past the last key, ldk a multiple of kKeys), V rows v + j * ldv; row r's output written to out[r].
+// 2**x in float32 for x <= 0 (a softmax's scores minus their max, in base 2), a register at a time: x = n + f
+// with n whole and |f| <= 1/2, 2**f by a polynomial in f (the coefficients c, lowest degree first: least
+// squares of the relative error on Chebyshev points of [-1/2, 1/2]), times 2**n (AVX-512's vscalefps, or
+// the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
+// through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
+template <size_t N>
+static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
+  x = x < Vec16{} - 127.0f ? Vec16{} - 127.0f : x;  // a NaN lane stays NaN
+#if defined(__AVX512F__)
+  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const Vec16 n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
+#endif
+  const Vec16 f = x - n;
+  Vec16 p = Vec16{} + c[N - 1];
+  for (size_t i = N - 1; i-- > 0;) p = p * f + c[i];
+#if defined(__AVX512F__)
+  return (Vec16)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+  const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
+  Vec16 two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+#endif
+}
+// degree 5, the constant held at 1 (so that a row's max score weighs exactly 1): within 1.9e-7 relative
+// (about 3 float32 ulp), for the float32 kernel's probabilities
+constexpr float kExp2Float32[] = {1.0f, 0.6931468844f, 0.2402223796f, 0.0555089302f, 0.0096716983f, 0.0013218672f};
+
+// The rescale factors of all rows in one register, from their old and new maxima: 2**(m - m_new), exactly 1
+// where the max stayed, 0 where it was -inf (nothing seen yet, so the sums it scales are 0).
+template <size_t N>
+static inline Vec16 rescale_factors(Vec16 m, Vec16 m_new, const float (&c)[N]) {
+  const Vec16 minus_inf = Vec16{} - INFINITY;
+  return m == minus_inf ? Vec16{} : m == m_new ? Vec16{} + 1.0f : exp2_poly(m - m_new, c);
+}
+
+// S = Q K^T for one tile and kVecs vectors of keys: s[r][16 c + i] = q[r] . kt[:, 16 c + i], the tile's
+// 6 x kVecs sums in registers across the D steps (a broadcast q value times a K^T row at each step).
+template <int64_t D, int64_t kVecs>
+static inline void tile_block_scores(const float* __restrict q, const float* __restrict kt, float (*s)[kKeys]) {
+  Vec16 acc[kRows][kVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    Vec16 k[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) k[c] = load_vec16(kt + d * kKeys + c * kLanes);
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += q[r * D + d] * k[c];
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kVecs; ++c) store_vec16(s[r] + c * kLanes, acc[r][c]);
+}
+
+// One tile: rows r < n of q [kRows, D] (scaled by the softmax scale times log2(e): scores in base 2),
+// row r seeing keys 0..last[r]; K^T kt [key blocks][D][kKeys] (each block's K^T contiguous, 16 KiB for D 64,
+// so that its rows do not crowd a few sets of the first-level cache; zero past the last key), V rows
+// v + j * ldv; row r's output written to out[r]. The last block computes scores only for the vectors of
+// keys some row sees; the causal mask is applied only in blocks that hold a row's limit.
 template <int64_t D>
 static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t n, const float* __restrict kt,
-                         int64_t ldk, const float* __restrict v, int64_t ldv, float* const* out) {
+                         const float* __restrict v, int64_t ldv, float* const* out) {
   static_assert(D % (4 * kLanes) == 0, "head_dim: a multiple of 64");
   alignas(64) float o[kRows][D] = {};
-  alignas(64) float p[kRows][kKeys] = {};
-  float m[kRows], l[kRows], alpha[kRows];
-  int64_t num_keys = 0;
-  for (int64_t r = 0; r < kRows; ++r) {
-    m[r] = -INFINITY, l[r] = 0, alpha[r] = 1;
-    if (r < n) num_keys = std::max(num_keys, last[r] + 1);
-  }
+  alignas(64) float s[kRows][kKeys];
+  alignas(64) float p[kRows][kKeys] = {};  // rows >= n stay zero
+  alignas(64) float m[kLanes], m_new[kLanes], alpha[kLanes];  // per row (a register's worth: one exp2 for all)
+  Vec16 lsum[kRows] = {}, l[kRows];  // the running and a block's sums of probabilities, lane by lane
+  int64_t num_keys = 0, min_last = INT64_MAX;
+  for (int64_t r = 0; r < kLanes; ++r) m[r] = m_new[r] = -INFINITY;
+  for (int64_t r = 0; r < n; ++r) num_keys = std::max(num_keys, last[r] + 1), min_last = std::min(min_last, last[r]);
   Int16 lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
   const Vec16 minus_inf = Vec16{} - INFINITY;
   for (int64_t j0 = 0; j0 < num_keys; j0 += kKeys) {
-    Vec16 s[kRows][kKeyVecs] = {};  // 1. scores of the block's keys
-    for (int64_t d = 0; d < D; ++d) {
-      Vec16 k[kKeyVecs];
-      for (int64_t c = 0; c < kKeyVecs; ++c) k[c] = load_vec16(kt + d * ldk + j0 + c * kLanes);
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t c = 0; c < kKeyVecs; ++c) s[r][c] += q[r * D + d] * k[c];  // scalar x vector: a broadcast
+    const int64_t keys = std::min(kKeys, num_keys - j0), vecs = (keys + kLanes - 1) / kLanes;
+    switch (vecs) {  // 1. scores of the block's keys, as few vectors of them as the rows see
+      case 1: tile_block_scores<D, 1>(q, kt + j0 * D, s); break;
+      case 2: tile_block_scores<D, 2>(q, kt + j0 * D, s); break;
+      case 3: tile_block_scores<D, 3>(q, kt + j0 * D, s); break;
+      default: tile_block_scores<D, 4>(q, kt + j0 * D, s);
     }
-    for (int64_t r = 0; r < n; ++r) {  // 2. online softmax: probabilities, rescale factor alpha
-      Int16 hidden[kKeyVecs];
-      Vec16 mx = minus_inf, sum = {};
-      for (int64_t c = 0; c < kKeyVecs; ++c) {
-        hidden[c] = lane + int32_t(c * kLanes) > int32_t(last[r] - j0);  // causal: keys past the row's last
-        s[r][c] = hidden[c] ? minus_inf : s[r][c];
-        mx = mx > s[r][c] ? mx : s[r][c];
+    const bool all_seen = j0 + kKeys <= min_last + 1;  // no row's causal limit inside the block
+    for (int64_t r = 0; r < n; ++r) {  // 2. online softmax in base 2: probabilities; the rescale follows
+      Vec16 x[kKeyVecs], mx = minus_inf;
+      for (int64_t c = 0; c < vecs; ++c) {
+        x[c] = load_vec16(s[r] + c * kLanes);
+        if (!all_seen) x[c] = lane + int32_t(j0 + c * kLanes) > int32_t(last[r]) ? minus_inf : x[c];
+        mx = mx > x[c] ? mx : x[c];
       }
-      const float m_new = std::max(m[r], max_lanes(mx));
-      // -inf where every score seen so far is -inf (a product that overflowed float32, finite inputs): the
-      // exponent from 0 then, not -inf + inf = NaN; -inf scores, hidden or overflowed, weigh exactly 0
-      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-      for (int64_t c = 0; c < kKeyVecs; ++c) {
-        const Vec16 e = s[r][c] == minus_inf ? Vec16{} : exp_approx(s[r][c] - m_ref);
+      m_new[r] = std::max(m[r], max_lanes(mx));
+      // -inf where every score seen so far is -inf (hidden, or a product that overflowed float32, finite
+      // inputs): the exponent from 0 then; -inf scores weigh exactly 0
+      const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
+      Vec16 sum = {};
+      for (int64_t c = 0; c < vecs; ++c) {
+        const Vec16 e = x[c] == minus_inf ? Vec16{} : exp2_poly(x[c] - m_ref, kExp2Float32);
         sum += e;
         store_vec16(p[r] + c * kLanes, e);
       }
-      alpha[r] = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - m_new);
-      l[r] = l[r] * alpha[r] + add_lanes(sum);
-      m[r] = m_new;
+      l[r] = sum;
     }
-    const int64_t keys = std::min(kKeys, num_keys - j0);
+    {  // the rescale factors of all rows in one register (rescale_factors)
+      const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
+      store_vec16(alpha, rescale_factors(mo, mn, kExp2Float32));
+      store_vec16(m, mn);
+    }
+    for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
     for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {  // 3. o = alpha o + P V, 64 values of D at a time
       Vec16 a[kRows][4];
       for (int64_t r = 0; r < kRows; ++r)
@@ -574,19 +635,48 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
         for (int64_t c = 0; c < 4; ++c) store_vec16(o[r] + d0 + c * kLanes, a[r][c]);
     }
   }
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / (l[r] == 0 ? 1.0f : l[r]);  // no finite score seen: 0
+  for (int64_t r = 0; r < n; ++r) {
+    const float sum = add_lanes(lsum[r]);
+    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / (sum == 0.0f ? 1.0f : sum);  // no finite score seen: 0
+  }
 }
 
 template <int64_t D>
 static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
                           double scale) {
   const int64_t tq = q.size(0), num_heads = q.size(1), tk = k.size(0), num_kv_heads = k.size(1);
-  const int64_t group = num_heads / num_kv_heads, offset = tk - tq, ldk = (tk + kKeys - 1) / kKeys * kKeys;
-  auto kt_padded = torch::empty({num_kv_heads, D, ldk}, k.options());  // K^T per K/V head (ATen's transposing copy)
-  kt_padded.narrow(2, 0, tk).copy_(k.permute({1, 2, 0}));
-  kt_padded.narrow(2, tk, ldk - tk).zero_();  // the padding keys: zero scores, masked anyway
-  const float* kt = kt_padded.data_ptr<float>();
+  const int64_t group = num_heads / num_kv_heads, offset = tk - tq, blocks = (tk + kKeys - 1) / kKeys;
+  // K^T per K/V head and block of keys, kt[h][b][d][i] = K[kKeys b + i][h][d], [num_kv_heads, blocks, D,
+  // kKeys], split among the threads by head and block (at least 4 blocks a thread); the padding keys of the
+  // last block: zero scores, masked anyway
+  auto kt_blocks = torch::empty({num_kv_heads, blocks, D, kKeys}, k.options());
+  float* kt_w = kt_blocks.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const int64_t k_stride = k.stride(0);
+#if defined(__AVX512F__)
+  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32(int32_t(k_stride)));  // 16 keys' rows, in floats
+#endif
+  at::parallel_for(0, num_kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, t0 = item % blocks * kKeys;
+      float* dst = kt_w + item * D * kKeys;
+#if defined(__AVX512F__)
+      for (int64_t c = 0; c < kKeyVecs; ++c) {  // value d of 16 keys: one gather (a load from 16 addresses)
+        const int64_t t = t0 + c * kLanes;
+        const __mmask16 present = tk - t >= kLanes ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - t)) - 1);
+        const float* base = kp + t * k_stride + h * D;
+        for (int64_t d = 0; d < D; ++d)
+          _mm512_storeu_ps(dst + d * kKeys + c * kLanes,
+                           _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, key_offsets, base + d, 4));
+      }
+#else
+      for (int64_t i = 0; i < kKeys; ++i)
+        for (int64_t d = 0; d < D; ++d) dst[d * kKeys + i] = t0 + i < tk ? kp[(t0 + i) * k_stride + h * D + d] : 0.0f;
+#endif
+    }
+  });
+  const float* kt = kt_blocks.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -595,6 +685,7 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   const int64_t rows = tq * group, tiles_per_head = (rows + kRows - 1) / kRows;
   const int64_t num_tiles = num_kv_heads * tiles_per_head;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  const float q_scale = float(scale * 1.4426950408889634);  // scores in base 2: scale * log2(e)
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[kRows * D];
     for (int64_t th = begin; th < end; ++th)
@@ -612,9 +703,9 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
             continue;
           }
           const float* q_row = qp + t * q_stride + h * D;
-          for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * float(scale);
+          for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * q_scale;
         }
-        prefill_tile<D>(qt, last, n, kt + kv * D * ldk, ldk, vp + kv * D, v_stride, out_rows);
+        prefill_tile<D>(qt, last, n, kt + kv * blocks * D * kKeys, vp + kv * D, v_stride, out_rows);
       }
   });
 }
@@ -633,9 +724,11 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
                     "the CPU prefill kernel takes head_dim 64 or 128, the same for q, k and v");
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
-  // each token's heads one row of D values, whatever the token stride (a q/k/v split's views keep theirs)
+  // each token's heads one row of D values, whatever the token stride (a q/k/v split's views keep theirs);
+  // K's gather offsets (15 token strides) within int32
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2)) k = k.contiguous();
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) > INT32_MAX / 15) k = k.contiguous();
+  TORCH_CHECK_VALUE(k.stride(0) <= INT32_MAX / 15, "the CPU prefill kernel takes num_kv_heads * head_dim below 2**27");
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
@@ -667,20 +760,10 @@ static bool request_amx() {
 
 constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys per block
 
-// 2**x for x <= 0, within 7.8e-5 relative (P is rounded to bfloat16 right after, up to 2**-8 = 3.9e-3):
-// x = n + f with n whole and |f| <= 1/2, 2**f by a cubic (least squares of the relative error on
-// Chebyshev points of [-1/2, 1/2]: near the best cubic; Taylor's would be off by 8e-4), times 2**n by
-// vscalefps. x below -127 is taken as -127, so that -inf gives about 2**-127 (subnormal, or 0), not the
-// NaN of -inf - (-inf).
-static inline Vec16 exp2_fast(Vec16 x) {
-  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN (second operand) stays NaN
-  const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(v, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05508868396f), f, _mm512_set1_ps(0.24260404706f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69327622652f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992895126f));
-  return (Vec16)_mm512_scalef_ps(p, n);
-}
+// 2**x for the AMX tile's probabilities: a cubic, within 7.8e-5 relative (P is rounded to bfloat16 right
+// after, up to 2**-8 = 3.9e-3; Taylor's cubic would be off by 8e-4), at exp2_poly's clamp: -inf gives
+// 2**-127 (subnormal, or 0), not NaN.
+constexpr float kExp2Cubic[] = {0.99992895126f, 0.69327622652f, 0.24260404706f, 0.05508868396f};
 
 // Every tile 16 rows x 64 bytes: 0-1 S, 2 Q, 3 K, 4 P V, 5 P, 6 V.
 static void configure_prefill_tiles() {
@@ -742,14 +825,13 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
       // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
-      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_fast(x[h] - m_ref);
+      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_poly(x[h] - m_ref, kExp2Cubic);
       l[r] = e[0] + e[1];  // this block's part; the running sum's rescale follows
       _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]));  // e[0] first
     }
-    {  // the rescale factors of all 16 rows in one register: 2**(m - m_new) (m in base 2), 0 where m was -inf
+    {  // the rescale factors of all 16 rows in one register (rescale_factors; m in base 2)
       const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
-      const Vec16 a = mo == minus_inf ? Vec16{} : exp2_fast(mo - mn);
-      store_vec16(alpha, a);
+      store_vec16(alpha, rescale_factors(mo, mn, kExp2Cubic));
       store_vec16(m, mn);
     }
     for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
@@ -794,16 +876,19 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   alignas(64) int16_t idx[32];
   for (int i = 0; i < 16; ++i) idx[2 * i] = int16_t(i), idx[2 * i + 1] = int16_t(32 + i);
   interleave = _mm512_load_si512(idx);
-  for (int64_t h = 0; h < num_kv_heads; ++h) {
-    for (int64_t n = 0; n < n16; ++n) {
-      const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
-      for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
-        const auto* base = reinterpret_cast<const int32_t*>(kp + 16 * n * k_stride + h * D) + w;
-        _mm512_storeu_si512(kb_w + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
+  // split among the threads by K/V head and block of 32 keys (two K tiles of 16 keys, one V tile of 32), at
+  // least 4 blocks a thread
+  at::parallel_for(0, num_kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {  // short prompts: one thread
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, b = item % blocks;
+      for (int64_t n = 2 * b; n < 2 * b + 2; ++n) {
+        const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
+        for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
+          const auto* base = reinterpret_cast<const int32_t*>(kp + 16 * n * k_stride + h * D) + w;
+          _mm512_storeu_si512(kb_w + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
+                              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
+        }
       }
-    }
-    for (int64_t b = 0; b < blocks; ++b)
       for (int64_t pr = 0; pr < 16; ++pr) {
         const int64_t t = 32 * b + 2 * pr;
         for (int64_t j = 0; j < D / 16; ++j) {
@@ -815,7 +900,8 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
                               _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
         }
       }
-  }
+    }
+  });
   const auto* kb = reinterpret_cast<const uint16_t*>(kb_w);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
