@@ -544,12 +544,13 @@ static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
 // (about 3 float32 ulp), for the float32 kernel's probabilities
 constexpr float kExp2Float32[] = {1.0f, 0.6931468844f, 0.2402223796f, 0.0555089302f, 0.0096716983f, 0.0013218672f};
 
-// The rescale factors of all rows in one register, from their old and new maxima: 2**(m - m_new), exactly 1
-// where the max stayed, 0 where it was -inf (nothing seen yet, so the sums it scales are 0).
+// The rescale factors of all rows in one register, from their old and new maxima: 2**(m - m_new) by the
+// polynomial c (where the max stayed, c's constant: 1 for float32's), 0 where m was -inf (nothing seen yet,
+// so the sums it scales are 0).
 template <size_t N>
 static inline Vec16 rescale_factors(Vec16 m, Vec16 m_new, const float (&c)[N]) {
   const Vec16 minus_inf = Vec16{} - INFINITY;
-  return m == minus_inf ? Vec16{} : m == m_new ? Vec16{} + 1.0f : exp2_poly(m - m_new, c);
+  return m == minus_inf ? Vec16{} : exp2_poly(m - m_new, c);
 }
 
 // S = Q K^T for one tile and kVecs vectors of keys: s[r][16 c + i] = q[r] . kt[:, 16 c + i], the tile's
