@@ -48,6 +48,7 @@ def cpu_reshape_and_cache():
     module = load_extension(DECODE_KERNEL)
     return None if module is None else module.reshape_and_cache
 
+
 # %% auto #0
 __all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'PREFILL_KERNEL_HEAD_DIMS', 'cpu_decode_kernel',
            'cpu_reshape_and_cache', 'prefill_attention_sdpa', 'prefill_attention_grouped', 'cpu_prefill_kernel',
@@ -76,6 +77,7 @@ def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
+
 
 # %% ../../../notebooks/05_paged_attention.ipynb #7c3d9e41
 GROUPED_QUERY_CHUNK = 64  # queries per product in `prefill_attention_grouped` (64 and 128 timed alike)
@@ -109,7 +111,6 @@ def prefill_attention_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scores[:, :, offset + s:offset + e] += corner[:(e - s) * group, :e - s]
         torch.bmm(scores.softmax(-1), values[:, :offset + e], out=out[:, s * group:e * group])
     return out.view(num_kv_heads, tq, group, head_dim).transpose(0, 1).reshape(tq, num_heads, head_dim)
-
 
 
 # %% ../../../notebooks/05_paged_attention.ipynb #ee1063b5
