@@ -153,6 +153,62 @@ def test_every_head_tile_and_head_dim_path(group, head_dim, block_size, dtype):
         torch.testing.assert_close(out.double(), exact, atol=1e-12 if dtype == torch.float64 else 2e-6, rtol=0)
 
 
+# The decode with AMX scores (`cpu_amx_decode_kernel`), called through the library's
+# `paged_decode_attention_amx` so that it runs on every CPU: where the build or the CPU has no AMX, and for
+# shapes the tile does not take, it is the AVX-512 decode. Against float64 with the bfloat16 tolerances
+# above: 1 to 16 query heads per K/V head in one tile, more than one tile's worth of heads (32 = 4 x 8:
+# two passes), head_dim 64 and 128, block sizes 16 and 32, and shapes that fall back (17 heads per K/V
+# head, block_size 8, head_dim 24); scores of an ordinary range and of one far wider than 2**x's: query and
+# keys whole numbers in [-8, 8], so that every product and sum of a score is exact in float32 and the
+# tolerances stay those of one rounding (scores up to head_dim * 64 / 8 apart; most probabilities underflow).
+AMX_SHAPES = [(9, 3, 64, 16), (16, 1, 64, 16), (32, 8, 64, 16), (15, 3, 128, 32), (4, 2, 128, 16),
+              (17, 1, 64, 16), (6, 2, 64, 8), (6, 2, 24, 16)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("wide", [False, True], ids=["normal", "wide"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", AMX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_amx_decode_against_the_float64_reference(shape, threads, wide):
+    module = ce.load_extension(DECODE_KERNEL)
+    q, k_cache, v_cache, tables, lens = random_batch(*shape, torch.bfloat16, seed=3, num_blocks=max(60, 600 // shape[3]))
+    if wide:
+        g = torch.Generator().manual_seed(5)
+        q, k_cache = (torch.randint(-8, 9, t.shape, generator=g).bfloat16() for t in (q, k_cache))
+    scale = shape[2] ** -0.5
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), plain(tables), lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = module.paged_decode_attention_amx(q, k_cache, v_cache, tables, lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), exact, atol=FLOAT32_ARITHMETIC, rtol=BF16_ROUNDING)
+    wrong = module.paged_decode_attention_amx(q, k_cache, v_cache, tables, (lens - 1).clamp(min=1), scale)
+    assert (wrong.double() - exact).abs().max() > 1e-2  # the check can fail: one token short
+
+
+# The AMX tile reads 16 K rows at a time, also past a sequence's last token in its last block: those rows
+# must reach no score that is used. Every cache slot outside the sequences' contexts set to NaN changes
+# nothing, bit for bit.
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_amx_decode_never_uses_rows_past_the_context(block_size):
+    module = ce.load_extension(DECODE_KERNEL)
+    q, k_cache, v_cache, tables, lens = random_batch(9, 3, 64, block_size, torch.bfloat16, seed=4, num_blocks=60)
+    assert (lens % block_size != 0).any()  # some last blocks only partly used
+    clean = module.paged_decode_attention_amx(q, k_cache, v_cache, tables, lens, 0.125)
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(lens.tolist()):
+        t = torch.arange(n)
+        used[tables[i, t // block_size], t % block_size] = True
+    k_dirty, v_dirty = k_cache.clone(), v_cache.clone()
+    k_dirty[~used], v_dirty[~used] = float("nan"), float("nan")
+    out = module.paged_decode_attention_amx(q, k_dirty, v_dirty, tables, lens, 0.125)
+    assert out.isfinite().all() and torch.equal(out, clean)
+
+
 # The softmax runs eight float32 scores at a time with a scalar rest: every context length from 1 to
 # 2 * 8 + 1, with scores that span far more than exp's range (query and keys scaled up: most
 # probabilities underflow to the clamp at exp(-87), a few carry the sum), against float64.
@@ -324,8 +380,10 @@ def test_backend_uses_the_kernel_only_for_cpu_float32_float64_and_bfloat16(monke
     assert not CPUPagedAttention.is_available("cpu", torch.float16)
     assert not CPUPagedAttention.is_available("meta", torch.float32)
     calls = []
-    real = cpu_decode_kernel()
+    real, real_amx = cpu_decode_kernel(), cd.cpu_amx_decode_kernel()
     monkeypatch.setattr(cd, "cpu_decode_kernel", lambda: (lambda *a: calls.append(a[0].dtype) or real(*a)))
+    if real_amx is not None:  # bfloat16 takes the AMX scores where the CPU has AMX
+        monkeypatch.setattr(cd, "cpu_amx_decode_kernel", lambda: (lambda *a: calls.append("amx") or real_amx(*a)))
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         q, k_cache, v_cache, tables, lens = random_batch(4, 2, 16, 4, dtype)
         backend = CPUPagedAttention(torch.stack([k_cache, v_cache])[:, None], 0.25)
@@ -335,7 +393,8 @@ def test_backend_uses_the_kernel_only_for_cpu_float32_float64_and_bfloat16(monke
         tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2 * 2.0 ** -6, torch.float16: 4 * 2.0 ** -9}[dtype]
         torch.testing.assert_close(backend.decode(q, k_cache, v_cache, md),
                                    plain_backend.decode(q, k_cache, v_cache, md), atol=tol, rtol=0)
-    assert calls == [torch.float32, torch.float64, torch.bfloat16]  # float16 went to plain torch
+    # float16 went to plain torch
+    assert calls == [torch.float32, torch.float64, torch.bfloat16 if real_amx is None else "amx"]
 
 
 def test_build_folder_is_per_source_flags_python_torch_and_cpu(monkeypatch, tmp_path):

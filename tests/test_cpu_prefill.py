@@ -321,7 +321,7 @@ def amx_prefill():
 
     require_cpu_kernel()
     module = load_extension(DECODE_KERNEL)
-    if not module.prefill_amx_available():
+    if not module.amx_available():
         assert cpu_amx_prefill_kernel() is None  # built, not used
         if cpu_has_amx():  # the compiler could not target AMX, or Linux refused the tile state
             require_built(None, "the AMX prefill kernel on this AMX CPU")  # fails under CI, else skips

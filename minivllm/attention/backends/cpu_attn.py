@@ -52,7 +52,8 @@ def cpu_reshape_and_cache():
 # %% auto #0
 __all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'PREFILL_KERNEL_HEAD_DIMS', 'cpu_decode_kernel',
            'cpu_reshape_and_cache', 'prefill_attention_sdpa', 'prefill_attention_grouped', 'cpu_prefill_kernel',
-           'cpu_amx_prefill_kernel', 'prefill_attention_cpu', 'paged_decode_attention_cpu', 'CPUPagedAttention']
+           'cpu_amx_prefill_kernel', 'prefill_attention_cpu', 'cpu_amx_decode_kernel', 'paged_decode_attention_cpu',
+           'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #af67e706
 import torch.nn.functional as F
@@ -135,9 +136,9 @@ def cpu_amx_prefill_kernel():
     with bfloat16 in and out: float32 scores, softmax and sums, the probabilities rounded to bfloat16 before
     they multiply V, the output rounded once (FlashAttention-2's tiling, 16 query rows by 32 keys). None
     where the library is None or was built without AMX (the compiler's `-march=native` on a CPU without
-    amx_tile, amx_bf16 and avx512_bf16), or Linux does not grant the tile state (`prefill_amx_available`)."""
+    amx_tile, amx_bf16 and avx512_bf16), or Linux does not grant the tile state (`amx_available`)."""
     module = load_extension(DECODE_KERNEL)
-    if module is None or not module.prefill_amx_available():
+    if module is None or not module.amx_available():
         return None
     return module.prefill_attention_amx
 
@@ -155,6 +156,20 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         if q.dtype == torch.bfloat16 and (kernel := cpu_amx_prefill_kernel()) is not None:
             return kernel(q, k, v, scale)
     return prefill_attention_sdpa(q, k, v, scale)
+
+# %% ../../../notebooks/05_paged_attention.ipynb #ed78580c
+@functools.cache
+def cpu_amx_decode_kernel():
+    """The same library's decode with bfloat16 scores on AMX tiles, `paged_decode_attention_cpu`'s signature
+    and errors: `Sᵀ = K Qᵀ` for 16 cached tokens at a time (K rows read in place; the query heads of all
+    K/V heads whose groups fit 16 columns in one tile), then the softmax and the weighted sum of V in
+    float32, the output rounded to bfloat16 once. Other dtypes, and shapes the tile does not take (head_dim
+    other than 64 or 128, block_size not a multiple of 16, more than 16 query heads per K/V head), run the
+    AVX-512 decode. None where `cpu_amx_prefill_kernel` is None (the same conditions)."""
+    module = load_extension(DECODE_KERNEL)
+    if module is None or not module.amx_available():
+        return None
+    return module.paged_decode_attention_amx
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,8 +208,11 @@ class CPUPagedAttention(PagedAttention):
         return torch.device(device).type == "cpu" and dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
 
     def decode(self, q, k_cache, v_cache, md):
-        """As `PagedAttention.decode`, through the C++ kernel where it applies."""
+        """As `PagedAttention.decode`, through the C++ kernel where it applies (bfloat16: with AMX scores
+        where `cpu_amx_decode_kernel` is available)."""
         if q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES and (kernel := cpu_decode_kernel()) is not None:
+            if q.dtype == torch.bfloat16 and (amx := cpu_amx_decode_kernel()) is not None:
+                kernel = amx
             return kernel(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
         return super().decode(q, k_cache, v_cache, md)
 

@@ -5,7 +5,8 @@
 // appendix of notebooks/05_paged_attention.ipynb. float32, float64 and bfloat16: a bfloat16 cache
 // and query are widened to float32 (at::opmath_type) as they are read; scores, softmax and the weighted
 // sum of V stay in float32, and the output is rounded to bfloat16 once, at the end. Further down: the
-// K/V store (reshape_and_cache) and two causal prefill kernels, float32 and bfloat16 on AMX tiles.
+// K/V store (reshape_and_cache), two causal prefill kernels, float32 and bfloat16 on AMX tiles, and a
+// bfloat16 decode whose scores come from AMX tiles.
 //
 // How the work is laid out: the `group` query heads that share a K/V head are done together, in
 // tiles of up to kMaxTile heads (as GQA-aware decode kernels such as FlashInfer's pack a group into
@@ -210,11 +211,12 @@ static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_
 }
 
 // A tile's weighted sum over n consecutive cached tokens of a block: a[h] += sum over i < n of
-// p[h * p_stride + i] * v[i * v_stride] (rows of D values), two registers of D at a time (on the
+// p[h * p_stride + i * p_step] * v[i * v_stride] (rows of D values), two registers of D at a time (on the
 // AVX-512 path four of 16 lanes, 64 values), so that the tile's sums stay in registers across the n tokens.
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
-                                     const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim) {
+                                     const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim,
+                                     int64_t p_step = 1) {
 #if defined(__AVX512F__)
   if constexpr (kWide<scalar_t, kHeadDim>) {
     for (int64_t d0 = 0; d0 < kHeadDim; d0 += 64) {  // 64 values of D at a time: kTile x 4 sums in registers
@@ -225,7 +227,7 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
         __m512 vv[4];
         for (int64_t c = 0; c < 4; ++c) vv[c] = load16(v + i * v_stride + d0 + 16 * c);
         for (int64_t h = 0; h < kTile; ++h) {
-          const __m512 w = _mm512_set1_ps(p[h * p_stride + i]);
+          const __m512 w = _mm512_set1_ps(p[h * p_stride + i * p_step]);
           for (int64_t c = 0; c < 4; ++c) sum[h][c] = _mm512_fmadd_ps(w, vv[c], sum[h][c]);
         }
       }
@@ -247,8 +249,8 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
     for (int64_t i = 0; i < n; ++i) {
       const Vec<acc_t> v0 = load_wide<acc_t>(v + i * v_stride + d), v1 = load_wide<acc_t>(v + i * v_stride + d + L);
       for (int64_t h = 0; h < kTile; ++h) {
-        sum[h][0] += p[h * p_stride + i] * v0;
-        sum[h][1] += p[h * p_stride + i] * v1;
+        sum[h][0] += p[h * p_stride + i * p_step] * v0;
+        sum[h][1] += p[h * p_stride + i * p_step] * v1;
       }
     }
     for (int64_t h = 0; h < kTile; ++h) {
@@ -258,7 +260,7 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
   }
   for (int64_t d = D_vec; d < D; ++d)  // an odd head_dim's rest
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0; h < kTile; ++h) a[h * D + d] += p[h * p_stride + i] * acc_t(v[i * v_stride + d]);
+      for (int64_t h = 0; h < kTile; ++h) a[h * D + d] += p[h * p_stride + i * p_step] * acc_t(v[i * v_stride + d]);
 }
 
 // Asks for size values of the cache to be brought into the caches while the current block is worked
@@ -367,8 +369,15 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+// The AMX decode of bfloat16 (further down, with the AMX prefill): false, having done nothing, where the
+// build, the CPU or the shapes do not fit it.
+static bool decode_batch_amx(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, const torch::Tensor& block_tables, const int64_t* lens,
+                             const std::vector<std::vector<int64_t>>& bins, double scale);
+
+// paged_decode_attention's checks and work split, then the kernel: the AMX one where `amx` and it fits.
+static torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool amx) {
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                     "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]");
@@ -421,6 +430,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     load[b] += lens[seq];
   }
   auto out = torch::empty_like(q);
+  if (amx && decode_batch_amx(out, q, k_cache, v_cache, block_tables, lens, bins, scale)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     const int64_t D = q.size(2);
     if (D == 64) decode_batch<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
@@ -428,6 +438,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     else decode_batch<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, lens, bins, scale);
   });
   return out;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, false);
+}
+
+// The same contract; bfloat16 on AMX tiles where decode_batch_amx takes the shapes.
+torch::Tensor paged_decode_attention_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, true);
 }
 
 // vLLM's reshape_and_cache for one layer: this step's k, v [N, num_kv_heads, head_dim] copied into their
@@ -749,7 +770,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 // of keys x 16 head dimensions). Ideas: FlashAttention-2 (Dao, 2023) and the AMX paths of CPU attention
 // kernels (SGLang's and vLLM's CPU backends, which also round P to bfloat16 before P V).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define MINIVLLM_AMX_PREFILL 1
+#define MINIVLLM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -766,14 +787,15 @@ constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys pe
 // 2**-127 (subnormal, or 0), not NaN.
 constexpr float kExp2Cubic[] = {0.99992895126f, 0.69327622652f, 0.24260404706f, 0.05508868396f};
 
-// Every tile 16 rows x 64 bytes: 0-1 S, 2 Q, 3 K, 4 P V, 5 P, 6 V.
-static void configure_prefill_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.bytes_per_row[t] = 64;
+// Every tile 16 rows x 64 bytes. Prefill: 0-1 S, 2 Q, 3 K, 4 P V, 5 P, 6 V; decode: 0 S, 1 K, 2 Q. A constant
+// in memory: GCC may drop the stores of a local configuration, since it does not see ldtilecfg read them.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+static void configure_tiles() {
+  static const TileConfig cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&cfg);
 }
 
@@ -910,7 +932,7 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   const int64_t num_tiles = num_kv_heads * tiles_per_head;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    configure_prefill_tiles();
+    configure_tiles();
     alignas(64) uint16_t qt[kAmxRows * D];
     for (int64_t th = begin; th < end; ++th)
       for (int64_t i = th; i < num_tiles; i += threads) {  // round-robin, as prefill_heads
@@ -932,10 +954,133 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
     _tile_release();
   });
 }
+
+// Decode attention in bfloat16 on AMX tiles (paged_decode_attention_amx). The scores of 16 cached tokens
+// against every query head of up to 16 / group K/V heads come from one tile product, S^T = K Q^T: the A
+// tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head dimensions, a
+// token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once per sequence,
+// with zeros in the columns of the other K/V heads' query heads, so that the products of all the K/V heads
+// add up in one 16 x 16 result: row t, column c = K[t, c / group] . q[c]. No widening and no sums across a
+// register's lanes (what most of the AVX-512 path's instructions do). The softmax then runs down the
+// columns, one token's 16 scores a register (float32, 2**x by the float32 polynomial); the weighted sum
+// of V is the AVX-512 path's (tile_weighted_sum, float32 probabilities).
+template <int64_t D>
+static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BFloat16* __restrict q,
+                                    const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                                    const int64_t* __restrict block_table, int64_t len, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t block_size, float scale, std::vector<float>& scores,
+                                    std::vector<float>& acc, std::vector<uint32_t>& q_tiles) {
+  constexpr int64_t C = D / 32;  // A and B tiles per K/V head: 32 head dimensions each
+  const int64_t group = num_heads / num_kv_heads, per_pass = 16 / group;
+  const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  scores.resize(num_blocks * block_size * 16);
+  acc.resize(16 * D);
+  float* __restrict s = scores.data();  // s[t * 16 + c]: token t, column c
+  const float scale2 = scale * 1.4426950408889634f;     // base 2: scale * log2(e)
+  for (int64_t kv0 = 0; kv0 < num_kv_heads; kv0 += per_pass) {  // one pass where group * num_kv_heads <= 16
+    const int64_t kvn = std::min(per_pass, num_kv_heads - kv0), cols = kvn * group, h0 = kv0 * group;
+    // B tile (j, c): word [p][col] = q[h0 + col]'s dimensions 32c + 2p, 32c + 2p + 1 if col / group == j, else 0
+    q_tiles.assign(kvn * C * 256, 0);
+    for (int64_t col = 0; col < cols; ++col)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t pr = 0; pr < 16; ++pr)
+          std::memcpy(&q_tiles[((col / group) * C + c) * 256 + pr * 16 + col], q + (h0 + col) * D + 32 * c + 2 * pr, 4);
+    // 1. scores: 16 tokens at a time, all K/V heads of the pass into tile 0
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const c10::BFloat16* k_block = k_cache + block_table[b] * block_stride + kv0 * D;
+      const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
+      const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+      for (int64_t i = 0; i < n; ++i) {
+        prefetch(k_cache + next + i * token_stride, kvn * D);     // the next block's K rows, into L1
+        prefetch<1>(v_cache + next + i * token_stride, kvn * D);  // and its V rows, into L2 for step 3
+      }
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {  // rows past n: within the block (block_size a multiple of 16)
+        _tile_zero(0);
+        for (int64_t j = 0; j < kvn; ++j)
+          for (int64_t c = 0; c < C; ++c) {
+            _tile_loadd(1, k_block + i0 * token_stride + j * D + 32 * c, token_stride * 2);
+            _tile_loadd(2, q_tiles.data() + (j * C + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+        _tile_stored(0, s + (t0 + i0) * 16, 64);
+      }
+    }
+    // 2. softmax down the columns: the max, then 2**(x - max) in place and the sums (columns >= cols: 0s)
+    Vec16 m = Vec16{} - INFINITY, sum = {};
+    for (int64_t t = 0; t < len; ++t) {
+      const Vec16 x = load_vec16(s + t * 16) * scale2;
+      m = x > m ? x : m;
+    }
+    for (int64_t t = 0; t < len; ++t) {
+      const Vec16 e = exp2_poly(load_vec16(s + t * 16) * scale2 - m, kExp2Float32);
+      store_vec16(s + t * 16, e);
+      sum += e;
+    }
+    // 3. a[col] = sum over t of p[t, col] * v[t, kv0 + col / group], kMaxTile columns at a time
+    float* __restrict a = acc.data();
+    std::fill(a, a + cols * D, 0.0f);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const c10::BFloat16* v_block = v_cache + block_table[b] * block_stride;
+      const c10::BFloat16* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+      const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+      for (int64_t j = 0; j < kvn; ++j) {
+        const int64_t kv = kv0 + j;
+        prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);  // as decode_one_sequence
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxTile)
+          with_tile(std::min(kMaxTile, group - g0), [&](auto tile) {
+            const int64_t col = j * group + g0;
+            tile_weighted_sum<decltype(tile)::value, D>(a + col * D, s + t0 * 16 + col, 1, v_block + kv * D,
+                                                        token_stride, n, D, 16);
+          });
+      }
+    }
+    for (int64_t col = 0; col < cols; ++col)
+      for (int64_t d = 0; d < D; ++d) out[(h0 + col) * D + d] = c10::BFloat16(a[col * D + d] / sum[col]);
+  }
+}
+
+static bool decode_batch_amx(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, const torch::Tensor& block_tables, const int64_t* lens,
+                             const std::vector<std::vector<int64_t>>& bins, double scale) {
+  const int64_t num_heads = q.size(1), D = q.size(2), max_blocks = block_tables.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  if (q.scalar_type() != torch::kBFloat16 || (D != 64 && D != 128) || block_size % 16 != 0 ||
+      num_heads / num_kv_heads > 16 || !request_amx())
+    return false;
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kc = k_cache.data_ptr<c10::BFloat16>();
+  const auto* vc = v_cache.data_ptr<c10::BFloat16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<float> scores, acc;  // this thread's scratch
+    std::vector<uint32_t> q_tiles;
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t seq : bins[b]) {
+        auto run = [&](auto head_dim) {
+          constexpr int64_t kD = decltype(head_dim)::value;
+          decode_one_sequence_amx<kD>(o + seq * num_heads * kD, qp + seq * num_heads * kD, kc, vc,
+                                      tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads, block_size,
+                                      float(scale), scores, acc, q_tiles);
+        };
+        if (D == 64) run(std::integral_constant<int64_t, 64>{});
+        else run(std::integral_constant<int64_t, 128>{});
+      }
+    _tile_release();
+  });
+  return true;
+}
+#else
+static bool decode_batch_amx(torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                             const torch::Tensor&, const int64_t*, const std::vector<std::vector<int64_t>>&, double) {
+  return false;
+}
 #endif
 
-bool prefill_amx_available() {
-#if defined(MINIVLLM_AMX_PREFILL)
+bool amx_available() {
+#if defined(MINIVLLM_AMX)
   return request_amx();
 #else
   return false;
@@ -943,7 +1088,7 @@ bool prefill_amx_available() {
 }
 
 // prefill_attention's contract in bfloat16 (float32 scores, softmax and sums; P and the output rounded to
-// bfloat16), on AMX tiles: for a build and a CPU where prefill_amx_available().
+// bfloat16), on AMX tiles: for a build and a CPU where amx_available().
 torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
                     "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
@@ -958,7 +1103,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
                     "the AMX prefill kernel takes head_dim 64 or 128, the same for q, k and v");
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
-  TORCH_CHECK(prefill_amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+  TORCH_CHECK(amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   // whole 32-bit words, and the gather's offsets (15 token strides, in words) within int32
   if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2 || k.stride(0) / 2 > INT32_MAX / 15)
@@ -966,7 +1111,7 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK_VALUE(k.stride(0) / 2 <= INT32_MAX / 15, "the AMX prefill kernel takes num_kv_heads * head_dim below 2**28");
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-#if defined(MINIVLLM_AMX_PREFILL)
+#if defined(MINIVLLM_AMX)
   if (q.size(0) == 0) return out;
   if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, scale);
   else prefill_heads_amx<128>(q, k, v, out, scale);
@@ -977,10 +1122,12 @@ torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
+  m.def("paged_decode_attention_amx", &paged_decode_attention_amx,
+        "paged_decode_attention; bfloat16 on AMX tiles where the build, the CPU and the shapes allow");
   m.def("reshape_and_cache", &reshape_and_cache,
         "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
   m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "one sequence's causal attention in bfloat16 on AMX tiles (q, k, v, scale)");
-  m.def("prefill_amx_available", &prefill_amx_available, "whether this build and CPU run prefill_attention_amx");
+  m.def("amx_available", &amx_available, "whether this build and CPU run the AMX kernels");
 }
