@@ -156,9 +156,9 @@ def test_every_head_tile_and_head_dim_path(group, head_dim, block_size, dtype):
 # The decode with AMX scores (`cpu_amx_decode_kernel`), called through the library's
 # `paged_decode_attention_amx` so that it runs on every CPU: where the build or the CPU has no AMX, and for
 # shapes the tile does not take, it is the AVX-512 decode. Against float64 with the bfloat16 tolerances
-# above: 1 to 16 query heads per K/V head in one tile, more than one tile's worth of heads (32 = 4 x 8:
-# two passes), head_dim 64 and 128, block sizes 16 and 32, and shapes that fall back (17 heads per K/V
-# head, block_size 8, head_dim 24); scores of an ordinary range and of one far wider than 2**x's: query and
+# above: 3 to 16 query heads per K/V head in one tile, more than one tile's worth of heads (32 = 4 x 8:
+# two passes), head_dim 64 and 128, block sizes 16 and 32, and shapes that fall back (2 or 17 heads per
+# K/V head, block_size 8, head_dim 24); scores of an ordinary range and of one far wider than 2**x's: query and
 # keys whole numbers in [-8, 8], so that every product and sum of a score is exact in float32 and the
 # tolerances stay those of one rounding (scores up to head_dim * 64 / 8 apart; most probabilities underflow).
 AMX_SHAPES = [(9, 3, 64, 16), (16, 1, 64, 16), (32, 8, 64, 16), (15, 3, 128, 32), (4, 2, 128, 16),
@@ -207,6 +207,22 @@ def test_amx_decode_never_uses_rows_past_the_context(block_size):
     k_dirty[~used], v_dirty[~used] = float("nan"), float("nan")
     out = module.paged_decode_attention_amx(q, k_dirty, v_dirty, tables, lens, 0.125)
     assert out.isfinite().all() and torch.equal(out, clean)
+
+
+# A NaN or inf in one K/V head's K, inside a context, reaches that head's group of query heads only, as in
+# the reference: the AMX tile's zeros in the other groups' columns must not meet it (0 * NaN is NaN).
+@needs_kernel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_amx_decode_keeps_a_bad_key_within_its_group(bad):
+    module = ce.load_extension(DECODE_KERNEL)
+    q, k_cache, v_cache, tables, lens = random_batch(8, 2, 64, 16, torch.bfloat16, seed=6)
+    k_cache[tables[2, 0], 3, 1, 5] = bad  # sequence 2, token 3, K/V head 1: query heads 4-7
+    assert lens[2] > 3
+    exact = paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), plain(tables), lens, 0.125)
+    out = module.paged_decode_attention_amx(q, k_cache, v_cache, tables, lens, 0.125).double()
+    assert torch.equal(out.isnan(), exact.isnan()) and exact[2, 4:].isnan().any() and not exact[2, :4].isnan().any()
+    fine = ~exact.isnan()
+    torch.testing.assert_close(out[fine], exact[fine], atol=FLOAT32_ARITHMETIC, rtol=BF16_ROUNDING)
 
 
 # The softmax runs eight float32 scores at a time with a scalar rest: every context length from 1 to

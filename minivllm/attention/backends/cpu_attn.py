@@ -164,8 +164,8 @@ def cpu_amx_decode_kernel():
     and errors: `Sᵀ = K Qᵀ` for 16 cached tokens at a time (K rows read in place; the query heads of all
     K/V heads whose groups fit 16 columns in one tile), then the softmax and the weighted sum of V in
     float32, the output rounded to bfloat16 once. Other dtypes, and shapes the tile does not take (head_dim
-    other than 64 or 128, block_size not a multiple of 16, more than 16 query heads per K/V head), run the
-    AVX-512 decode. None where `cpu_amx_prefill_kernel` is None (the same conditions)."""
+    other than 64 or 128, block_size not a multiple of 16, fewer than 3 or more than 16 query heads per K/V
+    head), run the AVX-512 decode. None where `cpu_amx_prefill_kernel` is None (the same conditions)."""
     module = load_extension(DECODE_KERNEL)
     if module is None or not module.amx_available():
         return None

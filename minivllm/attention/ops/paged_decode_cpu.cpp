@@ -956,14 +956,15 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
 }
 
 // Decode attention in bfloat16 on AMX tiles (paged_decode_attention_amx). The scores of 16 cached tokens
-// against every query head of up to 16 / group K/V heads come from one tile product, S^T = K Q^T: the A
-// tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head dimensions, a
-// token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once per sequence,
-// with zeros in the columns of the other K/V heads' query heads, so that the products of all the K/V heads
-// add up in one 16 x 16 result: row t, column c = K[t, c / group] . q[c]. No widening and no sums across a
-// register's lanes (what most of the AVX-512 path's instructions do). The softmax then runs down the
-// columns, one token's 16 scores a register (float32, 2**x by the float32 polynomial); the weighted sum
-// of V is the AVX-512 path's (tile_weighted_sum, float32 probabilities).
+// against every query head of up to 16 / group K/V heads (a pass) come from tile products, S^T = K Q^T:
+// the A tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head
+// dimensions, a token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once
+// per sequence, each K/V head's with zeros in the other heads' columns. Each K/V head's 16 x 16 product
+// gives its group's columns of one row per token: row t, column c = K[t, kv0 + c / group] . q[h0 + c],
+// kv0 and h0 the pass's first K/V and query head. No widening and no sums across a register's lanes (what
+// most of the AVX-512 path's instructions do). The softmax then runs down the columns, one token's 16
+// scores a register (float32, 2**x by the float32 polynomial); the weighted sum of V is the AVX-512
+// path's (tile_weighted_sum, float32 probabilities).
 template <int64_t D>
 static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BFloat16* __restrict q,
                                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
@@ -986,31 +987,60 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
       for (int64_t c = 0; c < C; ++c)
         for (int64_t pr = 0; pr < 16; ++pr)
           std::memcpy(&q_tiles[((col / group) * C + c) * 256 + pr * 16 + col], q + (h0 + col) * D + 32 * c + 2 * pr, 4);
-    // 1. scores: 16 tokens at a time, all K/V heads of the pass into tile 0
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const c10::BFloat16* k_block = k_cache + block_table[b] * block_stride + kv0 * D;
-      const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
-      const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-      for (int64_t i = 0; i < n; ++i) {
-        prefetch(k_cache + next + i * token_stride, kvn * D);     // the next block's K rows, into L1
-        prefetch<1>(v_cache + next + i * token_stride, kvn * D);  // and its V rows, into L2 for step 3
-      }
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {  // rows past n: within the block (block_size a multiple of 16)
-        _tile_zero(0);
-        for (int64_t j = 0; j < kvn; ++j)
-          for (int64_t c = 0; c < C; ++c) {
-            _tile_loadd(1, k_block + i0 * token_stride + j * D + 32 * c, token_stride * 2);
-            _tile_loadd(2, q_tiles.data() + (j * C + c) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
+    // 1. scores, 16 tokens at a time. All K/V heads of the pass add into tile 0 (the zeros in the other
+    // heads' columns add nothing), unless `apart`: then each head's product is stored alone and only its
+    // group's columns kept. That is the second try, where a NaN or inf came out: 0 * NaN is NaN, so a NaN
+    // or inf in one head's K would reach the other heads' columns of the shared sum.
+    alignas(64) float heads[16][16][16];  // apart: [K/V head of the pass][token][column]
+    auto scores_of_blocks = [&](bool apart) {
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const c10::BFloat16* k_block = k_cache + block_table[b] * block_stride + kv0 * D;
+        const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          prefetch(k_cache + next + i * token_stride, kvn * D);     // the next block's K rows, into L1
+          prefetch<1>(v_cache + next + i * token_stride, kvn * D);  // and its V rows, into L2 for step 3
+        }
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {  // rows past n: within the block (block_size a multiple of 16)
+          for (int64_t j = 0; j < kvn; ++j) {
+            if (apart || j == 0) _tile_zero(0);
+            for (int64_t c = 0; c < C; ++c) {
+              _tile_loadd(1, k_block + i0 * token_stride + j * D + 32 * c, token_stride * 2);
+              _tile_loadd(2, q_tiles.data() + (j * C + c) * 256, 64);
+              _tile_dpbf16ps(0, 1, 2);
+            }
+            if (apart) _tile_stored(0, &heads[j][0][0], 64);
           }
-        _tile_stored(0, s + (t0 + i0) * 16, 64);
+          if (!apart) {
+            _tile_stored(0, s + (t0 + i0) * 16, 64);
+            continue;
+          }
+          for (int64_t r = 0; r < 16; ++r) {  // row r: each K/V head's own columns
+            __m512 row = _mm512_setzero_ps();
+            for (int64_t j = 0; j < kvn; ++j)
+              row = _mm512_mask_loadu_ps(row, __mmask16(((1u << group) - 1) << (j * group)), heads[j][r]);
+            _mm512_storeu_ps(s + (t0 + i0 + r) * 16, row);
+          }
+        }
       }
-    }
-    // 2. softmax down the columns: the max, then 2**(x - max) in place and the sums (columns >= cols: 0s)
-    Vec16 m = Vec16{} - INFINITY, sum = {};
-    for (int64_t t = 0; t < len; ++t) {
-      const Vec16 x = load_vec16(s + t * 16) * scale2;
-      m = x > m ? x : m;
+    };
+    // 2. softmax down the columns: the max (and whether a score is NaN or infinite), then 2**(x - max) in
+    // place and the sums (columns >= cols: 0s)
+    Vec16 m, sum = {};
+    auto max_of_scores = [&] {
+      m = Vec16{} - INFINITY;
+      __mmask16 bad = 0;
+      for (int64_t t = 0; t < len; ++t) {
+        const Vec16 x = load_vec16(s + t * 16) * scale2;
+        m = x > m ? x : m;
+        bad |= _mm512_fpclass_ps_mask((__m512)x, 0x99);  // quiet or signalling NaN, +inf, -inf
+      }
+      return bad != 0;
+    };
+    scores_of_blocks(false);
+    if (max_of_scores()) {
+      scores_of_blocks(true);
+      max_of_scores();
     }
     for (int64_t t = 0; t < len; ++t) {
       const Vec16 e = exp2_poly(load_vec16(s + t * 16) * scale2 - m, kExp2Float32);
@@ -1045,8 +1075,12 @@ static bool decode_batch_amx(torch::Tensor& out, const torch::Tensor& q, const t
                              const std::vector<std::vector<int64_t>>& bins, double scale) {
   const int64_t num_heads = q.size(1), D = q.size(2), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  if (q.scalar_type() != torch::kBFloat16 || (D != 64 && D != 128) || block_size % 16 != 0 ||
-      num_heads / num_kv_heads > 16 || !request_amx())
+  // with fewer than 3 query heads per K/V head most of a tile's columns are zeros: in decode-step A/Bs
+  // (10 layers' caches, 64 sequences) this decode took 0.875x the AVX-512 decode's speed at groups of 1 and
+  // 0.98-1.02x at 2, against 1.10-1.16x at groups of 3 and 4 with head_dim 64 (1.01-1.03x with 128)
+  const int64_t group = num_heads / num_kv_heads;
+  if (q.scalar_type() != torch::kBFloat16 || (D != 64 && D != 128) || block_size % 16 != 0 || group < 3 ||
+      group > 16 || !request_amx())
     return false;
   auto* o = out.data_ptr<c10::BFloat16>();
   const auto* qp = q.data_ptr<c10::BFloat16>();
