@@ -961,10 +961,10 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
 // dimensions, a token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once
 // per sequence, each K/V head's with zeros in the other heads' columns. Each K/V head's 16 x 16 product
 // gives its group's columns of one row per token: row t, column c = K[t, kv0 + c / group] . q[h0 + c],
-// kv0 and h0 the pass's first K/V and query head. No widening and no sums across a register's lanes (what
-// most of the AVX-512 path's instructions do). The softmax then runs down the columns, one token's 16
-// scores a register (float32, 2**x by the float32 polynomial); the weighted sum of V is the AVX-512
-// path's (tile_weighted_sum, float32 probabilities).
+// kv0 and h0 the pass's first K/V and query head. No sums across a register's lanes (one per score on the
+// AVX-512 path). The softmax then runs down the columns, one token's 16 scores a register (float32, 2**x
+// by the float32 polynomial); the weighted sum of V is the AVX-512 path's (tile_weighted_sum, float32
+// probabilities).
 template <int64_t D>
 static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BFloat16* __restrict q,
                                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
