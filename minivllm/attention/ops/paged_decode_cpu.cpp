@@ -283,6 +283,35 @@ static inline void with_tile(int64_t tile, F&& f) {
   else f(std::integral_constant<int64_t, 1>{});
 }
 
+// Step 3 of a decode, for the query heads of K/V heads kv0 .. kv0 + kvn - 1: a[h] += sum over the sequence's
+// len tokens t of p(h, t) * v[t, kv0 + h / group] (h counted from kv0's first query head; p(h, t) =
+// p[h * p_head + t * p_token]), block by block through the block table, kMaxTile query heads at a time.
+template <int64_t kHeadDim, typename acc_t, typename scalar_t>
+static void weighted_sum_of_blocks(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_head, int64_t p_token,
+                                   const scalar_t* v_cache, const int64_t* __restrict block_table, int64_t len,
+                                   int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kvn, int64_t group,
+                                   int64_t D) {
+  const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* v_block = v_cache + block_table[b] * block_stride;
+    const scalar_t* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < kvn; ++j) {
+      const int64_t kv = kv0 + j;
+      // a 1/num_kv_heads slice of the next block per K/V head (rows interleave the heads): the whole
+      // block over the heads, into L1
+      prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxTile)
+        with_tile(std::min(kMaxTile, group - g0), [&](auto tile) {
+          const int64_t h = j * group + g0;
+          tile_weighted_sum<decltype(tile)::value, kHeadDim>(a + h * D, p + h * p_head + t0 * p_token, p_head,
+                                                             v_block + kv * D, token_stride, n, D, p_token);
+        });
+    }
+  }
+}
+
 // One sequence's decode attention: its query heads q [num_heads, D] over its context_len cached
 // tokens, read in place through its block table, block by block. D is a compile-time constant when
 // kHeadDim > 0.
@@ -332,18 +361,8 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   std::vector<acc_t> denom(num_heads);
   for (int64_t h = 0; h < num_heads; ++h) denom[h] = softmax_numerators(s + h * len, len);
   // 3. a[h] = sum over t of s[h, t] * v[t, h / group]
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const scalar_t* v_block = v_cache + block_table[b] * block_stride;
-    const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-    const scalar_t* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-    for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
-      // a 1/num_kv_heads slice of the next block per K/V head (rows interleave the heads): the whole
-      // block over the heads, into L1
-      prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);
-      tile_weighted_sum<decltype(tile)::value, kHeadDim>(a + h0 * D, s + h0 * len + t0, len, v_block + kv * D,
-                                                         token_stride, n, D);
-    });
-  }
+  weighted_sum_of_blocks<kHeadDim>(a, s, len, 1, v_cache, block_table, len, block_size, num_kv_heads, 0, num_kv_heads,
+                                   group, D);
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = scalar_t(a[h * D + d] / denom[h]);
 }
@@ -1047,24 +1066,10 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
       store_vec16(s + t * 16, e);
       sum += e;
     }
-    // 3. a[col] = sum over t of p[t, col] * v[t, kv0 + col / group], kMaxTile columns at a time
+    // 3. a[col] = sum over t of p[t, col] * v[t, kv0 + col / group]
     float* __restrict a = acc.data();
     std::fill(a, a + cols * D, 0.0f);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const c10::BFloat16* v_block = v_cache + block_table[b] * block_stride;
-      const c10::BFloat16* v_next = v_cache + block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
-      const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-      for (int64_t j = 0; j < kvn; ++j) {
-        const int64_t kv = kv0 + j;
-        prefetch(v_next + kv * block_stride / num_kv_heads, block_stride / num_kv_heads);  // as decode_one_sequence
-        for (int64_t g0 = 0; g0 < group; g0 += kMaxTile)
-          with_tile(std::min(kMaxTile, group - g0), [&](auto tile) {
-            const int64_t col = j * group + g0;
-            tile_weighted_sum<decltype(tile)::value, D>(a + col * D, s + t0 * 16 + col, 1, v_block + kv * D,
-                                                        token_stride, n, D, 16);
-          });
-      }
-    }
+    weighted_sum_of_blocks<D>(a, s, 1, 16, v_cache, block_table, len, block_size, num_kv_heads, kv0, kvn, group, D);
     for (int64_t col = 0; col < cols; ++col)
       for (int64_t d = 0; d < D; ++d) out[(h0 + col) * D + d] = c10::BFloat16(a[col * D + d] / sum[col]);
   }
