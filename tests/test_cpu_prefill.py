@@ -266,8 +266,9 @@ def test_the_backend_takes_the_kernel_for_float32_only(prefill_kernel, monkeypat
 
 
 def test_the_engine_with_the_prefill_kernel_gives_the_same_greedy_tokens(prefill_kernel, monkeypatch, tmp_path):
-    """A tiny Qwen3 with head_dim 64, float32, `CPUPagedAttention`: greedy tokens with the kernel in prefill
-    equal those with torch's fused path (prompts of 5 to 130 tokens: one to three blocks of keys)."""
+    """A tiny Qwen3 with head_dim 64, float32, `CPUPagedAttention`: greedy tokens with the kernel's batch form
+    in prefill (the backend's default), with the one-sequence kernel, and with torch's fused path are the same
+    (prompts of 5 to 130 tokens: one to three blocks of keys)."""
     import minivllm.attention.backends.cpu_attn as cd
     from engine_helpers import make_model, run_engine
     from minivllm.engine.llm_engine import LLMEngine
@@ -276,13 +277,18 @@ def test_the_engine_with_the_prefill_kernel_gives_the_same_greedy_tokens(prefill
     make_model(tmp_path, "qwen3", head_dim=64)
     prompts = [[3 + i % 120 for i in range(n)] for n in (5, 17, 40, 130)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    calls, outs = [], {}
-    for name, kernel in (("kernel", lambda *a: calls.append(1) or prefill_kernel(*a)), ("torch", None)):
-        monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda kernel=kernel: kernel)
+    batch_form = cd.cpu_prefill_varlen_kernel(torch.float32)
+    calls, outs = {"batch": 0, "per sequence": 0}, {}
+    count = lambda name, fn: lambda *a: calls.__setitem__(name, calls[name] + 1) or fn(*a)  # noqa: E731
+    for name, batch, one in (("batch", count("batch", batch_form), prefill_kernel),
+                             ("per sequence", None, count("per sequence", prefill_kernel)), ("torch", None, None)):
+        monkeypatch.setattr(cd, "cpu_prefill_varlen_kernel", lambda dtype, batch=batch: batch)
+        monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda one=one: one)
         engine = LLMEngine(model=str(tmp_path), dtype="float32", num_kvcache_blocks=64,
                            attention_backend=cd.CPUPagedAttention)
         outs[name] = [o.outputs[0].token_ids for o in run_engine(engine, prompts, params)]
-    assert calls and outs["kernel"] == outs["torch"]
+    assert calls["batch"] and calls["per sequence"]
+    assert outs["batch"] == outs["per sequence"] == outs["torch"]
 
 
 def test_prefill_kernel_over_a_wide_score_range_and_a_nan_in_a_later_key(prefill_kernel):
@@ -493,3 +499,103 @@ def test_amx_prefill_with_a_token_stride_of_k_past_int32_offsets(amx_prefill):
     k_far = store.as_strided((tk, 1, 64), (stride, 64, 1))
     k_far.copy_(k)
     assert torch.equal(amx_prefill(q, k_far, v, 0.125), amx_prefill(q, k, v, 0.125))
+
+
+# The batch form of both kernels (`prefill_attention_varlen`, `prefill_attention_amx_varlen`; the backend's
+# `CPUPagedAttention.prefill`): the sequences of a step laid end to end with their prefix sums, as
+# FlashAttention's varlen functions take them. Each tile is the one-sequence kernel's, so the oracle is that
+# kernel, bit for bit (itself checked against float64 above).
+VARLEN_BATCH = [(40, 40), (1, 1), (0, 5), (130, 130), (5, 70), (17, 17), (64, 200), (3, 3)]  # (Tq, Tk), cached prefixes
+
+
+def varlen_inputs(dtype, head_dim=64, batch=VARLEN_BATCH):
+    """q, k, v of `batch`'s sequences laid end to end, as strided views of one fused projection each (q's rows
+    and k's rows), and their int64 prefix sums."""
+    tq, tk = sum(a for a, _ in batch), sum(b for _, b in batch)
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(tq, 15, head_dim, generator=g).to(dtype)[:, :9]
+    kv = torch.randn(tk, 15, head_dim, generator=g).to(dtype)
+    cu_q = torch.tensor([0] + [a for a, _ in batch]).cumsum(0)
+    cu_k = torch.tensor([0] + [b for _, b in batch]).cumsum(0)
+    return q, kv[:, 9:12], kv[:, 12:], cu_q, cu_k
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def one_and_batch(request):
+    """(dtype, the one-sequence kernel, its batch form)."""
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    if request.param == "float32":
+        kernel = request.getfixturevalue("prefill_kernel")
+        return torch.float32, kernel, load_extension(DECODE_KERNEL).prefill_attention_varlen
+    kernel = request.getfixturevalue("amx_prefill")
+    return torch.bfloat16, kernel, load_extension(DECODE_KERNEL).prefill_attention_amx_varlen
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_batch_form_gives_the_one_sequence_kernels_bits(one_and_batch, head_dim):
+    """A batch of eight sequences (one with no new token, three over a cached prefix) in one call equals the
+    one-sequence kernel called on each, bit for bit, on 1, 2 and 3 threads; and a one-row error in the prefix
+    sums (a sequence's last query given to the next) changes the output."""
+    dtype, one, batch = one_and_batch
+    q, k, v, cu_q, cu_k = varlen_inputs(dtype, head_dim)
+    a, b = cu_q.tolist(), cu_k.tolist()
+    expected = torch.cat([one(q[a[i]:a[i + 1]], k[b[i]:b[i + 1]], v[b[i]:b[i + 1]], 0.125) for i in range(len(a) - 1)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = batch(q, k, v, cu_q, cu_k, 0.125)
+            assert out.dtype == dtype and out.shape == q.shape and torch.equal(out, expected), threads
+    finally:
+        torch.set_num_threads(before)
+    shifted = cu_q.clone()
+    shifted[4] -= 1  # the 130-token sequence's last query now belongs to the next one (5 queries over 70 keys)
+    assert not torch.equal(batch(q, k, v, shifted, cu_k, 0.125), expected)
+
+
+def test_the_batch_form_refuses_bad_prefix_sums(one_and_batch):
+    dtype, _, batch = one_and_batch
+    q, k, v, cu_q, cu_k = varlen_inputs(dtype)
+    bad_end, bad_start, decreasing, short = cu_q.clone(), cu_q.clone(), cu_q.clone(), cu_k.clone()
+    bad_end[-1] -= 1
+    bad_start[0] = 1
+    decreasing[2] = cu_q[1] - 1  # the second sequence ends before it starts
+    short[5] = short[4] + 1  # the sequence of 5 queries given 1 key (and the next one 4 more)
+    cases = {
+        "end at q's rows .* and cu_seqlens_k at k's": (bad_end, cu_k),
+        "start at 0": (bad_start, cu_k),
+        "must not decrease": (decreasing, cu_k),
+        "sequence 4 has 5 queries but 1 keys": (cu_q, short),
+        "must be int64 CPU tensors": (cu_q.int(), cu_k.int()),
+        "both be \\[num_seqs \\+ 1\\]": (cu_q, cu_k[:-1]),
+    }
+    for message, (cq, ck) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            batch(q, k, v, cq, ck, 0.125)
+    empty = torch.zeros(1, dtype=torch.int64)
+    assert batch(q[:0], k[:0], v[:0], empty, empty, 0.125).shape == (0, 9, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backend_prefills_a_batch_in_one_call_with_the_same_bits(dtype, monkeypatch):
+    """`CPUPagedAttention.prefill` calls the batch form once per layer, with this step's k and v as they are
+    when nothing is cached and with every sequence's keys laid end to end (the cached ones gathered) when some
+    are; its output equals the per-sequence path's (the batch form switched off) bit for bit."""
+    import minivllm.attention.backends.cpu_attn as cd
+
+    if cd.cpu_prefill_varlen_kernel(dtype) is None:
+        pytest.skip(f"no C++ prefill kernel for {dtype} on this CPU")
+    real = cd.cpu_prefill_varlen_kernel(dtype)
+    for lens_q, lens in (([6, 1, 33], [6, 1, 33]), ([6, 1, 33], [6, 20, 50])):
+        md = metadata(lens_q, lens, 16, 16)
+        q, k, v = (x.to(dtype) for x in qkv(sum(lens_q), sum(lens_q), 9, 3, 64, seed=2))
+        cache = torch.randn(2, 1, 16, 16, 3, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+        outs, calls = [], []
+        for varlen in (lambda *a: calls.append(a[1].shape[0]) or real(*a), None):
+            monkeypatch.setattr(cd, "cpu_prefill_varlen_kernel", lambda dt, varlen=varlen: varlen)
+            backend = cd.CPUPagedAttention(cache.clone(), 0.125)
+            backend.metadata = md
+            outs.append(backend(0, q, k, v))
+        assert calls == [sum(lens)] and torch.equal(outs[0], outs[1])

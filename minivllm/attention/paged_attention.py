@@ -112,20 +112,23 @@ class PagedAttention(ContiguousAttention):
         """One query per sequence (`q`: `[num_seqs, num_heads, head_dim]`) over its cached K/V."""
         return paged_decode_attention_planned(q, k_cache, v_cache, self.decode_plan(md, q.dtype), self.scale)
 
+    @staticmethod
+    def sequence_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    md: AttentionMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each sequence's keys and values, all its tokens (cached and new), `[context_len, num_kv_heads,
+        head_dim]` each: this step's `k`, `v` read in place where nothing was cached, else gathered from the
+        cache (a copy; this step's K/V are stored by then)."""
+        cu, lens = md.cu_seqlens_q.tolist(), md.context_lens.tolist()
+        return [(k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]]) if cu[i + 1] - cu[i] == lens[i]  # nothing cached
+                else (gather_kv(k_cache, md.block_tables[i], lens[i]), gather_kv(v_cache, md.block_tables[i], lens[i]))
+                for i in range(md.num_seqs)]
+
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """Each sequence's new tokens over all its tokens (cached and new), causal."""
-        cu, lens = md.cu_seqlens_q.tolist(), md.context_lens.tolist()
-        out = []
-        for i in range(md.num_seqs):
-            qi = q[cu[i]:cu[i + 1]]
-            if qi.shape[0] == lens[i]:  # nothing cached: this step's k, v are the whole sequence
-                ki, vi = k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]]
-            else:
-                ki = gather_kv(k_cache, md.block_tables[i], lens[i])
-                vi = gather_kv(v_cache, md.block_tables[i], lens[i])
-            out.append(self.prefill_sequence(qi, ki, vi, self.scale))
-        return torch.cat(out)
+        cu = md.cu_seqlens_q.tolist()
+        return torch.cat([self.prefill_sequence(q[cu[i]:cu[i + 1]], ki, vi, self.scale)
+                          for i, (ki, vi) in enumerate(self.sequence_kv(k, v, k_cache, v_cache, md))])
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md: AttentionMetadata = self.metadata

@@ -52,8 +52,8 @@ def cpu_reshape_and_cache():
 # %% auto #0
 __all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'PREFILL_KERNEL_HEAD_DIMS', 'cpu_decode_kernel',
            'cpu_reshape_and_cache', 'prefill_attention_sdpa', 'prefill_attention_grouped', 'cpu_prefill_kernel',
-           'cpu_amx_prefill_kernel', 'prefill_attention_cpu', 'cpu_amx_decode_kernel', 'paged_decode_attention_cpu',
-           'CPUPagedAttention']
+           'cpu_amx_prefill_kernel', 'prefill_attention_cpu', 'cpu_amx_decode_kernel', 'cpu_prefill_varlen_kernel',
+           'paged_decode_attention_cpu', 'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #af67e706
 import torch.nn.functional as F
@@ -172,6 +172,28 @@ def cpu_amx_decode_kernel():
     return module.paged_decode_attention_amx
 
 # %% ../../../notebooks/05_paged_attention.ipynb #cbaa3d01
+def cpu_prefill_varlen_kernel(dtype: torch.dtype):
+    """The prefill kernel for `dtype` in its batch form, `(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)`: the
+    sequences laid end to end, as FlashAttention's varlen functions take them (q `[sum Tq, num_heads,
+    head_dim]`, k and v `[sum Tk, num_kv_heads, head_dim]`, `cu_seqlens_q`/`cu_seqlens_k` `[num_seqs + 1]` int64
+    CPU prefix sums from 0; each sequence's `Tk >= Tq`, its new tokens its last keys). One call for a batch;
+    the threads share the tiles of all sequences, the longest sequences' first; each tile as in the
+    one-sequence kernel, so the same bits. float32 where `cpu_prefill_kernel` is available, bfloat16 where
+    `cpu_amx_prefill_kernel` is, None otherwise. Raises ValueError for inputs that do not fit (as the
+    one-sequence kernel, and prefix sums that do not start at 0, decrease, or do not end at q's and k's rows)."""
+    if dtype == torch.float32 and cpu_prefill_kernel() is not None:
+        return _varlen_kernels()[0]
+    if dtype == torch.bfloat16 and cpu_amx_prefill_kernel() is not None:
+        return _varlen_kernels()[1]
+    return None
+
+
+@functools.cache
+def _varlen_kernels():  # the library's float32 and AMX batch forms, looked up once
+    module = load_extension(DECODE_KERNEL)
+    return module.prefill_attention_varlen, module.prefill_attention_amx_varlen
+
+# %% ../../../notebooks/05_paged_attention.ipynb #a2063830
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """`paged_decode_attention` computed by the C++ kernel: K/V read in place, no padding, no copies.
@@ -194,7 +216,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise RuntimeError("the C++ CPU decode kernel is not available (no compiler, or MINIVLLM_CPU_KERNEL=0)")
     return kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
 
-
+# %% ../../../notebooks/05_paged_attention.ipynb #478f4183
 class CPUPagedAttention(PagedAttention):
     """`PagedAttention` whose decode runs the C++ kernel on CPU tensors of `CPU_KERNEL_DTYPES` (other
     devices and dtypes, or no kernel: the plain-torch decode), and whose prefill runs each sequence
@@ -215,6 +237,20 @@ class CPUPagedAttention(PagedAttention):
                 kernel = amx
             return kernel(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
         return super().decode(q, k_cache, v_cache, md)
+
+    def prefill(self, q, k, v, k_cache, v_cache, md):
+        """As `PagedAttention.prefill`, in one call for the whole batch where `cpu_prefill_varlen_kernel` takes
+        the dtype and head_dim: this step's `k`, `v` as they are where no sequence has cached tokens, else
+        every sequence's keys laid end to end (`sequence_kv`: the cached ones gathered, a copy)."""
+        on_kernel = q.device.type == "cpu" and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
+        if not on_kernel or (kernel := cpu_prefill_varlen_kernel(q.dtype)) is None:
+            return super().prefill(q, k, v, k_cache, v_cache, md)
+        cu_q = md.cu_seqlens_q
+        if torch.equal(cu_q[1:] - cu_q[:-1], md.context_lens):  # nothing cached: this step's k, v hold every key
+            return kernel(q, k, v, cu_q, cu_q, self.scale)
+        keys = self.sequence_kv(k, v, k_cache, v_cache, md)
+        cu_k = F.pad(md.context_lens.cumsum(0), (1, 0))
+        return kernel(q, torch.cat([ki for ki, _ in keys]), torch.cat([vi for _, vi in keys]), cu_q, cu_k, self.scale)
 
     def store_kvcache(self, layer_idx, k, v):
         """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies."""

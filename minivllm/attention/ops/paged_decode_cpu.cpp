@@ -682,15 +682,76 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
   }
 }
 
+// A prefill batch laid end to end, as FlashAttention's varlen kernels take one: sequence s's new tokens are
+// q's rows cu_q[s] .. cu_q[s + 1] - 1 and its keys k's and v's rows cu_k[s] .. cu_k[s + 1] - 1 (cached ones
+// first, then the new ones: its query i sees its keys 0 .. tk - tq + i). One call serves the whole batch:
+// no call per sequence, and the threads share out the tiles of all sequences.
+struct VarlenBatch {
+  const int64_t* cu_q;
+  const int64_t* cu_k;
+  int64_t num_seqs;
+  int64_t tq(int64_t s) const { return cu_q[s + 1] - cu_q[s]; }
+  int64_t tk(int64_t s) const { return cu_k[s + 1] - cu_k[s]; }
+};
+
+// Calls f(s, i) for every i < count[s] of every sequence s, the items of all sequences split among the
+// threads in runs of at least grain (at::parallel_for over them laid end to end).
+template <typename F>
+static void for_each_item(const std::vector<int64_t>& count, int64_t grain, F&& f) {
+  std::vector<int64_t> start(count.size() + 1, 0);
+  std::partial_sum(count.begin(), count.end(), start.begin() + 1);
+  at::parallel_for(0, start.back(), grain, [&](int64_t begin, int64_t end) {
+    int64_t s = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= start[s + 1]) ++s;
+      f(s, item - start[s]);
+    }
+  });
+}
+
+// The tiles of a batch, count[s] of sequence s, in the order the threads take them: the sequences with the
+// most keys first, so that the short ones come last and even out the threads' shares (longest processing
+// time first, Graham 1969), each thread taking every threads-th tile (round-robin, so that neighbouring
+// tiles, of nearly equal cost, go to different threads). Each tile is computed whole by one thread, so the
+// results do not depend on the number of threads.
+class TileOrder {
+ public:
+  TileOrder(const std::vector<int64_t>& count, const VarlenBatch& batch) : order_(count.size()), start_(count.size() + 1, 0) {
+    std::iota(order_.begin(), order_.end(), int64_t(0));
+    std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return batch.tk(a) > batch.tk(b); });
+    for (size_t o = 0; o < order_.size(); ++o) start_[o + 1] = start_[o] + count[order_[o]];
+  }
+  int64_t size() const { return start_.back(); }
+  // Calls f(s, i) for thread th of threads: tile i of sequence s for every th-th tile of the order.
+  template <typename F>
+  void for_thread(int64_t th, int64_t threads, F&& f) const {
+    size_t o = 0;
+    for (int64_t n = th; n < size(); n += threads) {
+      while (n >= start_[o + 1]) ++o;
+      f(order_[o], n - start_[o]);
+    }
+  }
+
+ private:
+  std::vector<int64_t> order_, start_;
+};
+
 template <int64_t D>
 static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
-                          double scale) {
-  const int64_t tq = q.size(0), num_heads = q.size(1), tk = k.size(0), num_kv_heads = k.size(1);
-  const int64_t group = num_heads / num_kv_heads, offset = tk - tq, blocks = (tk + kKeys - 1) / kKeys;
-  // K^T per K/V head and block of keys, kt[h][b][d][i] = K[kKeys b + i][h][d], [num_kv_heads, blocks, D,
-  // kKeys], split among the threads by head and block (at least 4 blocks a thread); the padding keys of the
-  // last block: zero scores, masked anyway
-  auto kt_blocks = torch::empty({num_kv_heads, blocks, D, kKeys}, k.options());
+                          const VarlenBatch& batch, double scale) {
+  const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
+  const int64_t num_seqs = batch.num_seqs;
+  // K^T per sequence, K/V head and block of keys, kt[h][b][d][i] = K[kKeys b + i][h][d]: [num_kv_heads,
+  // blocks, D, kKeys] for each sequence, one after the other, split among the threads by sequence, head
+  // and block (at least 4 blocks a thread); the padding keys of a last block: zero scores, masked anyway
+  std::vector<int64_t> blocks(num_seqs), items(num_seqs), tiles(num_seqs), kt_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    blocks[s] = (batch.tk(s) + kKeys - 1) / kKeys;
+    items[s] = num_kv_heads * blocks[s];
+    kt_start[s + 1] = kt_start[s] + items[s] * D * kKeys;
+    tiles[s] = num_kv_heads * ((batch.tq(s) * group + kRows - 1) / kRows);  // a K/V head's rows: kRows a tile
+  }
+  auto kt_blocks = torch::empty({kt_start[num_seqs]}, k.options());
   float* kt_w = kt_blocks.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const int64_t k_stride = k.stride(0);
@@ -698,87 +759,133 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32(int32_t(k_stride)));  // 16 keys' rows, in floats
 #endif
-  at::parallel_for(0, num_kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / blocks, t0 = item % blocks * kKeys;
-      float* dst = kt_w + item * D * kKeys;
+  for_each_item(items, 4, [&](int64_t s, int64_t item) {
+    const int64_t h = item / blocks[s], t0 = item % blocks[s] * kKeys, tk = batch.tk(s);
+    const float* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
+    float* dst = kt_w + kt_start[s] + item * D * kKeys;
 #if defined(__AVX512F__)
-      for (int64_t c = 0; c < kKeyVecs; ++c) {  // value d of 16 keys: one gather (a load from 16 addresses)
-        const int64_t t = t0 + c * kLanes;
-        const __mmask16 present = tk - t >= kLanes ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - t)) - 1);
-        const float* base = kp + t * k_stride + h * D;
-        for (int64_t d = 0; d < D; ++d)
-          _mm512_storeu_ps(dst + d * kKeys + c * kLanes,
-                           _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, key_offsets, base + d, 4));
-      }
-#else
-      for (int64_t i = 0; i < kKeys; ++i)
-        for (int64_t d = 0; d < D; ++d) dst[d * kKeys + i] = t0 + i < tk ? kp[(t0 + i) * k_stride + h * D + d] : 0.0f;
-#endif
+    for (int64_t c = 0; c < kKeyVecs; ++c) {  // value d of 16 keys: one gather (a load from 16 addresses)
+      const int64_t t = t0 + c * kLanes;
+      const __mmask16 present = tk - t >= kLanes ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - t)) - 1);
+      const float* base = ks + t * k_stride + h * D;
+      for (int64_t d = 0; d < D; ++d)
+        _mm512_storeu_ps(dst + d * kKeys + c * kLanes,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, key_offsets, base + d, 4));
     }
+#else
+    for (int64_t i = 0; i < kKeys; ++i)
+      for (int64_t d = 0; d < D; ++d) dst[d * kKeys + i] = t0 + i < tk ? ks[(t0 + i) * k_stride + h * D + d] : 0.0f;
+#endif
   });
   const float* kt = kt_blocks.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), v_stride = v.stride(0);
-  // a K/V head's rows are (token, query head of its group), token-major: tile i covers rows kRows * i..
-  const int64_t rows = tq * group, tiles_per_head = (rows + kRows - 1) / kRows;
-  const int64_t num_tiles = num_kv_heads * tiles_per_head;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   const float q_scale = float(scale * 1.4426950408889634);  // scores in base 2: scale * log2(e)
+  const TileOrder order(tiles, batch);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[kRows * D];
-    for (int64_t th = begin; th < end; ++th)
-      // tiles dealt round-robin: later tokens' tiles see more keys, so each thread gets early and late ones
-      for (int64_t i = th; i < num_tiles; i += threads) {
-        const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
-        int64_t last[kRows];
-        float* out_rows[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
-          last[r] = offset + t;
-          out_rows[r] = r < n ? op + (t * num_heads + h) * D : nullptr;
-          if (r >= n) {  // a short last tile: zero rows (a condition inside the copy would make it a gather)
-            std::memset(qt + r * D, 0, D * sizeof(float));
-            continue;
-          }
-          const float* q_row = qp + t * q_stride + h * D;
-          for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * q_scale;
+    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {
+      // a K/V head's rows are (token, query head of its group), token-major: tile i covers rows kRows * i..
+      const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
+      const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
+      const float* qs = qp + batch.cu_q[s] * q_stride;
+      int64_t last[kRows];
+      float* out_rows[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
+        last[r] = batch.tk(s) - batch.tq(s) + t;
+        out_rows[r] = r < n ? op + ((batch.cu_q[s] + t) * num_heads + h) * D : nullptr;
+        if (r >= n) {  // a short last tile: zero rows (a condition inside the copy would make it a gather)
+          std::memset(qt + r * D, 0, D * sizeof(float));
+          continue;
         }
-        prefill_tile<D>(qt, last, n, kt + kv * blocks * D * kKeys, vp + kv * D, v_stride, out_rows);
+        const float* q_row = qs + t * q_stride + h * D;
+        for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * q_scale;
       }
+      prefill_tile<D>(qt, last, n, kt + kt_start[s] + kv * blocks[s] * D * kKeys,
+                      vp + batch.cu_k[s] * v_stride + kv * D, v_stride, out_rows);
+    });
   });
+}
+
+// The checks and layout fixes both prefill kernels make (kernel: its name in the errors; dtype: the one it
+// takes; word: elements per 32-bit word, which its K gather reads): each token's heads must be rows of D
+// values, whatever the token stride (a q/k/v split's views keep theirs), and K's gather offsets (15 token
+// strides, in words) must fit int32.
+static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, const char* kernel,
+                                 c10::ScalarType dtype, int64_t word) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+                    "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), kernel, " takes CPU tensors");
+  TORCH_CHECK_VALUE(q.layout() == torch::kStrided && k.layout() == torch::kStrided && v.layout() == torch::kStrided,
+                    kernel, " takes dense (strided) tensors, not sparse or mkldnn ones");
+  TORCH_CHECK_VALUE(q.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype, kernel,
+                    " takes ", dtype == torch::kFloat ? "float32" : "bfloat16");
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128), kernel,
+                    " takes head_dim 64 or 128, the same for q, k and v");
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t limit = INT32_MAX / 15;
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % word || k.stride(0) / word > limit)
+    k = k.contiguous();
+  TORCH_CHECK_VALUE(k.stride(0) / word <= limit, kernel, " takes num_kv_heads * head_dim below 2**",
+                    word == 1 ? 27 : 28);
+  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
+}
+
+// cu_seqlens_q and cu_seqlens_k as a VarlenBatch, checked against q's and k's rows: int64 prefix sums from 0,
+// one more than the sequences, each sequence with at least as many keys as queries. cu_q, cu_k: the
+// contiguous CPU copies the batch points into (kept alive by the caller).
+static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, torch::Tensor& cu_q, torch::Tensor& cu_k) {
+  TORCH_CHECK_VALUE(cu_q.dim() == 1 && cu_k.dim() == 1 && cu_q.size(0) == cu_k.size(0) && cu_q.size(0) >= 1,
+                    "cu_seqlens_q and cu_seqlens_k must both be [num_seqs + 1]");
+  TORCH_CHECK_VALUE(cu_q.scalar_type() == torch::kLong && cu_k.scalar_type() == torch::kLong &&
+                        cu_q.device().is_cpu() && cu_k.device().is_cpu(),
+                    "cu_seqlens_q and cu_seqlens_k must be int64 CPU tensors");
+  cu_q = cu_q.contiguous(), cu_k = cu_k.contiguous();
+  const VarlenBatch batch{cu_q.data_ptr<int64_t>(), cu_k.data_ptr<int64_t>(), cu_q.size(0) - 1};
+  TORCH_CHECK_VALUE(batch.cu_q[0] == 0 && batch.cu_k[0] == 0, "cu_seqlens_q and cu_seqlens_k must start at 0");
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    TORCH_CHECK_VALUE(batch.tq(s) >= 0 && batch.tk(s) >= 0, "cu_seqlens_q and cu_seqlens_k must not decrease");
+    TORCH_CHECK_VALUE(batch.tk(s) >= batch.tq(s), "sequence ", s, " has ", batch.tq(s), " queries but ", batch.tk(s),
+                      " keys: Tk must be at least Tq (the new tokens are the last keys)");
+  }
+  TORCH_CHECK_VALUE(batch.cu_q[batch.num_seqs] == q.size(0) && batch.cu_k[batch.num_seqs] == k.size(0),
+                    "cu_seqlens_q must end at q's rows (", q.size(0), ") and cu_seqlens_k at k's (", k.size(0), ")");
+  return batch;
+}
+
+// Causal attention in float32 over a checked batch (prefill_attention_varlen, prefill_attention).
+static torch::Tensor prefill_float32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const VarlenBatch& batch, double scale) {
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, batch, scale);
+  else prefill_heads<128>(q, k, v, out, batch, scale);
+  return out;
+}
+
+// A batch of causal attentions in float32, the sequences laid end to end (VarlenBatch): q [sum Tq,
+// num_heads, D] over k, v [sum Tk, num_kv_heads, D], cu_seqlens_q and cu_seqlens_k their int64 prefix
+// sums; D 64 or 128. Returns [sum Tq, num_heads, D].
+torch::Tensor prefill_attention_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
+                                       torch::Tensor cu_seqlens_k, double scale) {
+  check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
+  return prefill_float32(q, k, v, varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k), scale);
 }
 
 // One sequence's causal attention: q [Tq, num_heads, D] over k, v [Tk, num_kv_heads, D], Tk >= Tq, query
 // i seeing keys 0..Tk - Tq + i; float32, D 64 or 128. Returns [Tq, num_heads, D].
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-                    "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-                    "the CPU prefill kernel takes CPU tensors");
-  TORCH_CHECK_VALUE(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                        v.scalar_type() == torch::kFloat,
-                    "the CPU prefill kernel takes float32");
-  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128),
-                    "the CPU prefill kernel takes head_dim 64 or 128, the same for q, k and v");
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
   TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
-  // each token's heads one row of D values, whatever the token stride (a q/k/v split's views keep theirs);
-  // K's gather offsets (15 token strides) within int32
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) > INT32_MAX / 15) k = k.contiguous();
-  TORCH_CHECK_VALUE(k.stride(0) <= INT32_MAX / 15, "the CPU prefill kernel takes num_kv_heads * head_dim below 2**27");
-  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.size(0) == 0) return out;
-  if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, scale);
-  else prefill_heads<128>(q, k, v, out, scale);
-  return out;
+  const int64_t cu_q[] = {0, q.size(0)}, cu_k[] = {0, k.size(0)};  // a batch of one
+  return prefill_float32(q, k, v, VarlenBatch{cu_q, cu_k, 1}, scale);
 }
 
-// ---------------------------------------------------------------------------------------------------
 // Causal prefill attention in bfloat16 on AMX tiles (Intel Sapphire Rapids and later; chapter 02's
 // appendix C introduces the tiles and tdpbf16ps). The same FlashAttention-2 walk as prefill_tile, but a
 // tile of 16 query rows meets a block of 32 keys in tile instructions: S = Q K^T as two 16 x 16 float32
@@ -898,15 +1005,21 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
 
 template <int64_t D>
 static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                              torch::Tensor& out, double scale) {
-  const int64_t tq = q.size(0), num_heads = q.size(1), tk = k.size(0), num_kv_heads = k.size(1);
-  const int64_t group = num_heads / num_kv_heads, offset = tk - tq;
-  const int64_t padded = (tk + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
-  // the tiles' order, once per call: kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key
-  // 16n + col's row in head h (a gather of 16 keys' words), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col]
-  // (two keys' rows interleaved); zeros past the last key
-  const int64_t n16 = padded / 16, blocks = padded / 32, head_elems = padded * D;
-  auto packed = torch::empty({2, num_kv_heads * head_elems}, k.options());
+                              torch::Tensor& out, const VarlenBatch& batch, double scale) {
+  const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
+  const int64_t num_seqs = batch.num_seqs;
+  // the tiles' order, once per call, for each sequence and K/V head h (keys padded to a multiple of 32):
+  // kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key 16n + col's row in head h (a gather
+  // of 16 keys' words), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col] (two keys' rows interleaved);
+  // zeros past the last key. Sequence s's start in both: pack_start[s].
+  std::vector<int64_t> blocks(num_seqs), items(num_seqs), tiles(num_seqs), pack_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    blocks[s] = (batch.tk(s) + kAmxKeys - 1) / kAmxKeys;
+    items[s] = num_kv_heads * blocks[s];
+    pack_start[s + 1] = pack_start[s] + items[s] * kAmxKeys * D;
+    tiles[s] = num_kv_heads * ((batch.tq(s) * group + kAmxRows - 1) / kAmxRows);
+  }
+  auto packed = torch::empty({2, pack_start[num_seqs]}, k.options());
   auto* kb_w = reinterpret_cast<int32_t*>(packed[0].data_ptr());
   auto* vb = reinterpret_cast<uint16_t*>(packed[1].data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
@@ -918,58 +1031,62 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   alignas(64) int16_t idx[32];
   for (int i = 0; i < 16; ++i) idx[2 * i] = int16_t(i), idx[2 * i + 1] = int16_t(32 + i);
   interleave = _mm512_load_si512(idx);
-  // split among the threads by K/V head and block of 32 keys (two K tiles of 16 keys, one V tile of 32), at
-  // least 4 blocks a thread
-  at::parallel_for(0, num_kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {  // short prompts: one thread
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / blocks, b = item % blocks;
-      for (int64_t n = 2 * b; n < 2 * b + 2; ++n) {
-        const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
-        for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
-          const auto* base = reinterpret_cast<const int32_t*>(kp + 16 * n * k_stride + h * D) + w;
-          _mm512_storeu_si512(kb_w + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
-                              _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
-        }
+  // split among the threads by sequence, K/V head and block of 32 keys (two K tiles of 16 keys, one V tile
+  // of 32), at least 4 blocks a thread
+  for_each_item(items, 4, [&](int64_t s, int64_t item) {
+    const int64_t h = item / blocks[s], b = item % blocks[s], tk = batch.tk(s), n16 = 2 * blocks[s];
+    const uint16_t* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
+    const uint16_t* vs = vp + batch.cu_k[s] * v_stride;
+    int32_t* kb_s = kb_w + pack_start[s] / 2;
+    uint16_t* vb_s = vb + pack_start[s];
+    for (int64_t n = 2 * b; n < 2 * b + 2; ++n) {
+      const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
+      for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
+        const auto* base = reinterpret_cast<const int32_t*>(ks + 16 * n * k_stride + h * D) + w;
+        _mm512_storeu_si512(kb_s + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
       }
-      for (int64_t pr = 0; pr < 16; ++pr) {
-        const int64_t t = 32 * b + 2 * pr;
-        for (int64_t j = 0; j < D / 16; ++j) {
-          const __m256i a = t < tk ? _mm256_loadu_si256((const __m256i*)(vp + t * v_stride + h * D + 16 * j))
-                                   : _mm256_setzero_si256();
-          const __m256i c = t + 1 < tk ? _mm256_loadu_si256((const __m256i*)(vp + (t + 1) * v_stride + h * D + 16 * j))
-                                       : _mm256_setzero_si256();
-          _mm512_storeu_si512(vb + ((h * blocks + b) * (D / 16) + j) * 512 + pr * 32,
-                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
-        }
+    }
+    for (int64_t pr = 0; pr < 16; ++pr) {
+      const int64_t t = 32 * b + 2 * pr;
+      for (int64_t j = 0; j < D / 16; ++j) {
+        const __m256i a = t < tk ? _mm256_loadu_si256((const __m256i*)(vs + t * v_stride + h * D + 16 * j))
+                                 : _mm256_setzero_si256();
+        const __m256i c = t + 1 < tk ? _mm256_loadu_si256((const __m256i*)(vs + (t + 1) * v_stride + h * D + 16 * j))
+                                     : _mm256_setzero_si256();
+        _mm512_storeu_si512(vb_s + ((h * blocks[s] + b) * (D / 16) + j) * 512 + pr * 32,
+                            _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
       }
     }
   });
   const auto* kb = reinterpret_cast<const uint16_t*>(kb_w);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t q_stride = q.stride(0), rows = tq * group, tiles_per_head = (rows + kAmxRows - 1) / kAmxRows;
-  const int64_t num_tiles = num_kv_heads * tiles_per_head;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  const int64_t q_stride = q.stride(0);
+  const TileOrder order(tiles, batch);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) uint16_t qt[kAmxRows * D];
-    for (int64_t th = begin; th < end; ++th)
-      for (int64_t i = th; i < num_tiles; i += threads) {  // round-robin, as prefill_heads
-        const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
-        int64_t last[kAmxRows];
-        uint16_t* out_rows[kAmxRows];
-        for (int64_t r = 0; r < kAmxRows; ++r) {
-          if (r >= n) {
-            std::memset(qt + r * D, 0, D * sizeof(uint16_t));
-            continue;
-          }
-          const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
-          last[r] = offset + t;
-          out_rows[r] = op + (t * num_heads + h) * D;
-          std::memcpy(qt + r * D, qp + t * q_stride + h * D, D * sizeof(uint16_t));
+    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {  // as prefill_heads
+      const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
+      const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
+      const int64_t head_elems = blocks[s] * kAmxKeys * D;
+      int64_t last[kAmxRows];
+      uint16_t* out_rows[kAmxRows];
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        if (r >= n) {
+          std::memset(qt + r * D, 0, D * sizeof(uint16_t));
+          continue;
         }
-        prefill_tile_amx<D>(qt, last, n, kb + kv * head_elems, vb + kv * head_elems, float(scale), out_rows);
+        const int64_t t = (r0 + r) / group, h = kv * group + (r0 + r) % group;
+        last[r] = batch.tk(s) - batch.tq(s) + t;
+        out_rows[r] = op + ((batch.cu_q[s] + t) * num_heads + h) * D;
+        std::memcpy(qt + r * D, qp + (batch.cu_q[s] + t) * q_stride + h * D, D * sizeof(uint16_t));
       }
+      prefill_tile_amx<D>(qt, last, n, kb + pack_start[s] + kv * head_elems, vb + pack_start[s] + kv * head_elems,
+                          float(scale), out_rows);
+    });
     _tile_release();
   });
 }
@@ -1126,36 +1243,33 @@ bool amx_available() {
 #endif
 }
 
-// prefill_attention's contract in bfloat16 (float32 scores, softmax and sums; P and the output rounded to
-// bfloat16), on AMX tiles: for a build and a CPU where amx_available().
-torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-                    "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-                    "the AMX prefill kernel takes CPU tensors");
-  TORCH_CHECK_VALUE(q.layout() == torch::kStrided && k.layout() == torch::kStrided && v.layout() == torch::kStrided,
-                    "the AMX prefill kernel takes dense (strided) tensors, not sparse or mkldnn ones");
-  TORCH_CHECK_VALUE(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-                        v.scalar_type() == torch::kBFloat16,
-                    "the AMX prefill kernel takes bfloat16");
-  TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128),
-                    "the AMX prefill kernel takes head_dim 64 or 128, the same for q, k and v");
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+// Causal attention in bfloat16 over a checked batch (prefill_attention_amx_varlen, prefill_attention_amx).
+static torch::Tensor prefill_bfloat16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const VarlenBatch& batch, double scale) {
   TORCH_CHECK(amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  // whole 32-bit words, and the gather's offsets (15 token strides, in words) within int32
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % 2 || k.stride(0) / 2 > INT32_MAX / 15)
-    k = k.contiguous();
-  TORCH_CHECK_VALUE(k.stride(0) / 2 <= INT32_MAX / 15, "the AMX prefill kernel takes num_kv_heads * head_dim below 2**28");
-  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(MINIVLLM_AMX)
   if (q.size(0) == 0) return out;
-  if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, scale);
-  else prefill_heads_amx<128>(q, k, v, out, scale);
+  if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, batch, scale);
+  else prefill_heads_amx<128>(q, k, v, out, batch, scale);
 #endif
   return out;
+}
+
+// prefill_attention_varlen's contract in bfloat16 (float32 scores, softmax and sums; P and the output
+// rounded to bfloat16), on AMX tiles: for a build and a CPU where amx_available().
+torch::Tensor prefill_attention_amx_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
+                                           torch::Tensor cu_seqlens_k, double scale) {
+  check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
+  return prefill_bfloat16(q, k, v, varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k), scale);
+}
+
+// prefill_attention's contract in bfloat16, on AMX tiles (a batch of one).
+torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
+  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+  const int64_t cu_q[] = {0, q.size(0)}, cu_k[] = {0, k.size(0)};
+  return prefill_bfloat16(q, k, v, VarlenBatch{cu_q, cu_k, 1}, scale);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1166,7 +1280,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache,
         "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
   m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
+  m.def("prefill_attention_varlen", &prefill_attention_varlen,
+        "a batch of causal attentions in float32, laid end to end (q, k, v, cu_seqlens_q, cu_seqlens_k, scale)");
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "one sequence's causal attention in bfloat16 on AMX tiles (q, k, v, scale)");
+  m.def("prefill_attention_amx_varlen", &prefill_attention_amx_varlen,
+        "a batch of causal attentions in bfloat16 on AMX tiles (q, k, v, cu_seqlens_q, cu_seqlens_k, scale)");
   m.def("amx_available", &amx_available, "whether this build and CPU run the AMX kernels");
 }
