@@ -507,11 +507,14 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
-  for (int64_t i = 0; i < n; ++i) {
-    if (slots[i] < 0) continue;
-    std::memcpy(kc + slots[i] * bytes, kp + i * k_step, bytes);
-    std::memcpy(vc + slots[i] * bytes, vp + i * v_step, bytes);
-  }
+  // split among the threads in runs of at least 256 tokens (a prefill's; a decode step's few rows stay on one)
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (slots[i] < 0) continue;
+      std::memcpy(kc + slots[i] * bytes, kp + i * k_step, bytes);
+      std::memcpy(vc + slots[i] * bytes, vp + i * v_step, bytes);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------
