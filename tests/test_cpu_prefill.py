@@ -361,6 +361,30 @@ def test_amx_prefill_over_a_wide_score_range_errs_no_more_than_torch(amx_prefill
     assert (out - ref).abs().max().item() <= 2 * torch_err + 1e-6
 
 
+@pytest.mark.parametrize("step", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_amx_prefill_as_the_scores_climb_block_after_block(amx_prefill, step, head_dim):
+    """The AMX tile moves a row's reference max only when a score rises more than 2**8 above it (then the
+    row's sums, in tiles for head_dim 64, are rescaled). Here every query's scores climb by `step` (in base 2)
+    from one block of 32 keys to the next: by 0.5, no block after the first moves the reference and the
+    probabilities grow to 2**7; by 3, every third block does; by 12, every block does. Within one bfloat16
+    rounding of float64, as for random scores (a tile that skipped or misapplied a rescale is off by far more:
+    checked by breaking it)."""
+    tq = tk = 200
+    g = torch.Generator().manual_seed(17)
+    q = torch.zeros(tq, 9, head_dim, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = 0.1 * torch.randn(tk, 3, head_dim, generator=g, dtype=torch.float64)
+    scale = head_dim ** -0.5
+    k[..., 0] = (torch.arange(tk) // 32 * step / (scale * 1.4426950408889634)).double()[:, None]  # scores in base 2
+    v = torch.randn(tk, 3, head_dim, generator=g, dtype=torch.float64)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out = amx_prefill(q, k, v, scale).double()
+    ref = attention_reference(q.double(), k.double(), v.double(), scale)
+    err = (out - ref).abs().max().item()
+    assert err <= BF16_TOL * v.double().abs().max().item(), f"max error {err:.3g}"
+
+
 def test_amx_prefill_masks_each_row_at_its_own_token(amx_prefill):
     """The check can fail: without the causal mask, or with each row seeing one key more, the outputs differ by
     far more than the tolerance; the kernel matches neither."""

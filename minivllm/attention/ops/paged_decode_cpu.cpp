@@ -916,27 +916,41 @@ constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys pe
 // 2**-127 (subnormal, or 0), not NaN.
 constexpr float kExp2Cubic[] = {0.99992895126f, 0.69327622652f, 0.24260404706f, 0.05508868396f};
 
-// Every tile 16 rows x 64 bytes. Prefill: 0-1 S, 2 Q, 3 K, 4 P V, 5 P, 6 V; decode: 0 S, 1 K, 2 Q. A constant
-// in memory: GCC may drop the stores of a local configuration, since it does not see ldtilecfg read them.
+// Every tile 16 rows x 64 bytes. Prefill: 0-3 O (head_dim 64; 0 a P V scratch for 128), 4-5 S, 6 Q or P, 7 K
+// or V; decode: 0 S, 1 K, 2 Q. A constant in memory: GCC may drop the stores of a local configuration, since it
+// does not see ldtilecfg read them.
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t bytes_per_row[16];
   uint8_t rows[16];
 };
 static void configure_tiles() {
-  static const TileConfig cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16}};
+  static const TileConfig cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&cfg);
 }
+
+// 16 bfloat16 values widened to float32 (each the high half of a float32).
+static inline Vec16 widen_bf16(__m256i v) { return (Vec16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16); }
+
+// How far (in base 2) a block's score may rise above a row's reference max before the reference moves: the
+// probabilities stay at most 2**8, and most blocks rescale nothing (FlashAttention-4's conditional rescaling).
+constexpr float kRescaleHeadroom = 8.0f;
 
 // One tile: rows r < n of q [16, D] (bfloat16, unscaled, rows >= n zero), row r seeing keys 0..last[r];
 // kb: this K/V head's K tiles, [key blocks of 16][D / 32][16 pairs of dimensions][16 keys][2]; vb: its
 // V tiles, [key blocks of 32][D / 16][16 pairs of keys][16 dimensions][2]; row r's output (bfloat16)
-// written to out[r].
+// written to out[r]. A row's probabilities are 2**(x - m) for a reference m that moves only when a score
+// rises more than kRescaleHeadroom above it (then to the row's max, and the row's sums are rescaled), so
+// a block that raises no row's reference computes no horizontal max and rescales nothing. For head_dim
+// 64 the output stays in tiles 0-3 across the blocks, P V added by tdpbf16ps itself; for 128 (eight tiles'
+// worth) it is kept in memory and each block's P V added there.
 template <int64_t D>
 static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, const uint16_t* kb,
                              const uint16_t* vb, float scale, uint16_t* const* out) {
   constexpr int64_t C = D / 32, J = D / 16, T = 16 * 32;  // T: bfloat16 values per tile
-  alignas(64) float o[kAmxRows][D] = {};
+  constexpr bool kOutputInTiles = D == 64;
+  alignas(64) float o[kAmxRows][D];  // head_dim 128: the output; 64: where its tiles are rescaled and read out
+  if constexpr (!kOutputInTiles) std::memset(o, 0, sizeof(o));
   alignas(64) float s[kAmxRows][kAmxKeys];
   alignas(64) uint16_t p[kAmxRows][kAmxKeys] = {};  // rows >= n stay zero
   alignas(64) float pv[kAmxRows][16];
@@ -948,21 +962,28 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     num_keys = std::max(num_keys, last[r] + 1), min_last = std::min(min_last, last[r]);
   Int16 lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
-  const Vec16 minus_inf = Vec16{} - INFINITY;
+  const Vec16 minus_inf = Vec16{} - INFINITY, ones = Vec16{} + 1.0f;
   const float scale2 = scale * 1.4426950408889634f;
-  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
-    _tile_zero(0);  // 1. S = Q K^T for 32 keys: two 16 x 16 tiles
+  if constexpr (kOutputInTiles) {
+    _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
+    _tile_zero(4);  // 1. S = Q K^T for 32 keys: two 16 x 16 tiles
+    _tile_zero(5);
     for (int64_t c = 0; c < C; ++c) {
-      _tile_loadd(2, q + c * 32, D * 2);
-      _tile_loadd(3, kb + ((2 * b) * C + c) * T, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_loadd(3, kb + ((2 * b + 1) * C + c) * T, 64);
-      _tile_dpbf16ps(1, 2, 3);
+      _tile_loadd(6, q + c * 32, D * 2);
+      _tile_loadd(7, kb + ((2 * b) * C + c) * T, 64);
+      _tile_dpbf16ps(4, 6, 7);
+      _tile_loadd(7, kb + ((2 * b + 1) * C + c) * T, 64);
+      _tile_dpbf16ps(5, 6, 7);
     }
-    _tile_stored(0, &s[0][0], kAmxKeys * 4);
-    _tile_stored(1, &s[0][16], kAmxKeys * 4);
+    _tile_stored(4, &s[0][0], kAmxKeys * 4);
+    _tile_stored(5, &s[0][16], kAmxKeys * 4);
     const bool all_seen = j0 + kAmxKeys <= min_last + 1;  // no row's causal limit inside the block
+    bool rescale = false;
     for (int64_t r = 0; r < n; ++r) {  // 2. online softmax in float32, P rounded to bfloat16
       Vec16 x[2], e[2];
       Int16 hidden[2] = {};
@@ -973,29 +994,72 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
           x[h] = hidden[h] ? minus_inf : x[h];
         }
       }
-      m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
+      const Vec16 limit = Vec16{} + (m[r] + kRescaleHeadroom);  // -inf + 8 = -inf: nothing seen yet moves it
+      if (m[r] == -INFINITY || _mm512_cmp_ps_mask((__m512)x[0], (__m512)limit, _CMP_GT_OQ) |
+                                   _mm512_cmp_ps_mask((__m512)x[1], (__m512)limit, _CMP_GT_OQ)) {
+        m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
+        rescale = true;
+      } else {
+        m_new[r] = m[r];
+      }
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
       // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
       for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_poly(x[h] - m_ref, kExp2Cubic);
-      l[r] = e[0] + e[1];  // this block's part; the running sum's rescale follows
-      _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]));  // e[0] first
+      const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]);  // e[0] first
+      _mm512_storeu_si512(p[r], pr);
+      // this block's part of the sum (the running sum's rescale follows), of P as rounded: the divisor then
+      // holds the same rounding as the weighted sum, which cancels where one key carries most of the weight
+      // (a row's largest probability need not be 1 here)
+      l[r] = widen_bf16(_mm512_castsi512_si256(pr)) + widen_bf16(_mm512_extracti64x4_epi64(pr, 1));
     }
-    {  // the rescale factors of all 16 rows in one register (rescale_factors; m in base 2)
+    if (rescale) {  // the rescale factors of all 16 rows in one register (rescale_factors; m in base 2), 1 where m stayed
       const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
-      store_vec16(alpha, rescale_factors(mo, mn, kExp2Cubic));
+      store_vec16(alpha, mo == mn ? ones : rescale_factors(mo, mn, kExp2Cubic));
       store_vec16(m, mn);
+      for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
+    } else {
+      store_vec16(alpha, ones);
+      for (int64_t r = 0; r < n; ++r) lsum[r] += l[r];
     }
-    for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
-    _tile_loadd(5, &p[0][0], kAmxKeys * 2);
-    for (int64_t j = 0; j < J; ++j) {  // 3. o = alpha o + P V, 16 head dimensions at a time
-      _tile_zero(4);
-      _tile_loadd(6, vb + (b * J + j) * T, 64);
-      _tile_dpbf16ps(4, 5, 6);
-      _tile_stored(4, &pv[0][0], 64);
-      for (int64_t r = 0; r < n; ++r)
-        store_vec16(o[r] + j * 16, alpha[r] * load_vec16(o[r] + j * 16) + load_vec16(pv[r]));
+    _tile_loadd(6, &p[0][0], kAmxKeys * 2);
+    if constexpr (kOutputInTiles) {  // 3. O += P V in the tiles, after O's rows are rescaled where a reference moved
+      if (rescale) {
+        _tile_stored(0, &o[0][0], D * 4);
+        _tile_stored(1, &o[0][16], D * 4);
+        _tile_stored(2, &o[0][32], D * 4);
+        _tile_stored(3, &o[0][48], D * 4);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t d = 0; d < D; d += kLanes) store_vec16(o[r] + d, alpha[r] * load_vec16(o[r] + d));
+        _tile_loadd(0, &o[0][0], D * 4);
+        _tile_loadd(1, &o[0][16], D * 4);
+        _tile_loadd(2, &o[0][32], D * 4);
+        _tile_loadd(3, &o[0][48], D * 4);
+      }
+      _tile_loadd(7, vb + (b * J + 0) * T, 64);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(7, vb + (b * J + 1) * T, 64);
+      _tile_dpbf16ps(1, 6, 7);
+      _tile_loadd(7, vb + (b * J + 2) * T, 64);
+      _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(7, vb + (b * J + 3) * T, 64);
+      _tile_dpbf16ps(3, 6, 7);
+    } else {
+      for (int64_t j = 0; j < J; ++j) {  // 3. o = alpha o + P V, 16 head dimensions at a time (tile 0 a scratch)
+        _tile_zero(0);
+        _tile_loadd(7, vb + (b * J + j) * T, 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_stored(0, &pv[0][0], 64);
+        for (int64_t r = 0; r < n; ++r)
+          store_vec16(o[r] + j * 16, alpha[r] * load_vec16(o[r] + j * 16) + load_vec16(pv[r]));
+      }
     }
+  }
+  if constexpr (kOutputInTiles) {
+    _tile_stored(0, &o[0][0], D * 4);
+    _tile_stored(1, &o[0][16], D * 4);
+    _tile_stored(2, &o[0][32], D * 4);
+    _tile_stored(3, &o[0][48], D * 4);
   }
   float sums[kAmxRows];
   // a sum of 0: every score the row saw was -inf (or 2**-127 flushed to 0), its P all 0 and o 0: output 0, as
