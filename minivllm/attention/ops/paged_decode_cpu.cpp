@@ -719,7 +719,8 @@ static void for_each_item(const std::vector<int64_t>& count, int64_t grain, F&& 
 // results do not depend on the number of threads.
 class TileOrder {
  public:
-  TileOrder(const std::vector<int64_t>& count, const VarlenBatch& batch) : order_(count.size()), start_(count.size() + 1, 0) {
+  TileOrder(const std::vector<int64_t>& count, const VarlenBatch& batch)
+      : order_(count.size()), start_(count.size() + 1, 0) {
     std::iota(order_.begin(), order_.end(), int64_t(0));
     std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return batch.tk(a) > batch.tk(b); });
     for (size_t o = 0; o < order_.size(); ++o) start_[o + 1] = start_[o] + count[order_[o]];
@@ -739,22 +740,35 @@ class TileOrder {
   std::vector<int64_t> order_, start_;
 };
 
+// Per sequence of a batch: its blocks of `keys` keys, its packing items (one per K/V head and block), its
+// tiles of `rows` query rows (a K/V head's group of query heads at consecutive tokens), and where its packed
+// keys start (keys * D values an item, sequences one after the other).
+struct BatchLayout {
+  std::vector<int64_t> blocks, items, tiles, start;
+  BatchLayout(const VarlenBatch& batch, int64_t num_kv_heads, int64_t group, int64_t D, int64_t keys, int64_t rows)
+      : blocks(batch.num_seqs), items(batch.num_seqs), tiles(batch.num_seqs), start(batch.num_seqs + 1, 0) {
+    for (int64_t s = 0; s < batch.num_seqs; ++s) {
+      blocks[s] = (batch.tk(s) + keys - 1) / keys;
+      items[s] = num_kv_heads * blocks[s];
+      start[s + 1] = start[s] + items[s] * keys * D;
+      tiles[s] = num_kv_heads * ((batch.tq(s) * group + rows - 1) / rows);
+    }
+  }
+};
+
 template <int64_t D>
 static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
                           const VarlenBatch& batch, double scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
-  const int64_t num_seqs = batch.num_seqs;
   // K^T per sequence, K/V head and block of keys, kt[h][b][d][i] = K[kKeys b + i][h][d]: [num_kv_heads,
-  // blocks, D, kKeys] for each sequence, one after the other, split among the threads by sequence, head
-  // and block (at least 4 blocks a thread); the padding keys of a last block: zero scores, masked anyway
-  std::vector<int64_t> blocks(num_seqs), items(num_seqs), tiles(num_seqs), kt_start(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    blocks[s] = (batch.tk(s) + kKeys - 1) / kKeys;
-    items[s] = num_kv_heads * blocks[s];
-    kt_start[s + 1] = kt_start[s] + items[s] * D * kKeys;
-    tiles[s] = num_kv_heads * ((batch.tq(s) * group + kRows - 1) / kRows);  // a K/V head's rows: kRows a tile
-  }
-  auto kt_blocks = torch::empty({kt_start[num_seqs]}, k.options());
+  // blocks, D, kKeys] for each sequence, one after the other (from kt_start[s]), split among the threads by
+  // sequence, head and block (at least 4 blocks a thread); the padding keys of a last block: zero scores,
+  // masked anyway
+  const BatchLayout layout(batch, num_kv_heads, group, D, kKeys, kRows);
+  const auto& blocks = layout.blocks;
+  const auto& tiles = layout.tiles;
+  const auto& kt_start = layout.start;
+  auto kt_blocks = torch::empty({kt_start.back()}, k.options());
   float* kt_w = kt_blocks.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const int64_t k_stride = k.stride(0);
@@ -762,7 +776,7 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32(int32_t(k_stride)));  // 16 keys' rows, in floats
 #endif
-  for_each_item(items, 4, [&](int64_t s, int64_t item) {
+  for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], t0 = item % blocks[s] * kKeys, tk = batch.tk(s);
     const float* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
     float* dst = kt_w + kt_start[s] + item * D * kKeys;
@@ -842,7 +856,8 @@ static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tens
 // cu_seqlens_q and cu_seqlens_k as a VarlenBatch, checked against q's and k's rows: int64 prefix sums from 0,
 // one more than the sequences, each sequence with at least as many keys as queries. cu_q, cu_k: the
 // contiguous CPU copies the batch points into (kept alive by the caller).
-static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, torch::Tensor& cu_q, torch::Tensor& cu_k) {
+static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, torch::Tensor& cu_q,
+                                torch::Tensor& cu_k) {
   TORCH_CHECK_VALUE(cu_q.dim() == 1 && cu_k.dim() == 1 && cu_q.size(0) == cu_k.size(0) && cu_q.size(0) >= 1,
                     "cu_seqlens_q and cu_seqlens_k must both be [num_seqs + 1]");
   TORCH_CHECK_VALUE(cu_q.scalar_type() == torch::kLong && cu_k.scalar_type() == torch::kLong &&
@@ -859,34 +874,6 @@ static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, 
   TORCH_CHECK_VALUE(batch.cu_q[batch.num_seqs] == q.size(0) && batch.cu_k[batch.num_seqs] == k.size(0),
                     "cu_seqlens_q must end at q's rows (", q.size(0), ") and cu_seqlens_k at k's (", k.size(0), ")");
   return batch;
-}
-
-// Causal attention in float32 over a checked batch (prefill_attention_varlen, prefill_attention).
-static torch::Tensor prefill_float32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                     const VarlenBatch& batch, double scale) {
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.size(0) == 0) return out;
-  if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, batch, scale);
-  else prefill_heads<128>(q, k, v, out, batch, scale);
-  return out;
-}
-
-// A batch of causal attentions in float32, the sequences laid end to end (VarlenBatch): q [sum Tq,
-// num_heads, D] over k, v [sum Tk, num_kv_heads, D], cu_seqlens_q and cu_seqlens_k their int64 prefix
-// sums; D 64 or 128. Returns [sum Tq, num_heads, D].
-torch::Tensor prefill_attention_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
-                                       torch::Tensor cu_seqlens_k, double scale) {
-  check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
-  return prefill_float32(q, k, v, varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k), scale);
-}
-
-// One sequence's causal attention: q [Tq, num_heads, D] over k, v [Tk, num_kv_heads, D], Tk >= Tq, query
-// i seeing keys 0..Tk - Tq + i; float32, D 64 or 128. Returns [Tq, num_heads, D].
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
-  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
-  const int64_t cu_q[] = {0, q.size(0)}, cu_k[] = {0, k.size(0)};  // a batch of one
-  return prefill_float32(q, k, v, VarlenBatch{cu_q, cu_k, 1}, scale);
 }
 
 // Causal prefill attention in bfloat16 on AMX tiles (Intel Sapphire Rapids and later; chapter 02's
@@ -1013,7 +1000,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
       // (a row's largest probability need not be 1 here)
       l[r] = widen_bf16(_mm512_castsi512_si256(pr)) + widen_bf16(_mm512_extracti64x4_epi64(pr, 1));
     }
-    if (rescale) {  // the rescale factors of all 16 rows in one register (rescale_factors; m in base 2), 1 where m stayed
+    if (rescale) {  // all 16 rows' rescale factors in one register (rescale_factors, base 2; 1 where m stayed)
       const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
       store_vec16(alpha, mo == mn ? ones : rescale_factors(mo, mn, kExp2Cubic));
       store_vec16(m, mn);
@@ -1074,19 +1061,15 @@ template <int64_t D>
 static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               torch::Tensor& out, const VarlenBatch& batch, double scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
-  const int64_t num_seqs = batch.num_seqs;
   // the tiles' order, once per call, for each sequence and K/V head h (keys padded to a multiple of 32):
   // kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key 16n + col's row in head h (a gather
   // of 16 keys' words), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col] (two keys' rows interleaved);
   // zeros past the last key. Sequence s's start in both: pack_start[s].
-  std::vector<int64_t> blocks(num_seqs), items(num_seqs), tiles(num_seqs), pack_start(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    blocks[s] = (batch.tk(s) + kAmxKeys - 1) / kAmxKeys;
-    items[s] = num_kv_heads * blocks[s];
-    pack_start[s + 1] = pack_start[s] + items[s] * kAmxKeys * D;
-    tiles[s] = num_kv_heads * ((batch.tq(s) * group + kAmxRows - 1) / kAmxRows);
-  }
-  auto packed = torch::empty({2, pack_start[num_seqs]}, k.options());
+  const BatchLayout layout(batch, num_kv_heads, group, D, kAmxKeys, kAmxRows);
+  const auto& blocks = layout.blocks;
+  const auto& tiles = layout.tiles;
+  const auto& pack_start = layout.start;
+  auto packed = torch::empty({2, pack_start.back()}, k.options());
   auto* kb_w = reinterpret_cast<int32_t*>(packed[0].data_ptr());
   auto* vb = reinterpret_cast<uint16_t*>(packed[1].data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
@@ -1100,7 +1083,7 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   interleave = _mm512_load_si512(idx);
   // split among the threads by sequence, K/V head and block of 32 keys (two K tiles of 16 keys, one V tile
   // of 32), at least 4 blocks a thread
-  for_each_item(items, 4, [&](int64_t s, int64_t item) {
+  for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], b = item % blocks[s], tk = batch.tk(s), n16 = 2 * blocks[s];
     const uint16_t* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
     const uint16_t* vs = vp + batch.cu_k[s] * v_stride;
@@ -1135,7 +1118,8 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) uint16_t qt[kAmxRows * D];
-    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {  // as prefill_heads
+    // each thread its share of the tiles, as in prefill_heads
+    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
       const int64_t head_elems = blocks[s] * kAmxKeys * D;
@@ -1310,33 +1294,53 @@ bool amx_available() {
 #endif
 }
 
-// Causal attention in bfloat16 over a checked batch (prefill_attention_amx_varlen, prefill_attention_amx).
-static torch::Tensor prefill_bfloat16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                      const VarlenBatch& batch, double scale) {
-  TORCH_CHECK(amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+// The prefill entry points' common path: the inputs checked (and laid out) for the float32 kernel or the AMX
+// one, the batch read from cu_seqlens_q and cu_seqlens_k (a batch of one where they are undefined), the
+// kernel run. Returns [sum Tq, num_heads, D] in the inputs' dtype.
+static torch::Tensor prefill_entry(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
+                                   torch::Tensor cu_seqlens_k, double scale, bool amx) {
+  if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
+  else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
+  TORCH_CHECK(!amx || amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+  const int64_t one_q[] = {0, q.size(0)}, one_k[] = {0, k.size(0)};
+  VarlenBatch batch{one_q, one_k, 1};
+  if (cu_seqlens_q.defined()) batch = varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k);
+  else TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-#if defined(MINIVLLM_AMX)
   if (q.size(0) == 0) return out;
-  if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, batch, scale);
+  if (!amx) {
+    if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, batch, scale);
+    else prefill_heads<128>(q, k, v, out, batch, scale);
+  }
+#if defined(MINIVLLM_AMX)
+  else if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, batch, scale);
   else prefill_heads_amx<128>(q, k, v, out, batch, scale);
 #endif
   return out;
 }
 
-// prefill_attention_varlen's contract in bfloat16 (float32 scores, softmax and sums; P and the output
-// rounded to bfloat16), on AMX tiles: for a build and a CPU where amx_available().
-torch::Tensor prefill_attention_amx_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
-                                           torch::Tensor cu_seqlens_k, double scale) {
-  check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
-  return prefill_bfloat16(q, k, v, varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k), scale);
+// One sequence's causal attention: q [Tq, num_heads, D] over k, v [Tk, num_kv_heads, D], Tk >= Tq, query
+// i seeing keys 0..Tk - Tq + i; float32, D 64 or 128. Returns [Tq, num_heads, D].
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  return prefill_entry(q, k, v, {}, {}, scale, false);
 }
 
-// prefill_attention's contract in bfloat16, on AMX tiles (a batch of one).
+// A batch of causal attentions in float32, the sequences laid end to end (VarlenBatch): q [sum Tq,
+// num_heads, D] over k, v [sum Tk, num_kv_heads, D], cu_seqlens_q and cu_seqlens_k their int64 prefix
+// sums; D 64 or 128. Returns [sum Tq, num_heads, D].
+torch::Tensor prefill_attention_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
+                                       torch::Tensor cu_seqlens_k, double scale) {
+  return prefill_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, false);
+}
+
+// prefill_attention's and prefill_attention_varlen's contracts in bfloat16 (float32 scores, softmax and sums;
+// P and the output rounded to bfloat16), on AMX tiles: for a build and a CPU where amx_available().
 torch::Tensor prefill_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
-  TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
-  const int64_t cu_q[] = {0, q.size(0)}, cu_k[] = {0, k.size(0)};
-  return prefill_bfloat16(q, k, v, VarlenBatch{cu_q, cu_k, 1}, scale);
+  return prefill_entry(q, k, v, {}, {}, scale, true);
+}
+torch::Tensor prefill_attention_amx_varlen(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                           torch::Tensor cu_seqlens_q, torch::Tensor cu_seqlens_k, double scale) {
+  return prefill_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, true);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
