@@ -623,3 +623,25 @@ def test_the_backend_prefills_a_batch_in_one_call_with_the_same_bits(dtype, monk
             backend.metadata = md
             outs.append(backend(0, q, k, v))
         assert calls == [sum(lens)] and torch.equal(outs[0], outs[1])
+
+
+def test_the_batch_form_refuses_prefix_sums_that_wrap_around(one_and_batch):
+    """Prefix sums whose differences overflow int64 (2**63 - 1, then -2) look non-decreasing to a check that
+    subtracts; the kernel compares the values, and refuses them (a breaking helper crashed the process with
+    these before)."""
+    dtype, _, batch = one_and_batch
+    q, k, v = torch.randn(10, 4, 64).to(dtype), torch.randn(20, 2, 64).to(dtype), torch.randn(20, 2, 64).to(dtype)
+    wrap = lambda last: torch.tensor([0, 2**63 - 1, -2, last])  # noqa: E731
+    with pytest.raises(ValueError, match="must not decrease"):
+        batch(q, k, v, wrap(10), wrap(20), 0.125)
+
+
+def test_a_one_token_key_with_any_token_stride(one_and_batch):
+    """One key with a token stride far past int32 offsets (a view: its stride is meaningless, contiguous()
+    keeps it): copied densely, not refused."""
+    dtype, one, _ = one_and_batch
+    q, k, v = (x.to(dtype) for x in qkv(1, 1, 2, 1, 64, seed=30))
+    storage = torch.zeros(64, dtype=dtype)
+    storage.copy_(k.flatten())
+    k_odd = storage.as_strided((1, 1, 64), (2**40, 64, 1))
+    assert torch.equal(one(q, k_odd, v, 0.125), one(q, k, v, 0.125))

@@ -219,8 +219,9 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # %% ../../../notebooks/05_paged_attention.ipynb #478f4183
 class CPUPagedAttention(PagedAttention):
     """`PagedAttention` whose decode runs the C++ kernel on CPU tensors of `CPU_KERNEL_DTYPES` (other
-    devices and dtypes, or no kernel: the plain-torch decode), and whose prefill runs each sequence
-    through `prefill_attention_cpu`. Args: as `PagedAttention`."""
+    devices and dtypes, or no kernel: the plain-torch decode), and whose prefill runs the step's sequences
+    in one call of the prefill kernels' batch form (`cpu_prefill_varlen_kernel`) where one takes the dtype
+    and head_dim, else each sequence through `prefill_attention_cpu`. Args: as `PagedAttention`."""
 
     prefill_sequence = staticmethod(prefill_attention_cpu)
 

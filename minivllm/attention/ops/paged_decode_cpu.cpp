@@ -844,13 +844,14 @@ static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tens
   TORCH_CHECK_VALUE(q.size(2) == k.size(2) && (q.size(2) == 64 || q.size(2) == 128), kernel,
                     " takes head_dim 64 or 128, the same for q, k and v");
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  // a fresh dense copy where the strides do not fit (contiguous() keeps a size-1 dimension's stride as it is)
+  const auto dense = [](const torch::Tensor& t) { return torch::empty(t.sizes(), t.options()).copy_(t); };
   const int64_t limit = INT32_MAX / 15;
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % word || k.stride(0) / word > limit)
-    k = k.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = dense(q);
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % word || k.stride(0) / word > limit) k = dense(k);
   TORCH_CHECK_VALUE(k.stride(0) / word <= limit, kernel, " takes num_kv_heads * head_dim below 2**",
                     word == 1 ? 27 : 28);
-  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = v.contiguous();
+  if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = dense(v);
 }
 
 // cu_seqlens_q and cu_seqlens_k as a VarlenBatch, checked against q's and k's rows: int64 prefix sums from 0,
@@ -866,25 +867,29 @@ static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, 
   cu_q = cu_q.contiguous(), cu_k = cu_k.contiguous();
   const VarlenBatch batch{cu_q.data_ptr<int64_t>(), cu_k.data_ptr<int64_t>(), cu_q.size(0) - 1};
   TORCH_CHECK_VALUE(batch.cu_q[0] == 0 && batch.cu_k[0] == 0, "cu_seqlens_q and cu_seqlens_k must start at 0");
-  for (int64_t s = 0; s < batch.num_seqs; ++s) {
-    TORCH_CHECK_VALUE(batch.tq(s) >= 0 && batch.tk(s) >= 0, "cu_seqlens_q and cu_seqlens_k must not decrease");
-    TORCH_CHECK_VALUE(batch.tk(s) >= batch.tq(s), "sequence ", s, " has ", batch.tq(s), " queries but ", batch.tk(s),
-                      " keys: Tk must be at least Tq (the new tokens are the last keys)");
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {  // the values compared, not subtracted: no int64 wrap-around
+    TORCH_CHECK_VALUE(batch.cu_q[s + 1] >= batch.cu_q[s] && batch.cu_k[s + 1] >= batch.cu_k[s],
+                      "cu_seqlens_q and cu_seqlens_k must not decrease");
   }
   TORCH_CHECK_VALUE(batch.cu_q[batch.num_seqs] == q.size(0) && batch.cu_k[batch.num_seqs] == k.size(0),
                     "cu_seqlens_q must end at q's rows (", q.size(0), ") and cu_seqlens_k at k's (", k.size(0), ")");
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {  // every entry now within [0, rows]: the lengths cannot wrap
+    TORCH_CHECK_VALUE(batch.tk(s) >= batch.tq(s), "sequence ", s, " has ", batch.tq(s), " queries but ", batch.tk(s),
+                      " keys: Tk must be at least Tq (the new tokens are the last keys)");
+  }
   return batch;
 }
 
 // Causal prefill attention in bfloat16 on AMX tiles (Intel Sapphire Rapids and later; chapter 02's
 // appendix C introduces the tiles and tdpbf16ps). The same FlashAttention-2 walk as prefill_tile, but a
 // tile of 16 query rows meets a block of 32 keys in tile instructions: S = Q K^T as two 16 x 16 float32
-// tiles (D / 32 products each), the online softmax on those scores in AVX-512 registers (float32), the
-// probabilities rounded to bfloat16 into a 16 x 32 tile P, and P V as D / 16 products of 16 x 16, added
-// into the float32 output held in memory after its rescale. The matrices are put in the tiles' order once
-// per call: K as B tiles of Q K^T (16 pairs of head dimensions x 16 keys), V as B tiles of P V (16 pairs
-// of keys x 16 head dimensions). Ideas: FlashAttention-2 (Dao, 2023) and the AMX paths of CPU attention
-// kernels (SGLang's and vLLM's CPU backends, which also round P to bfloat16 before P V).
+// tiles (D / 32 products each), the online softmax on those scores in AVX-512 registers (float32, its
+// reference max moved only when a score rises well above it), the probabilities rounded to bfloat16 into a
+// 16 x 32 tile P, and P V as D / 16 products of 16 x 16 added to the float32 output: in tiles 0-3 for
+// head_dim 64, in memory for 128. The matrices are put in the tiles' order once per call: K as B tiles of
+// Q K^T (16 pairs of head dimensions x 16 keys), V as B tiles of P V (16 pairs of keys x 16 head
+// dimensions). Ideas: FlashAttention-2 (Dao, 2023), FlashAttention-4's conditional rescaling, and the AMX
+// paths of CPU attention kernels (SGLang's and vLLM's CPU backends, which also round P to bfloat16 before P V).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MINIVLLM_AMX 1
 #include <sys/syscall.h>
