@@ -242,7 +242,7 @@ class CPUPagedAttention(PagedAttention):
     def prefill(self, q, k, v, k_cache, v_cache, md):
         """As `PagedAttention.prefill`, in one call for the whole batch where `cpu_prefill_varlen_kernel` takes
         the dtype and head_dim: this step's `k`, `v` as they are where no sequence has cached tokens, else
-        every sequence's keys laid end to end (`sequence_kv`: the cached ones gathered, a copy)."""
+        every sequence's K/V copied end to end, the cached ones gathered (`sequence_kv`)."""
         on_kernel = q.device.type == "cpu" and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
         if not on_kernel or (kernel := cpu_prefill_varlen_kernel(q.dtype)) is None:
             return super().prefill(q, k, v, k_cache, v_cache, md)
