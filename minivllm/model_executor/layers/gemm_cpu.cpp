@@ -7,9 +7,9 @@
 // (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
 // blocks of at most 128 (256 above 96 rows) so the block of a panel being read stays in the L1 cache
 // while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
-// ahead into the L2 cache, so the next weights come from memory while these are multiplied. Up to 96
-// rows the weight is read once; more rows are cut into equal row blocks of at most 96, each reading
-// it again. Threads split the work items, one panel of one row block each.
+// ahead into the L2 cache, spread evenly over its k loop, so the next weights come from memory while
+// these are multiplied. Up to 96 rows the weight is read once; more rows are cut into equal row
+// blocks of at most 96, each reading it again. Threads split the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -46,7 +46,8 @@ bool has_avx512() {
 #if defined(__AVX512F__)
 // out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns of out and bias past `cols`
 // are neither read nor written (the panel's own columns past them are zeros). `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
-// from `pf` on are prefetched, spread over the k loop.
+// from `pf` on are prefetched, spread evenly over the k loop: line l at the step k where l * kc / pf_lines falls
+// (Bresenham's stepping), so that memory is asked for something all through the loop, never in one burst.
 template <int R>
 static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* out, int64_t ldo,
                                 int64_t cols, const float* bias, bool first, const char* pf, int64_t pf_lines) {
@@ -55,7 +56,7 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
     const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
     mask[j] = __mmask16((1u << c) - 1u);
   }
-  const int64_t pf_per_k = (pf_lines + kc - 1) / kc;
+  int64_t due = 0, next = 0;  // due: pf_lines added per step, kc taken per line prefetched
   __m512 acc[R][4];
   for (int j = 0; j < 4; ++j) {
     const __m512 start = (first && bias) ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
@@ -63,8 +64,8 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
       acc[r][j] = first ? start : _mm512_maskz_loadu_ps(mask[j], out + r * ldo + 16 * j);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    for (int64_t l = k * pf_per_k, l1 = std::min(pf_lines, l + pf_per_k); l < l1; ++l)
-      _mm_prefetch(pf + LINE * l, _MM_HINT_T1);  // into L2: L1 holds the block being read
+    for (due += pf_lines; due >= kc; due -= kc)
+      _mm_prefetch(pf + LINE * next++, _MM_HINT_T1);  // into L2: L1 holds the block being read
     const float* wk = w + k * PANEL;
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
