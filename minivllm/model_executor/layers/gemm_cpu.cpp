@@ -7,8 +7,8 @@
 // (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
 // blocks of at most 128 (256 above 96 rows) so the block of a panel being read stays in the L1 cache
 // while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
-// ahead into the L2 cache, spread evenly over its k loop, so the next weights come from memory while
-// these are multiplied. Up to 96 rows the weight is read once; more rows are cut into equal row
+// ahead into the L2 cache, spread evenly over its k loop (with one or two rows, only one line in 16),
+// so the next weights come from memory while these are multiplied. Up to 96 rows the weight is read once; more rows are cut into equal row
 // blocks of at most 96, each reading it again. Threads split the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,6 +25,9 @@ static constexpr int64_t KC_MANY = 256; // for more rows: fewer reloads of the a
 static constexpr int64_t MC_MAX = 96;   // rows per row block, for many rows (prefill)
 static constexpr int64_t LINE = 64;     // bytes per cache line
 static constexpr int64_t AHEAD = 2;     // prefetch the block this many blocks ahead in the stream
+static constexpr int64_t FEW_ROWS = 2;  // up to this many rows, prefetch one line in SPARSE: the loop is then little
+static constexpr int64_t SPARSE = 16;   // but a stream of reads, and the L2 cache's own stream prefetcher, started
+                                        // on each stretch, keeps up better than a request per line (and than none)
 
 // [N, K] -> [ceil(N / 64), K, 64], zero columns past N.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
@@ -46,17 +49,20 @@ bool has_avx512() {
 #if defined(__AVX512F__)
 // out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns of out and bias past `cols`
 // are neither read nor written (the panel's own columns past them are zeros). `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
-// from `pf` on are prefetched, spread evenly over the k loop: line l at the step k where l * kc / pf_lines falls
-// (Bresenham's stepping), so that memory is asked for something all through the loop, never in one burst.
+// from `pf` on are prefetched, one in `every` of them (lines 0, every, 2 every, ...), spread evenly over the k loop:
+// line l at the step k where l * kc / pf_lines falls (Bresenham's stepping), so that memory is asked for
+// something all through the loop, never in one burst.
 template <int R>
 static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* out, int64_t ldo,
-                                int64_t cols, const float* bias, bool first, const char* pf, int64_t pf_lines) {
+                                int64_t cols, const float* bias, bool first, const char* pf, int64_t pf_lines,
+                                int64_t every) {
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) {
     const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
     mask[j] = __mmask16((1u << c) - 1u);
   }
-  int64_t due = 0, next = 0;  // due: pf_lines added per step, kc taken per line prefetched
+  int64_t due = 0, next = 0;  // due: pf_lines added per step, kc * every taken per line prefetched
+  const int64_t per_prefetch = kc * every;
   __m512 acc[R][4];
   for (int j = 0; j < 4; ++j) {
     const __m512 start = (first && bias) ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j) : _mm512_setzero_ps();
@@ -64,8 +70,8 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
       acc[r][j] = first ? start : _mm512_maskz_loadu_ps(mask[j], out + r * ldo + 16 * j);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    for (due += pf_lines; due >= kc; due -= kc)
-      _mm_prefetch(pf + LINE * next++, _MM_HINT_T1);  // into L2: L1 holds the block being read
+    for (due += pf_lines; due >= per_prefetch; due -= per_prefetch, next += every)
+      _mm_prefetch(pf + LINE * next, _MM_HINT_T1);  // into L2: L1 holds the block being read
     const float* wk = w + k * PANEL;
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -82,7 +88,7 @@ static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int
 }
 
 using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
-                             bool, const char*, int64_t);
+                             bool, const char*, int64_t, int64_t);
 static constexpr MicroKernel MICRO_KERNELS[MR + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>,
                                                       micro_kernel<3>, micro_kernel<4>, micro_kernel<5>,
                                                       micro_kernel<6>};
@@ -117,6 +123,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int64_t row_blocks = (m + MC_MAX - 1) / MC_MAX;
   const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
   const int64_t most = m <= MC_MAX ? KC_FEW : KC_MANY, k_blocks = (k + most - 1) / most;
+  const int64_t every = m <= FEW_ROWS ? SPARSE : 1;  // prefetch every line, or one in SPARSE for a row or two
   const int64_t kc_block = (k + k_blocks - 1) / k_blocks;  // equal blocks of at most `most`
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -134,7 +141,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
         for (int64_t r = m0, c = 0; r < m1; r += MR, ++c) {
           const int64_t pf_lines = std::clamp<int64_t>(lines - per_chunk * c, 0, per_chunk);
           MICRO_KERNELS[std::min(MR, m1 - r)](X + r * k + k0, k, w, kc, O + r * n + p * PANEL, n, cols, b ? b + p * PANEL : nullptr, k0 == 0,
-                                              pf + LINE * std::min(per_chunk * c, lines), pf_lines);
+                                              pf + LINE * std::min(per_chunk * c, lines), pf_lines, every);
         }
       }
     }
