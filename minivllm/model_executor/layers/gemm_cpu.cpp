@@ -8,8 +8,9 @@
 // blocks of at most 128 (256 above 96 rows) so the block of a panel being read stays in the L1 cache
 // while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
 // ahead into the L2 cache, spread evenly over its k loop (with one or two rows, only one line in 16),
-// so the next weights come from memory while these are multiplied. Up to 96 rows the weight is read once; more rows are cut into equal row
-// blocks of at most 96, each reading it again. Threads split the work items, one panel of one row block each.
+// so the next weights come from memory while these are multiplied. Up to 96 rows the weight is read
+// once; more rows are cut into equal row blocks of at most 96, each reading it again. Threads split
+// the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
