@@ -27,8 +27,9 @@ static constexpr int64_t MC_MAX = 96;   // rows per row block, for many rows (pr
 static constexpr int64_t LINE = 64;     // bytes per cache line
 static constexpr int64_t AHEAD = 2;     // prefetch the block this many blocks ahead in the stream
 static constexpr int64_t FEW_ROWS = 2;  // up to this many rows, prefetch one line in SPARSE: the loop is then little
-static constexpr int64_t SPARSE = 16;   // but a stream of reads, and the L2 cache's own stream prefetcher, started
-                                        // on each stretch, keeps up better than a request per line (and than none)
+static constexpr int64_t SPARSE = 16;   // but a stream of reads, which the L2 cache's own stream prefetcher follows
+                                        // once started on each stretch (a request per line measured slower, and so
+                                        // did none, on an Intel Xeon)
 
 // [N, K] -> [ceil(N / 64), K, 64], zero columns past N.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
@@ -50,9 +51,10 @@ bool has_avx512() {
 #if defined(__AVX512F__)
 // out[0:R, 0:64] (= or +=) x[0:R, 0:kc] @ panel block [kc, 64]; columns of out and bias past `cols`
 // are neither read nor written (the panel's own columns past them are zeros). `first`: start from the bias (or 0) instead of out. The `pf_lines` cache lines
-// from `pf` on are prefetched, one in `every` of them (lines 0, every, 2 every, ...), spread evenly over the k loop:
-// line l at the step k where l * kc / pf_lines falls (Bresenham's stepping), so that memory is asked for
-// something all through the loop, never in one burst.
+// from `pf` on are prefetched one in `every` (lines 0, every, 2 every, ..., below pf_lines: floor(pf_lines / every)
+// of them), spread evenly over the k loop: each step adds pf_lines to a count, and a line goes out each time
+// the count passes another kc * every (Bresenham's stepping), so memory is asked for something all through
+// the loop, never in one burst.
 template <int R>
 static inline void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t kc, float* out, int64_t ldo,
                                 int64_t cols, const float* bias, bool first, const char* pf, int64_t pf_lines,
