@@ -13,6 +13,7 @@ from ..core.kv_cache_manager import slot_mapping
 from ..sample.generator import make_generator, sample
 from ..model_executor.models.llama import LlamaForCausalLM, attention_reference
 from ..sequence import Sequence
+from ..utils.huge_pages import huge_page_zeros
 
 PREFILL_MICROBATCH_TOKENS = 2048  # most new tokens per CPU prefill pass: smaller activations stay in the caches
 
@@ -116,10 +117,13 @@ class _CacheAndPrompts:
     `device`, set by its `__init__`."""
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype."""
+        """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype;
+        on CPU in 2 MiB pages where Linux gives them (chapter 02's `huge_page_zeros`)."""
         attn0 = self.model.model.layers[0].self_attn
-        return torch.zeros(2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads,
-                           attn0.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
+        if self.device.type == "cpu":
+            return huge_page_zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def copy_blocks(self, block_pairs: list[tuple[int, int]]) -> None:
         """Copy the K/V of block `source` into block `destination`, every layer, for each
@@ -138,7 +142,7 @@ class _CacheAndPrompts:
 
 # %% ../../notebooks/04_scheduler.ipynb #ac8af34b
 from ..model_executor.layers.amx_gemm import use_amx_linear
-from ..model_executor.layers.cpu_gemm import use_panel_linear
+from ..model_executor.layers.cpu_gemm import use_huge_pages, use_panel_linear
 from ..model_executor.layers.linear import pack_linear_layers
 from ..model_executor.models.fused_layers import fuse_small_ops
 from ..model_executor.models.fused_qkv import fuse_qkv_projections
@@ -148,14 +152,15 @@ def prepare_cpu_model(model: LlamaForCausalLM, pack_linears: bool = True, cpu_ge
                       fuse_ops: bool = True) -> None:
     """Put a loaded CPU model on chapter 02's faster paths, in place. `pack_linears`: fuse q/k/v
     (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 and bfloat16
-    ones on the C++ AMX GEMM where it has AMX (`cpu_gemm`, appendix C), the rest on oneDNN (float64 and
-    float16 layers stay `nn.Linear`); `fuse_ops`: the small ops in C++
+    ones on the C++ AMX GEMM where it has AMX, their packed weights in 2 MiB pages (`cpu_gemm`, appendix C),
+    the rest on oneDNN (float64 and float16 layers stay `nn.Linear`); `fuse_ops`: the small ops in C++
     (appendix B; float32 and bfloat16 only)."""
     if pack_linears:
         fuse_qkv_projections(model)
         if cpu_gemm:
             use_panel_linear(model)
             use_amx_linear(model)
+            use_huge_pages(model)
         pack_linear_layers(model)
     if fuse_ops:
         fuse_small_ops(model)

@@ -31,7 +31,7 @@ def cpu_gemm():
     return module if module is not None and module.has_avx512() else None
 
 # %% auto #0
-__all__ = ['CPU_GEMM', 'PANEL_WIDTH', 'cpu_gemm', 'PanelLinear', 'use_panel_linear']
+__all__ = ['CPU_GEMM', 'PANEL_WIDTH', 'cpu_gemm', 'PanelLinear', 'use_panel_linear', 'use_huge_pages']
 
 # %% ../../../notebooks/02_model.ipynb #4acd8b0f
 class PanelLinear(nn.Module):
@@ -98,3 +98,25 @@ def use_panel_linear(model: nn.Module) -> int:
     available (with `replace_linear_layers`, as `pack_linear_layers`). A tied LM head gets its own panels.
     Returns the number of layers replaced (0 where `cpu_gemm()` is None, or for other dtypes)."""
     return replace_linear_layers(model, PanelLinear)
+
+# %% ../../../notebooks/02_model.ipynb #7d96037d
+import itertools
+
+from ...utils.huge_pages import huge_page_zeros
+
+
+def use_huge_pages(model: nn.Module) -> int:
+    """Move the packed weights (`panels`) of every `PanelLinear` in `model` (subclasses such as
+    `AMXLinear` included) into one buffer from `huge_page_zeros`, in place, each at a 64-byte boundary:
+    the same values, read from 2 MiB pages. Returns the bytes of that buffer (0 where `model` has no
+    `PanelLinear`)."""
+    layers = [m for m in model.modules() if isinstance(m, PanelLinear)]
+    if not layers:
+        return 0
+    sizes = [m.panels.numel() * m.panels.element_size() for m in layers]
+    starts = [0, *itertools.accumulate(-(-size // 64) * 64 for size in sizes)]  # whole cache lines each
+    buffer = huge_page_zeros((starts[-1],), torch.uint8)
+    for layer, start, size in zip(layers, starts, sizes):
+        part = buffer[start:start + size].view(layer.panels.dtype).view(layer.panels.shape)
+        layer.panels = part.copy_(layer.panels)
+    return starts[-1]
