@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_helpers import make_model, require_built
+from engine_helpers import make_model, require_built, runner_switch_ab
 from minivllm.model_executor.cpp_extension import load_extension
 from minivllm.model_executor.layers.cpu_gemm import CPU_GEMM, PanelLinear, use_huge_pages, use_panel_linear
 from minivllm.utils.huge_pages import HUGE_PAGE, huge_page_zeros
@@ -122,3 +122,22 @@ def test_the_engine_keeps_its_panels_and_kv_cache_in_huge_pages(gemm, tmp_path):
         assert big.data_ptr() % HUGE_PAGE == 0
         if thp_setting() in ("always", "madvise"):
             assert smaps_field(big.data_ptr(), "THPeligible") == "1"
+
+
+
+def test_the_switch_turns_both_off_and_changes_no_token(gemm, tmp_path):
+    """`huge_pages = False` on a `ModelRunner` subclass: each `PanelLinear` keeps its own panels and the KV
+    cache is `torch.zeros`'s (storage exactly the tensor's bytes, no longer mapping); greedy tokens are
+    those of the engine with the switch on."""
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.worker.model_runner import ModelRunner
+
+    make_model(tmp_path, "llama")
+    storages = lambda model: len({m.panels.untyped_storage().data_ptr()  # noqa: E731
+                                  for m in model.modules() if isinstance(m, PanelLinear)})
+    outs, seen = runner_switch_ab(tmp_path, "huge_pages", storages)
+    assert seen["on"] == 1 and seen["off"] > 1 and outs["on"] == outs["off"]
+    plain = type("PlainPagesRunner", (ModelRunner,), {"huge_pages": False})
+    runner = LLMEngine(model=str(tmp_path), dtype="float32", model_runner_cls=plain, num_kvcache_blocks=32).model_runner
+    kv = runner.allocate_kv_cache(4 * HUGE_PAGE // (runner.kv_cache[:, :, 0].numel() * 4) + 1, runner.kv_cache.shape[3])
+    assert kv.numel() * 4 > HUGE_PAGE and kv.untyped_storage().nbytes() == kv.numel() * 4 and not kv.any()

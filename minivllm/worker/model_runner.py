@@ -114,14 +114,14 @@ class _RequestSampling:
 # %% ../../notebooks/04_scheduler.ipynb #0fef5706
 class _CacheAndPrompts:
     """`ModelRunner`'s KV cache and whole-prompt logits: it uses `model`, `kv_cache`, `dtype` and
-    `device`, set by its `__init__`."""
+    `device`, set by its `__init__`, and its class switch `huge_pages`."""
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype;
-        on CPU in 2 MiB pages where Linux gives them (chapter 02's `huge_page_zeros`)."""
+        on CPU with `huge_pages`, in 2 MiB pages where Linux gives them (chapter 02's `huge_page_zeros`)."""
         attn0 = self.model.model.layers[0].self_attn
         shape = (2, len(self.model.model.layers), num_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.huge_pages:
             return huge_page_zeros(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -149,18 +149,19 @@ from ..model_executor.models.fused_qkv import fuse_qkv_projections
 
 
 def prepare_cpu_model(model: LlamaForCausalLM, pack_linears: bool = True, cpu_gemm: bool = True,
-                      fuse_ops: bool = True) -> None:
+                      fuse_ops: bool = True, huge_pages: bool = True) -> None:
     """Put a loaded CPU model on chapter 02's faster paths, in place. `pack_linears`: fuse q/k/v
     (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 and bfloat16
-    ones on the C++ AMX GEMM where it has AMX, their packed weights in 2 MiB pages (`cpu_gemm`, appendix C),
-    the rest on oneDNN (float64 and float16 layers stay `nn.Linear`); `fuse_ops`: the small ops in C++
-    (appendix B; float32 and bfloat16 only)."""
+    ones on the C++ AMX GEMM where it has AMX (`cpu_gemm`, appendix C), their packed weights in 2 MiB pages
+    (`huge_pages`, the end of appendix C), the rest on oneDNN (float64 and float16 layers stay `nn.Linear`);
+    `fuse_ops`: the small ops in C++ (appendix B; float32 and bfloat16 only)."""
     if pack_linears:
         fuse_qkv_projections(model)
         if cpu_gemm:
             use_panel_linear(model)
             use_amx_linear(model)
-            use_huge_pages(model)
+            if huge_pages:
+                use_huge_pages(model)
         pack_linear_layers(model)
     if fuse_ops:
         fuse_small_ops(model)
@@ -176,8 +177,9 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         attention_backend: the attention backend class, `(kv_cache, scale)` (None: `ContiguousAttention`).
     Attributes:
         kv_cache: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, the model's dtype.
-        pack_cpu_linears, cpu_gemm, fuse_cpu_small_ops: class switches (True), the arguments of
-            `prepare_cpu_model` on CPU: chapter 02's fast linear layers, its C++ GEMMs, its fused small ops.
+        pack_cpu_linears, cpu_gemm, fuse_cpu_small_ops, huge_pages: class switches (True), the arguments
+            of `prepare_cpu_model` on CPU: chapter 02's fast linear layers, its C++ GEMMs, its fused small
+            ops, 2 MiB pages for the packed weights (and, in `allocate_kv_cache`, for the KV cache).
         prefill_microbatch_tokens: most new tokens per forward pass of a prefill step on CPU.
         sampler: called with each step's logits (None: `sample_batch`; the engine sets `sampler_cls`'s).
     """
@@ -185,6 +187,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
     pack_cpu_linears = True
     cpu_gemm = True
     fuse_cpu_small_ops = True
+    huge_pages = True
     prefill_microbatch_tokens: int | None = PREFILL_MICROBATCH_TOKENS
 
     def __init__(self, model: LlamaForCausalLM, block_manager, generator=None, attention_backend: type | None = None):
@@ -192,7 +195,7 @@ class ModelRunner(_RequestSampling, _CacheAndPrompts):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
-            prepare_cpu_model(model, self.pack_cpu_linears, self.cpu_gemm, self.fuse_cpu_small_ops)
+            prepare_cpu_model(model, self.pack_cpu_linears, self.cpu_gemm, self.fuse_cpu_small_ops, self.huge_pages)
         self.kv_cache = self.allocate_kv_cache(block_manager.num_blocks, block_manager.block_size)
         self.attn = (attention_backend or ContiguousAttention)(self.kv_cache, model.model.layers[0].self_attn.scale)
         self.generator = generator if generator is not None else make_generator(0, self.device)
