@@ -17,13 +17,14 @@ HUGE_PAGE = 2 * 2**20  # bytes in a huge page of x86-64 (and of arm64 with 4 KiB
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of zeros whose memory Linux may back with 2 MiB pages.
 
-    The memory is a private anonymous mapping one page longer than the tensor, marked
+    The memory is a private anonymous mapping one huge page (2 MiB) longer than the tensor, marked
     `madvise(MADV_HUGEPAGE)`; the tensor starts at its first 2 MiB boundary, and its pages are made now,
     by writing the zeros (as `torch.zeros` does). Where transparent huge pages are on (`always` or
-    `madvise` in `/sys/kernel/mm/transparent_hugepage/enabled`) each whole 2 MiB of it is one page: one
-    TLB entry where 4 KiB pages take 512. The tensor keeps the mapping alive; it goes with the last
-    view of the tensor. Where the platform has no `MADV_HUGEPAGE` (not Linux), or the tensor is
-    smaller than one huge page, a plain `torch.zeros`. Idea: Linux's transparent hugepage support
+    `madvise` in `/sys/kernel/mm/transparent_hugepage/enabled`) and the kernel finds free 2 MiB stretches,
+    each whole 2 MiB of it is one page: one TLB entry where 4 KiB pages take 512. The tensor keeps the
+    mapping alive; it goes with the last view of the tensor. Its storage is the whole mapping (up to 2
+    MiB more than the tensor: `torch.save` writes it all) and cannot be resized. Where the platform has
+    no `MADV_HUGEPAGE` (not Linux), or the tensor is smaller than one huge page, a plain `torch.zeros`. Idea: Linux's transparent hugepage support
     (Documentation/admin-guide/mm/transhuge.rst), as torch's `THP_MEM_ALLOC_ENABLE` uses it.
 
     Args:
@@ -40,7 +41,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as torch.zeros
         pass
     memory = torch.frombuffer(region, dtype=torch.uint8)
-    start = -memory.data_ptr() % HUGE_PAGE
+    start = -memory.data_ptr() % HUGE_PAGE  # bytes up to the next 2 MiB boundary (0 if on one)
     return memory[start:start + nbytes].zero_().view(dtype).view(shape)
 
 # %% auto #0

@@ -108,8 +108,11 @@ from ...utils.huge_pages import huge_page_zeros
 def use_huge_pages(model: nn.Module) -> int:
     """Move the packed weights (`panels`) of every `PanelLinear` in `model` (subclasses such as
     `AMXLinear` included) into one buffer from `huge_page_zeros`, in place, each at a 64-byte boundary:
-    the same values, read from 2 MiB pages. Returns the bytes of that buffer (0 where `model` has no
-    `PanelLinear`)."""
+    the same values, shapes and dtypes, read from 2 MiB pages (the buffer itself is bytes, `uint8`). Call
+    it after `use_panel_linear` and `use_amx_linear`; while it runs, the old and the new panels are both in
+    memory. Returns the bytes of that buffer (0 where `model` has no `PanelLinear`). Raises `OSError`
+    where the buffer cannot be mapped. Idea: keep large streamed buffers in few TLB entries, as Linux's
+    transparent hugepage support intends (Documentation/admin-guide/mm/transhuge.rst)."""
     layers = [m for m in model.modules() if isinstance(m, PanelLinear)]
     if not layers:
         return 0
