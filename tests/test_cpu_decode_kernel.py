@@ -83,16 +83,23 @@ def test_kernel_equals_plain_torch_decode(shape, dtype, threads):
     torch.set_num_threads(threads)
     try:
         out = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
-        # a non-contiguous q (a strided view) gives the same
+        # a non-contiguous q (a strided view) gives the same: heads apart (copied), or sequences' rows
+        # apart, as a fused q/k/v projection's split gives them (read in place)
         wide = torch.cat([q, torch.zeros_like(q)], dim=2)[:, :, :shape[2]]
         assert not wide.is_contiguous()
         out_strided = paged_decode_attention_cpu(wide, k_cache, v_cache, tables, lens, scale)
+        rows = torch.cat([q.flatten(1), torch.full((q.shape[0], 7), float("nan"), dtype=dtype)], 1)
+        rows = rows[:, :q[0].numel()].view(q.shape)
+        assert not rows.is_contiguous() or q.shape[0] == 1
+        out_rows = paged_decode_attention_cpu(rows, k_cache, v_cache, tables, lens, scale)
     finally:
         torch.set_num_threads(before)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out, ref, atol=tol, rtol=0)
     torch.testing.assert_close(out_strided, out, atol=0, rtol=0)
+    torch.testing.assert_close(out_rows, out, atol=0, rtol=0)
+    assert out_rows.is_contiguous()
     plan = plan_decode(plain_tables, lens, shape[3], dtype)
     torch.testing.assert_close(paged_decode_attention_planned(q, k_cache, v_cache, plan, scale), out, atol=tol, rtol=0)
 
@@ -186,6 +193,10 @@ def test_amx_decode_against_the_float64_reference(shape, threads, wide):
         torch.set_num_threads(before)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     torch.testing.assert_close(out.double(), exact, atol=FLOAT32_ARITHMETIC, rtol=BF16_ROUNDING)
+    # sequences' rows apart (a fused q/k/v split's view, read in place; NaN between the rows): the same bits
+    rows = torch.cat([q.flatten(1), torch.full((q.shape[0], 5), float("nan")).bfloat16()], 1)
+    rows = rows[:, :q[0].numel()].view(q.shape)
+    assert torch.equal(module.paged_decode_attention_amx(rows, k_cache, v_cache, tables, lens, scale), out)
     wrong = module.paged_decode_attention_amx(q, k_cache, v_cache, tables, (lens - 1).clamp(min=1), scale)
     assert (wrong.double() - exact).abs().max() > 1e-2  # the check can fail: one token short
 

@@ -49,20 +49,30 @@ class ContiguousAttention:
     With several blocks per sequence it gathers them first: correct for any manager, but a copy.
     """
 
+    _views_of: torch.Tensor | None = None  # the kv_cache whose per-layer views `layer_kv_cache` holds
+
     def __init__(self, kv_cache: torch.Tensor, scale: float):
         self.kv_cache, self.scale = kv_cache, scale
         self.metadata: AttentionMetadata | None = None
 
+    def layer_kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s `(k_cache, v_cache)`, views of `kv_cache`, `[num_blocks, block_size,
+        num_kv_heads, head_dim]` each. Made once per cache tensor: indexing a 6-D tensor costs a few
+        microseconds, and every layer of every step asks."""
+        if self._views_of is not self.kv_cache:
+            self._views, self._views_of = list(zip(self.kv_cache[0], self.kv_cache[1])), self.kv_cache
+        return self._views[layer_idx]
+
     def store_kvcache(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's `k`, `v` (`[N, num_kv_heads, head_dim]`) into their slots."""
         slots = self.metadata.slot_mapping
-        for cache, new in ((self.kv_cache[0, layer_idx], k), (self.kv_cache[1, layer_idx], v)):
+        for cache, new in zip(self.layer_kv_cache(layer_idx), (k, v)):
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.metadata
         self.store_kvcache(layer_idx, k, v)
-        k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        k_cache, v_cache = self.layer_kv_cache(layer_idx)
         cu, lens, tables = md.cu_seqlens_q.tolist(), md.context_lens.tolist(), md.block_tables.tolist()
         out = []
         for i in range(md.num_seqs):  # each sequence's queries over its own first lens[i] keys

@@ -133,7 +133,7 @@ class PagedAttention(ContiguousAttention):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md: AttentionMetadata = self.metadata
         self.store_kvcache(layer_idx, k, v)
-        k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        k_cache, v_cache = self.layer_kv_cache(layer_idx)
         if md.is_prefill:
             return self.prefill(q, k, v, k_cache, v_cache, md)
         return self.decode(q, k_cache, v_cache, md)

@@ -105,7 +105,7 @@ class MixedBatchAttention:
         else:
             for m, rows in parts:  # every row's K/V first: a row may read a block another row fills
                 self._call(m, layer_idx, k[rows], v[rows], store=True)
-            k_cache, v_cache = b.kv_cache[0, layer_idx], b.kv_cache[1, layer_idx]
+            k_cache, v_cache = b.layer_kv_cache(layer_idx)
             out = [b.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, m) if m.is_prefill
                    else b.decode(q[rows], k_cache, v_cache, m) for m, rows in parts]
         return out[0] if len(out) == 1 else torch.cat(out)

@@ -233,7 +233,7 @@ class CPUPagedAttention(PagedAttention):
     def decode(self, q, k_cache, v_cache, md):
         """As `PagedAttention.decode`, through the C++ kernel where it applies (bfloat16: with AMX scores
         where `cpu_amx_decode_kernel` is available)."""
-        if q.device.type == "cpu" and q.dtype in CPU_KERNEL_DTYPES and (kernel := cpu_decode_kernel()) is not None:
+        if q.is_cpu and q.dtype in CPU_KERNEL_DTYPES and (kernel := cpu_decode_kernel()) is not None:
             if q.dtype == torch.bfloat16 and (amx := cpu_amx_decode_kernel()) is not None:
                 kernel = amx
             return kernel(q, k_cache, v_cache, md.block_tables, md.context_lens, self.scale)
@@ -255,8 +255,7 @@ class CPUPagedAttention(PagedAttention):
 
     def store_kvcache(self, layer_idx, k, v):
         """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies."""
-        if (k.device.type == "cpu" and k.dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
-                and (store := cpu_reshape_and_cache()) is not None):
-            store(k, v, self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx], self.metadata.slot_mapping)
+        if k.is_cpu and k.dtype in CPU_KERNEL_DTYPES and (store := cpu_reshape_and_cache()) is not None:
+            store(k, v, *self.layer_kv_cache(layer_idx), self.metadata.slot_mapping)
         else:
             super().store_kvcache(layer_idx, k, v)

@@ -43,8 +43,7 @@ class TritonPagedAttention(PagedAttention):
                 and importlib.util.find_spec("triton") is not None)
 
     def store_kvcache(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        triton_kernels().store_kvcache(k, v, self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx],
-                                       self.metadata.slot_mapping)
+        triton_kernels().store_kvcache(k, v, *self.layer_kv_cache(layer_idx), self.metadata.slot_mapping)
 
     def decode(self, q, k_cache, v_cache, md):
         return triton_kernels().paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.context_lens,

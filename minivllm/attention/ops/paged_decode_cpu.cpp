@@ -375,6 +375,7 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   scalar_t* o = out.data_ptr<scalar_t>();
   const scalar_t* qp = q.data_ptr<scalar_t>();
+  const int64_t q_stride = q.stride(0);  // a sequence's first query head (its heads follow one another)
   const scalar_t* kc = k_cache.data_ptr<scalar_t>();
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -382,7 +383,7 @@ static void decode_batch(torch::Tensor& out, const torch::Tensor& q, const torch
     std::vector<at::opmath_type<scalar_t>> q_wide, scores, acc;  // this thread's scratch
     for (int64_t b = begin; b < end; ++b)
       for (int64_t seq : bins[b])
-        decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * num_heads * D, kc, vc,
+        decode_one_sequence<scalar_t, kHeadDim>(o + seq * num_heads * D, qp + seq * q_stride, kc, vc,
                                                 tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads,
                                                 D, block_size, scale, q_wide, scores, acc);
   });
@@ -420,7 +421,9 @@ static torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch:
                     "num_heads, num_kv_heads, block_size and head_dim must be positive");
   TORCH_CHECK_VALUE(q.size(2) == k_cache.size(3) && num_heads % num_kv_heads == 0,
                     "head_dim must match and num_heads must be a multiple of num_kv_heads");
-  q = q.contiguous();
+  // each sequence's heads must lie as one row (D numbers a head); its rows may lie further apart, as the
+  // q of a fused q/k/v projection's split does: read in place, not copied
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -448,7 +451,7 @@ static torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch:
     bins[b].push_back(seq);
     load[b] += lens[seq];
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({n, num_heads, q.size(2)}, q.options());
   if (amx && decode_batch_amx(out, q, k_cache, v_cache, block_tables, lens, bins, scale)) return out;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     const int64_t D = q.size(2);
@@ -1262,6 +1265,7 @@ static bool decode_batch_amx(torch::Tensor& out, const torch::Tensor& q, const t
     return false;
   auto* o = out.data_ptr<c10::BFloat16>();
   const auto* qp = q.data_ptr<c10::BFloat16>();
+  const int64_t q_stride = q.stride(0);
   const auto* kc = k_cache.data_ptr<c10::BFloat16>();
   const auto* vc = v_cache.data_ptr<c10::BFloat16>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -1273,7 +1277,7 @@ static bool decode_batch_amx(torch::Tensor& out, const torch::Tensor& q, const t
       for (int64_t seq : bins[b]) {
         auto run = [&](auto head_dim) {
           constexpr int64_t kD = decltype(head_dim)::value;
-          decode_one_sequence_amx<kD>(o + seq * num_heads * kD, qp + seq * num_heads * kD, kc, vc,
+          decode_one_sequence_amx<kD>(o + seq * num_heads * kD, qp + seq * q_stride, kc, vc,
                                       tables + seq * max_blocks, lens[seq], num_heads, num_kv_heads, block_size,
                                       float(scale), scores, acc, q_tiles);
         };
