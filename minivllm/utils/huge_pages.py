@@ -24,15 +24,16 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     each whole 2 MiB of it is one page: one TLB entry where 4 KiB pages take 512. The tensor keeps the
     mapping alive; it goes with the last view of the tensor. Its storage is the whole mapping (up to 2
     MiB more than the tensor: `torch.save` writes it all) and cannot be resized. Where the platform has
-    no `MADV_HUGEPAGE` (not Linux), or the tensor is smaller than one huge page, a plain `torch.zeros`. Idea: Linux's transparent hugepage support
-    (Documentation/admin-guide/mm/transhuge.rst), as torch's `THP_MEM_ALLOC_ENABLE` uses it.
+    no `MADV_HUGEPAGE` (not Linux), or the tensor is smaller than one huge page, a plain `torch.zeros`.
+    Idea: Linux's transparent hugepage support (Documentation/admin-guide/mm/transhuge.rst), as torch's
+    `THP_MEM_ALLOC_ENABLE` uses it.
 
     Args:
         shape: the tensor's sizes. dtype: its element type.
     Raises:
         OSError: where the mapping cannot be made (out of memory).
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
