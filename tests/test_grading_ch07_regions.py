@@ -546,7 +546,7 @@ class _GraderKVStore(TritonPagedAttention):
     def store_kvcache(self, layer_idx, k, v):
         slots = self.metadata.slot_mapping
         keep = slots >= 0
-        for cache, new in ((self.kv_cache[0, layer_idx], k), (self.kv_cache[1, layer_idx], v)):
+        for cache, new in zip(self.layer_kv_cache(layer_idx), (k, v)):
             cache.view(-1, *cache.shape[2:])[slots[keep]] = new[keep]
 
 

@@ -57,10 +57,14 @@ class ContiguousAttention:
 
     def layer_kv_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s `(k_cache, v_cache)`, views of `kv_cache`, `[num_blocks, block_size,
-        num_kv_heads, head_dim]` each. Made once per cache tensor: indexing a 6-D tensor costs a few
-        microseconds, and every layer of every step asks."""
+        num_kv_heads, head_dim]` each. Made once per cache tensor (again when another tensor is assigned to
+        `kv_cache`; writes into it show through the views): indexing a 6-D tensor costs a few microseconds,
+        and every layer of every step asks. vLLM binds each layer's view once too (`bind_kv_cache`).
+        Raises IndexError for a layer the cache does not have."""
         if self._views_of is not self.kv_cache:
-            self._views, self._views_of = list(zip(self.kv_cache[0], self.kv_cache[1])), self.kv_cache
+            with torch.inference_mode(False):  # plain views, writable in any mode (the engine runs in inference mode)
+                self._views = list(zip(self.kv_cache[0], self.kv_cache[1]))
+            self._views_of = self.kv_cache
         return self._views[layer_idx]
 
     def store_kvcache(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:

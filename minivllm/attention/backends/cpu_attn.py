@@ -196,7 +196,9 @@ def _varlen_kernels():  # the library's float32 and AMX batch forms, looked up o
 # %% ../../../notebooks/05_paged_attention.ipynb #a2063830
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """`paged_decode_attention` computed by the C++ kernel: K/V read in place, no padding, no copies.
+    """`paged_decode_attention` computed by the C++ kernel: K/V read in place, no padding, no copies (`q`
+    too, where each sequence's heads lie as one row, as a fused q/k/v split's view has them; other layouts
+    are copied first). The output is a new contiguous tensor.
 
     Args:
         q: `[num_seqs, num_heads, head_dim]`, float32, float64 or bfloat16 (computed in float32), CPU.
@@ -255,7 +257,8 @@ class CPUPagedAttention(PagedAttention):
 
     def store_kvcache(self, layer_idx, k, v):
         """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies."""
-        if k.is_cpu and k.dtype in CPU_KERNEL_DTYPES and (store := cpu_reshape_and_cache()) is not None:
+        if (k.is_cpu and k.dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
+                and (store := cpu_reshape_and_cache()) is not None):
             store(k, v, *self.layer_kv_cache(layer_idx), self.metadata.slot_mapping)
         else:
             super().store_kvcache(layer_idx, k, v)

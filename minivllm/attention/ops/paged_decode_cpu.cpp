@@ -476,7 +476,7 @@ torch::Tensor paged_decode_attention_amx(torch::Tensor q, torch::Tensor k_cache,
 // vLLM's reshape_and_cache for one layer: this step's k, v [N, num_kv_heads, head_dim] copied into their
 // slots (slot = block id * block_size + offset in the block) of k_cache, v_cache [num_blocks, block_size,
 // num_kv_heads, head_dim]; slot -1 marks a padded row, skipped. One row copy per token and cache, in one
-// call (a pair of index_copy_ calls costs about three times as much at decode sizes: chapter 05).
+// call (a pair of index_copy_ calls costs several times as much at decode sizes: chapter 05 times both).
 void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor slot_mapping) {
   TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(),
