@@ -567,23 +567,31 @@ static inline float add_lanes(Vec16 v) {
 // the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
 // through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
 template <size_t N>
-static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
-  x = x < Vec16{} - 127.0f ? Vec16{} - 127.0f : x;  // a NaN lane stays NaN
-#if defined(__AVX512F__)
-  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-  const Vec16 n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
-#endif
-  const Vec16 f = x - n;
+static inline Vec16 horner(Vec16 f, const float (&c)[N]) {  // c[0] + c[1] f + ... + c[N - 1] f**(N - 1)
   Vec16 p = Vec16{} + c[N - 1];
   for (size_t i = N - 1; i-- > 0;) p = p * f + c[i];
+  return p;
+}
 #if defined(__AVX512F__)
-  return (Vec16)_mm512_scalef_ps((__m512)p, (__m512)n);
+// exp2_poly's 2**x in the lanes of `keep`, 0 in the others (the scaling by 2**n, masked: no extra instruction).
+template <size_t N>
+static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
+  x = (Vec16)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
+  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (Vec16)_mm512_maskz_scalef_ps(keep, (__m512)horner(x - n, c), (__m512)n);
+}
+#endif
+template <size_t N>
+static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
+#if defined(__AVX512F__)
+  return exp2_poly_where(x, 0xFFFF, c);
 #else
+  x = x < Vec16{} - 127.0f ? Vec16{} - 127.0f : x;  // a NaN lane stays NaN
+  const Vec16 n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
   const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
   Vec16 two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
+  return horner(x - n, c) * two_n;
 #endif
 }
 // degree 5, the constant held at 1 (so that a row's max score weighs exactly 1): within 1.9e-7 relative
@@ -924,8 +932,11 @@ static void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// 16 bfloat16 values widened to float32 (each the high half of a float32).
-static inline Vec16 widen_bf16(__m256i v) { return (Vec16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16); }
+// 32 bfloat16 values (two to a 32-bit word) as 16 float32 lanes whose sum is theirs: a word's high half is
+// already a float32's bits, its low half becomes one shifted up.
+static inline Vec16 pair_sums(__m512i pr) {
+  return (Vec16)_mm512_slli_epi32(pr, 16) + (Vec16)_mm512_and_si512(pr, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+}
 
 // How far (in base 2) a block's score may rise above a row's reference max before the reference moves: the
 // probabilities stay at most 2**8, and most blocks rescale nothing (FlashAttention-4's conditional rescaling).
@@ -946,11 +957,11 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   constexpr bool kOutputInTiles = D == 64;
   alignas(64) float o[kAmxRows][D];  // head_dim 128: the output; 64: where its tiles are rescaled and read out
   if constexpr (!kOutputInTiles) std::memset(o, 0, sizeof(o));
-  alignas(64) float s[kAmxRows][kAmxKeys];
-  alignas(64) uint16_t p[kAmxRows][kAmxKeys] = {};  // rows >= n stay zero
+  alignas(64) float s_buf[2][kAmxRows][kAmxKeys];           // block b's scores in s_buf[b % 2],
+  alignas(64) uint16_t p_buf[2][kAmxRows][kAmxKeys] = {};  // its probabilities in p_buf[b % 2] (rows >= n: 0)
   alignas(64) float pv[kAmxRows][16];
   alignas(64) Vec16 l[kAmxRows], lsum[kAmxRows] = {};  // a block's and the running sums, lane by lane
-  alignas(64) float m[kAmxRows], m_new[kAmxRows] = {}, alpha[kAmxRows];
+  alignas(64) float m[kAmxRows], m_new[kAmxRows], alpha[kAmxRows];
   int64_t num_keys = 0, min_last = INT64_MAX;
   for (int64_t r = 0; r < kAmxRows; ++r) m[r] = -INFINITY;
   for (int64_t r = 0; r < n; ++r)
@@ -958,15 +969,17 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   Int16 lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
   const Vec16 minus_inf = Vec16{} - INFINITY, ones = Vec16{} + 1.0f;
-  const float scale2 = scale * 1.4426950408889634f;
+  const float scale2 = scale * 1.4426950408889634f;  // scores in base 2: scale * log2(e)
+  const __m512 scale2_v = _mm512_set1_ps(scale2), headroom = _mm512_set1_ps(kRescaleHeadroom);
+  const uint32_t all_rows = (1u << n) - 1;
   if constexpr (kOutputInTiles) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
-    _tile_zero(4);  // 1. S = Q K^T for 32 keys: two 16 x 16 tiles
+  const auto block_scores = [&](int64_t b) {  // 1. S = Q K^T for block b's 32 keys, two 16 x 16 tiles
+    _tile_zero(4);
     _tile_zero(5);
     for (int64_t c = 0; c < C; ++c) {
       _tile_loadd(6, q + c * 32, D * 2);
@@ -975,39 +988,64 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
       _tile_loadd(7, kb + ((2 * b + 1) * C + c) * T, 64);
       _tile_dpbf16ps(5, 6, 7);
     }
-    _tile_stored(4, &s[0][0], kAmxKeys * 4);
-    _tile_stored(5, &s[0][16], kAmxKeys * 4);
+    _tile_stored(4, &s_buf[b % 2][0][0], kAmxKeys * 4);
+    _tile_stored(5, &s_buf[b % 2][0][16], kAmxKeys * 4);
+  };
+  if (num_keys > 0) block_scores(0);
+  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
+    // the next block's scores are asked for first: the tiles can compute them while this block's softmax runs
+    if (j0 + kAmxKeys < num_keys) block_scores(b + 1);
+    const float(*s)[kAmxKeys] = s_buf[b % 2];
+    uint16_t(*p)[kAmxKeys] = p_buf[b % 2];
     const bool all_seen = j0 + kAmxKeys <= min_last + 1;  // no row's causal limit inside the block
-    bool rescale = false;
-    for (int64_t r = 0; r < n; ++r) {  // 2. online softmax in float32, P rounded to bfloat16
-      Vec16 x[2], e[2];
-      Int16 hidden[2] = {};
+    // P rounded to bfloat16 into p[r], and this block's part of the row's sum (the running sum's rescale
+    // follows), of P as rounded: the divisor then holds the same rounding as the weighted sum, which cancels
+    // where one key carries most of the weight (a row's largest probability need not be 1 here)
+    const auto emit = [&](int64_t r, const Vec16 (&e)[2]) {
+      const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]);  // e[0] first
+      _mm512_store_si512(p[r], pr);
+      l[r] = pair_sums(pr);
+    };
+    const auto seen = [&](int64_t r, int64_t h) -> __mmask16 {  // the keys of half h that row r sees
+      return all_seen ? 0xFFFF
+                      : _mm512_cmp_epi32_mask((__m512i)(lane + int32_t(j0 + h * kLanes)),
+                                              _mm512_set1_epi32(int32_t(last[r])), _MM_CMPINT_LE);
+    };
+    // 2. the online softmax in float32, in two passes. The first, every row: 2**(x - m) against the row's
+    // reference m as it stands (a multiply-add a register: no max across lanes, no branch), marking the row
+    // where a score it sees lies more than kRescaleHeadroom above m, or where m is -inf (nothing finite
+    // seen yet; every row in the first block, which this pass then skips). The second redoes the marked rows
+    // with m moved to the row's max.
+    uint32_t redo = _mm512_cmp_ps_mask(_mm512_load_ps(m), (__m512)minus_inf, _CMP_EQ_OQ) & all_rows;
+    for (int64_t r = 0; r < n && redo != all_rows; ++r) {
+      const __m512 minus_m = _mm512_set1_ps(-m[r]);
+      Vec16 e[2];
+      __mmask16 over = 0;
       for (int64_t h = 0; h < 2; ++h) {
-        x[h] = load_vec16(s[r] + h * kLanes) * scale2;  // in base 2: scale * log2(e)
-        if (!all_seen) {
-          hidden[h] = lane + int32_t(j0 + h * kLanes) > int32_t(last[r]);
-          x[h] = hidden[h] ? minus_inf : x[h];
-        }
+        const __mmask16 k = seen(r, h);
+        const Vec16 x = (Vec16)_mm512_fmadd_ps(_mm512_load_ps(s[r] + h * kLanes), scale2_v, minus_m);
+        over |= _mm512_mask_cmp_ps_mask(k, (__m512)x, headroom, _CMP_GT_OQ);
+        e[h] = exp2_poly_where(x, k, kExp2Cubic);
       }
-      const Vec16 limit = Vec16{} + (m[r] + kRescaleHeadroom);  // -inf + 8 = -inf: nothing seen yet moves it
-      if (m[r] == -INFINITY || _mm512_cmp_ps_mask((__m512)x[0], (__m512)limit, _CMP_GT_OQ) |
-                                   _mm512_cmp_ps_mask((__m512)x[1], (__m512)limit, _CMP_GT_OQ)) {
-        m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
-        rescale = true;
-      } else {
-        m_new[r] = m[r];
+      redo |= uint32_t(over != 0) << r;
+      emit(r, e);
+    }
+    std::memcpy(m_new, m, sizeof(m));
+    for (uint32_t rows = redo; rows != 0; rows &= rows - 1) {
+      const int64_t r = __builtin_ctz(rows);
+      Vec16 x[2], e[2];
+      for (int64_t h = 0; h < 2; ++h) {
+        x[h] = load_vec16(s[r] + h * kLanes) * scale2;
+        if (!all_seen) x[h] = (Vec16)_mm512_mask_blend_ps(seen(r, h), (__m512)minus_inf, (__m512)x[h]);
       }
+      m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
       // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
-      for (int64_t h = 0; h < 2; ++h) e[h] = hidden[h] ? Vec16{} : exp2_poly(x[h] - m_ref, kExp2Cubic);
-      const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]);  // e[0] first
-      _mm512_storeu_si512(p[r], pr);
-      // this block's part of the sum (the running sum's rescale follows), of P as rounded: the divisor then
-      // holds the same rounding as the weighted sum, which cancels where one key carries most of the weight
-      // (a row's largest probability need not be 1 here)
-      l[r] = widen_bf16(_mm512_castsi512_si256(pr)) + widen_bf16(_mm512_extracti64x4_epi64(pr, 1));
+      for (int64_t h = 0; h < 2; ++h) e[h] = exp2_poly_where(x[h] - m_ref, seen(r, h), kExp2Cubic);
+      emit(r, e);
     }
+    const bool rescale = redo != 0;
     if (rescale) {  // all 16 rows' rescale factors in one register (rescale_factors, base 2; 1 where m stayed)
       const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
       store_vec16(alpha, mo == mn ? ones : rescale_factors(mo, mn, kExp2Cubic));
@@ -1019,7 +1057,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     }
     _tile_loadd(6, &p[0][0], kAmxKeys * 2);
     if constexpr (kOutputInTiles) {  // 3. O += P V in the tiles, after O's rows are rescaled where a reference moved
-      if (rescale) {
+      if (rescale && b > 0) {  // (in the first block O is still 0)
         _tile_stored(0, &o[0][0], D * 4);
         _tile_stored(1, &o[0][16], D * 4);
         _tile_stored(2, &o[0][32], D * 4);
@@ -1056,13 +1094,13 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     _tile_stored(2, &o[0][32], D * 4);
     _tile_stored(3, &o[0][48], D * 4);
   }
-  float sums[kAmxRows];
+  float inv[kAmxRows];  // 1 / the row's sum: one division a row, not one a value (vdivps is slow)
   // a sum of 0: every score the row saw was -inf (or 2**-127 flushed to 0), its P all 0 and o 0: output 0, as
   // torch's fused path, whichever rows share the tile (a block hidden from this row sets alpha 0 and the sum 0)
-  for (int64_t r = 0; r < n; ++r) sums[r] = add_lanes(lsum[r]), sums[r] = sums[r] == 0.0f ? 1.0f : sums[r];
+  for (int64_t r = 0; r < n; ++r) inv[r] = add_lanes(lsum[r]), inv[r] = inv[r] == 0.0f ? 1.0f : 1.0f / inv[r];
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; d += kLanes)
-      _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vec16(o[r] + d) / sums[r])));
+      _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vec16(o[r] + d) * inv[r])));
 }
 
 template <int64_t D>
