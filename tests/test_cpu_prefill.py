@@ -361,15 +361,17 @@ def test_amx_prefill_over_a_wide_score_range_errs_no_more_than_torch(amx_prefill
     assert (out - ref).abs().max().item() <= 2 * torch_err + 1e-6
 
 
-@pytest.mark.parametrize("step", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("step", [0.5, 3.0, 12.0, 40.0])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_amx_prefill_as_the_scores_climb_block_after_block(amx_prefill, step, head_dim):
-    """The AMX tile moves a row's reference max only when a score rises more than 2**8 above it (then the
-    row's sums, in tiles for head_dim 64, are rescaled). Here every query's scores climb by `step` (in base 2)
-    from one block of 32 keys to the next: by 0.5, no block after the first moves the reference and the
-    probabilities grow to 2**7; by 3, every third block does; by 12, every block does. Within one bfloat16
-    rounding of float64, as for random scores (a tile that skipped or misapplied a rescale is off by far more:
-    checked by breaking it)."""
+    """The AMX tile moves a row's reference max only when a score rises more than 8 above it in base 2 (then
+    the row's sums, in tiles for head_dim 64, are rescaled). Here every query's scores climb by `step` (in base
+    2) from one block of 32 keys to the next: by 0.5, no block after the first moves the reference and the
+    probabilities grow to 2**7; by 3, every third block does; by 12 and 40, every block does. Within one
+    bfloat16 rounding of float64, as for random scores. A tile that misapplied a rescale is off by far more;
+    one that never moved the reference is caught by the climb of 40 only (2**40 per block overflows float32
+    within the 7 blocks; by 12 the sums reach only 2**72, which float32 holds, and any reference gives the
+    same quotient): both checked by breaking the kernel."""
     tq = tk = 200
     g = torch.Generator().manual_seed(17)
     q = torch.zeros(tq, 9, head_dim, dtype=torch.float64)
@@ -510,10 +512,11 @@ def test_amx_prefill_refuses_a_sparse_or_mkldnn_tensor_with_a_value_error(amx_pr
 
 
 def test_amx_prefill_with_a_token_stride_of_k_past_int32_offsets(amx_prefill):
-    """K's words are gathered 16 keys at a time with int32 offsets of lane * token stride (in words): a k whose
-    token stride is 2**29 elements (a view into 9 GiB of address space, 10 rows touched) put lane 8's offset
-    past 2**31, and the gather read outside the tensor (the process died of a segmentation fault; found by a
-    tester). Such a k is copied to a contiguous one first; the output equals that of the copy."""
+    """A k whose token stride is 2**29 elements (a view into 9 GiB of address space, 10 rows touched): when K's
+    words were gathered 16 keys at a time with int32 offsets of lane * token stride, lane 8's offset passed
+    2**31 and the gather read outside the tensor (the process died of a segmentation fault; found by a
+    tester). K's rows are now loaded one by one at their own addresses; the output equals that of a
+    contiguous copy."""
     tk, stride = 10, 2 ** 29
     try:
         store = torch.empty((tk - 1) * stride + 64, dtype=torch.bfloat16)  # untouched pages take no memory

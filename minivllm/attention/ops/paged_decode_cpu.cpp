@@ -530,7 +530,7 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // registers across the block's V rows. The scores never leave the first-level cache. The registers are
 // 64-byte vectors of the GCC/Clang extension: one AVX-512 register each, which is where the engine uses
 // this kernel (cpu_attn.py's cpu_prefill_kernel); AVX-512 intrinsics where the vector extension has no
-// word for an instruction (vscalefps, gathers), with plain fallbacks.
+// word for an instruction (vscalefps, shuffles), with plain fallbacks.
 constexpr int64_t kLanes = 16;             // float32 values per 64-byte vector
 constexpr int64_t kRows = 6;               // query rows per tile: 6 x 4 sums of S, then 6 x 4 of O, in registers
 constexpr int64_t kKeyVecs = 4;            // vectors of keys per block
@@ -561,19 +561,57 @@ static inline float add_lanes(Vec16 v) {
 #endif
 }
 
-// 2**x in float32 for x <= 0 (a softmax's scores minus their max, in base 2), a register at a time: x = n + f
-// with n whole and |f| <= 1/2, 2**f by a polynomial in f (the coefficients c, lowest degree first: least
-// squares of the relative error on Chebyshev points of [-1/2, 1/2]), times 2**n (AVX-512's vscalefps, or
-// the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
-// through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
+#if defined(__AVX512F__)
+// A 16 x 16 matrix of 32-bit words, one row a register, transposed in the registers: row i of the result
+// holds word i of every input row. Four rounds of shuffles (words, pairs of words, then 128-bit quarters
+// twice), 64 in all; it packs K for the prefill tiles. (A gather per row of the result, 16 loads each, did
+// the same a little more slowly, and its int32 offsets limited the token stride.)
+static inline void transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// 16 rows of 64 bytes, row i from p + i * stride (elements of T), the rows from `present` on zero (keys past
+// the sequence's last): a matrix for transpose16x16.
+template <typename T>
+static inline void load_rows16(__m512i (&r)[16], const T* p, int64_t stride, int64_t present) {
+  for (int64_t i = 0; i < 16; ++i) r[i] = i < present ? _mm512_loadu_si512(p + i * stride) : _mm512_setzero_si512();
+}
+#endif
+
 template <size_t N>
 static inline Vec16 horner(Vec16 f, const float (&c)[N]) {  // c[0] + c[1] f + ... + c[N - 1] f**(N - 1)
   Vec16 p = Vec16{} + c[N - 1];
   for (size_t i = N - 1; i-- > 0;) p = p * f + c[i];
   return p;
 }
+// exp2_poly: 2**x in float32 for x <= 0 (a softmax's scores minus their max, in base 2), a register at a
+// time: x = n + f with n whole and |f| <= 1/2, 2**f by a polynomial in f (the coefficients c, lowest degree
+// first: least squares of the relative error on Chebyshev points of [-1/2, 1/2]), times 2**n (AVX-512's
+// vscalefps, or the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
+// through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
+// exp2_poly_where: the same in the lanes of `keep`, 0 in the others (the scaling by 2**n masked: no extra
+// instruction). With AVX-512 only.
 #if defined(__AVX512F__)
-// exp2_poly's 2**x in the lanes of `keep`, 0 in the others (the scaling by 2**n, masked: no extra instruction).
 template <size_t N>
 static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
   x = (Vec16)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
@@ -783,22 +821,19 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   float* kt_w = kt_blocks.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const int64_t k_stride = k.stride(0);
-#if defined(__AVX512F__)
-  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(int32_t(k_stride)));  // 16 keys' rows, in floats
-#endif
   for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], t0 = item % blocks[s] * kKeys, tk = batch.tk(s);
     const float* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
     float* dst = kt_w + kt_start[s] + item * D * kKeys;
 #if defined(__AVX512F__)
-    for (int64_t c = 0; c < kKeyVecs; ++c) {  // value d of 16 keys: one gather (a load from 16 addresses)
+    for (int64_t c = 0; c < kKeyVecs; ++c) {  // 16 keys' values d0..d0 + 15: 16 row loads, one transposition
       const int64_t t = t0 + c * kLanes;
-      const __mmask16 present = tk - t >= kLanes ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - t)) - 1);
-      const float* base = ks + t * k_stride + h * D;
-      for (int64_t d = 0; d < D; ++d)
-        _mm512_storeu_ps(dst + d * kKeys + c * kLanes,
-                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, key_offsets, base + d, 4));
+      for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+        __m512i r[16];
+        load_rows16(r, ks + t * k_stride + h * D + d0, k_stride, std::clamp<int64_t>(tk - t, 0, kLanes));
+        transpose16x16(r);
+        for (int64_t j = 0; j < kLanes; ++j) _mm512_storeu_si512(dst + (d0 + j) * kKeys + c * kLanes, r[j]);
+      }
     }
 #else
     for (int64_t i = 0; i < kKeys; ++i)
@@ -840,11 +875,10 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
 }
 
 // The checks and layout fixes both prefill kernels make (kernel: its name in the errors; dtype: the one it
-// takes; word: elements per 32-bit word, which its K gather reads): each token's heads must be rows of D
-// values, whatever the token stride (a q/k/v split's views keep theirs), and K's gather offsets (15 token
-// strides, in words) must fit int32.
+// takes): each token's heads must be rows of D values, whatever the token stride (a q/k/v split's views keep
+// theirs).
 static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, const char* kernel,
-                                 c10::ScalarType dtype, int64_t word) {
+                                 c10::ScalarType dtype) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
                     "q must be [Tq, num_heads, head_dim] and k, v both [Tk, num_kv_heads, head_dim]");
   TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), kernel, " takes CPU tensors");
@@ -857,11 +891,8 @@ static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tens
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   // a fresh dense copy where the strides do not fit (contiguous() keeps a size-1 dimension's stride as it is)
   const auto dense = [](const torch::Tensor& t) { return torch::empty(t.sizes(), t.options()).copy_(t); };
-  const int64_t limit = INT32_MAX / 15;
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = dense(q);
-  if (k.stride(2) != 1 || k.stride(1) != k.size(2) || k.stride(0) % word || k.stride(0) / word > limit) k = dense(k);
-  TORCH_CHECK_VALUE(k.stride(0) / word <= limit, kernel, " takes num_kv_heads * head_dim below 2**",
-                    word == 1 ? 27 : 28);
+  if (k.stride(2) != 1 || k.stride(1) != k.size(2)) k = dense(k);
   if (v.stride(2) != 1 || v.stride(1) != v.size(2)) v = dense(v);
 }
 
@@ -957,8 +988,8 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   constexpr bool kOutputInTiles = D == 64;
   alignas(64) float o[kAmxRows][D];  // head_dim 128: the output; 64: where its tiles are rescaled and read out
   if constexpr (!kOutputInTiles) std::memset(o, 0, sizeof(o));
-  alignas(64) float s_buf[2][kAmxRows][kAmxKeys];           // block b's scores in s_buf[b % 2],
-  alignas(64) uint16_t p_buf[2][kAmxRows][kAmxKeys] = {};  // its probabilities in p_buf[b % 2] (rows >= n: 0)
+  alignas(64) float s_buf[2][kAmxRows][kAmxKeys];  // block b's scores in s_buf[b % 2]
+  alignas(64) uint16_t p[kAmxRows][kAmxKeys] = {};  // its probabilities (rows >= n stay zero)
   alignas(64) float pv[kAmxRows][16];
   alignas(64) Vec16 l[kAmxRows], lsum[kAmxRows] = {};  // a block's and the running sums, lane by lane
   alignas(64) float m[kAmxRows], m_new[kAmxRows], alpha[kAmxRows];
@@ -996,7 +1027,6 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     // the next block's scores are asked for first: the tiles can compute them while this block's softmax runs
     if (j0 + kAmxKeys < num_keys) block_scores(b + 1);
     const float(*s)[kAmxKeys] = s_buf[b % 2];
-    uint16_t(*p)[kAmxKeys] = p_buf[b % 2];
     const bool all_seen = j0 + kAmxKeys <= min_last + 1;  // no row's causal limit inside the block
     // P rounded to bfloat16 into p[r], and this block's part of the row's sum (the running sum's rescale
     // follows), of P as rounded: the divisor then holds the same rounding as the weighted sum, which cancels
@@ -1108,8 +1138,8 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
                               torch::Tensor& out, const VarlenBatch& batch, double scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
   // the tiles' order, once per call, for each sequence and K/V head h (keys padded to a multiple of 32):
-  // kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key 16n + col's row in head h (a gather
-  // of 16 keys' words), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col] (two keys' rows interleaved);
+  // kb[h][n][c][p][col] = the 32-bit word (two bfloat16) 16c + p of key 16n + col's row in head h (16 keys'
+  // rows of 16 words transposed), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col] (two keys' rows interleaved);
   // zeros past the last key. Sequence s's start in both: pack_start[s].
   const BatchLayout layout(batch, num_kv_heads, group, D, kAmxKeys, kAmxRows);
   const auto& blocks = layout.blocks;
@@ -1121,8 +1151,6 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
   const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(int32_t(k_stride / 2)));  // in words
   __m512i interleave;  // element 2i from the first row, 2i + 1 from the second
   alignas(64) int16_t idx[32];
   for (int i = 0; i < 16; ++i) idx[2 * i] = int16_t(i), idx[2 * i + 1] = int16_t(32 + i);
@@ -1136,11 +1164,12 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
     int32_t* kb_s = kb_w + pack_start[s] / 2;
     uint16_t* vb_s = vb + pack_start[s];
     for (int64_t n = 2 * b; n < 2 * b + 2; ++n) {
-      const __mmask16 present = tk - 16 * n >= 16 ? 0xFFFF : __mmask16((1u << std::max<int64_t>(0, tk - 16 * n)) - 1);
-      for (int64_t w = 0; w < D / 2; ++w) {  // word w of each key: row w % 16 of tile (n, w / 16)
-        const auto* base = reinterpret_cast<const int32_t*>(ks + 16 * n * k_stride + h * D) + w;
-        _mm512_storeu_si512(kb_s + ((h * n16 + n) * (D / 32) + w / 16) * 256 + w % 16 * 16,
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, key_offsets, base, 4));
+      for (int64_t c = 0; c < D / 32; ++c) {  // words 16c..16c + 15 of the 16 keys: tile (n, c), row p = word 16c + p
+        __m512i r[16];
+        load_rows16(r, ks + 16 * n * k_stride + h * D + 32 * c, k_stride, std::clamp<int64_t>(tk - 16 * n, 0, 16));
+        transpose16x16(r);
+        int32_t* tile = kb_s + ((h * n16 + n) * (D / 32) + c) * 256;
+        for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 16, r[p]);
       }
     }
     for (int64_t pr = 0; pr < 16; ++pr) {
@@ -1346,8 +1375,8 @@ bool amx_available() {
 // kernel run. Returns [sum Tq, num_heads, D] in the inputs' dtype.
 static torch::Tensor prefill_entry(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
                                    torch::Tensor cu_seqlens_k, double scale, bool amx) {
-  if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16, 2);
-  else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat, 1);
+  if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16);
+  else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat);
   TORCH_CHECK(!amx || amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
   const int64_t one_q[] = {0, q.size(0)}, one_k[] = {0, k.size(0)};
   VarlenBatch batch{one_q, one_k, 1};
