@@ -582,6 +582,80 @@ def test_the_batch_form_gives_the_one_sequence_kernels_bits(one_and_batch, head_
     assert not torch.equal(batch(q, k, v, shifted, cu_k, 0.125), expected)
 
 
+def paged_copy(k, v, cu_k, block_size, seed=3):
+    """k, v (sequences end to end at `cu_k`) stored in a paged cache the way the engine stores them: each
+    sequence's tokens in its own blocks, taken in a shuffled order from a pool with room to spare. Returns
+    (k_cache, v_cache, context_lens, block_tables)."""
+    lens = (cu_k[1:] - cu_k[:-1]).tolist()
+    need = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(need) + 7
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    k_cache = torch.zeros(num_blocks, block_size, *k.shape[1:], dtype=k.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.full((len(lens), max(need) + 2), -1, dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids, order = order[:need[i]], order[need[i]:]
+        tables[i, :need[i]] = torch.tensor(ids, dtype=torch.long)
+        for t in range(n):
+            k_cache[ids[t // block_size], t % block_size] = k[cu_k[i] + t]
+            v_cache[ids[t // block_size], t % block_size] = v[cu_k[i] + t]
+    return k_cache, v_cache, torch.tensor(lens), tables
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_the_paged_form_gives_the_batch_forms_bits(one_and_batch, head_dim, block_size):
+    """The batch form over a paged cache (keys read through the block tables, as the backend calls it when
+    some sequence has cached tokens) equals the batch form over the same keys laid end to end, bit for bit,
+    on 1 and 2 threads; a block table that points one block at another sequence's changes the output (the
+    check can fail; swapping two of a sequence's own blocks would not, where every query sees both)."""
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    dtype, _, batch = one_and_batch
+    module = load_extension(DECODE_KERNEL)
+    paged = module.prefill_attention_paged if dtype == torch.float32 else module.prefill_attention_amx_paged
+    q, k, v, cu_q, cu_k = varlen_inputs(dtype, head_dim)
+    k_cache, v_cache, lens, tables = paged_copy(k, v, cu_k, block_size)
+    expected = batch(q, k, v, cu_q, cu_k, 0.125)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(paged(q, k_cache, v_cache, cu_q, lens, tables, 0.125), expected), threads
+    finally:
+        torch.set_num_threads(before)
+    wrong = tables.clone()
+    wrong[6, 0] = tables[0, 0]  # the 200-key sequence's first block: the 40-token sequence's
+    assert not torch.equal(paged(q, k_cache, v_cache, cu_q, lens, wrong, 0.125), expected)
+
+
+def test_the_paged_form_refuses_bad_tables_with_a_clear_error(one_and_batch):
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    dtype, _, _ = one_and_batch
+    module = load_extension(DECODE_KERNEL)
+    paged = module.prefill_attention_paged if dtype == torch.float32 else module.prefill_attention_amx_paged
+    q, k, v, cu_q, cu_k = varlen_inputs(dtype)
+    k_cache, v_cache, lens, tables = paged_copy(k, v, cu_k, 16)
+    outside = tables.clone()
+    outside[6, 2] = k_cache.shape[0]
+    short = lens.clone()
+    short[6] = tables.shape[1] * 16 + 1
+    halves = (x.view(-1, 8, 3, k.shape[-1]) for x in (k_cache, v_cache))  # the same cache in blocks of 8
+    cases = {
+        "multiple of 16": (q, *halves, cu_q, lens, tables),
+        "not a block of the cache": (q, k_cache, v_cache, cu_q, lens, outside),
+        "does not fit its": (q, k_cache, v_cache, cu_q, short, tables),
+        "int64 CPU tensors": (q, k_cache, v_cache, cu_q, lens.int(), tables),
+        "at least Tq": (q, k_cache, v_cache, cu_q, torch.where(lens == 130, 129, lens), tables),
+    }
+    for message, args in cases.items():
+        with pytest.raises(ValueError, match=message):
+            paged(*args, 0.125)
+
+
 def test_the_batch_form_refuses_bad_prefix_sums(one_and_batch):
     dtype, _, batch = one_and_batch
     q, k, v, cu_q, cu_k = varlen_inputs(dtype)
@@ -607,25 +681,32 @@ def test_the_batch_form_refuses_bad_prefix_sums(one_and_batch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backend_prefills_a_batch_in_one_call_with_the_same_bits(dtype, monkeypatch):
-    """`CPUPagedAttention.prefill` calls the batch form once per layer, with this step's k and v as they are
-    when nothing is cached and with every sequence's keys laid end to end (the cached ones gathered) when some
-    are; its output equals the per-sequence path's (the batch form switched off) bit for bit."""
+    """`CPUPagedAttention.prefill` calls the batch form once per layer: with this step's k and v as they are
+    when nothing is cached; its paged form (the keys read through the block tables) when some are, with
+    blocks of 16; the batch form over every sequence's keys laid end to end (the cached ones gathered) when
+    some are with blocks of 8, which the paged form does not take. Each time its output equals the
+    per-sequence path's (the batch forms switched off) bit for bit."""
     import minivllm.attention.backends.cpu_attn as cd
 
     if cd.cpu_prefill_varlen_kernel(dtype) is None:
         pytest.skip(f"no C++ prefill kernel for {dtype} on this CPU")
-    real = cd.cpu_prefill_varlen_kernel(dtype)
-    for lens_q, lens in (([6, 1, 33], [6, 1, 33]), ([6, 1, 33], [6, 20, 50])):
-        md = metadata(lens_q, lens, 16, 16)
+    real, real_paged = cd.cpu_prefill_varlen_kernel(dtype), cd.cpu_prefill_paged_kernel(dtype)
+    for lens_q, lens, block_size, kind in (([6, 1, 33], [6, 1, 33], 16, "varlen"),
+                                           ([6, 1, 33], [6, 20, 50], 16, "paged"),
+                                           ([6, 1, 33], [6, 20, 50], 8, "varlen")):
+        md = metadata(lens_q, lens, block_size, 32)
         q, k, v = (x.to(dtype) for x in qkv(sum(lens_q), sum(lens_q), 9, 3, 64, seed=2))
-        cache = torch.randn(2, 1, 16, 16, 3, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+        cache = torch.randn(2, 1, 32, block_size, 3, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
         outs, calls = [], []
-        for varlen in (lambda *a: calls.append(a[1].shape[0]) or real(*a), None):
-            monkeypatch.setattr(cd, "cpu_prefill_varlen_kernel", lambda dt, varlen=varlen: varlen)
+        for on in (True, False):
+            varlen = (lambda *a: calls.append(("varlen", a[1].shape[0])) or real(*a)) if on else None
+            paged = (lambda *a: calls.append(("paged", int(a[4].sum()))) or real_paged(*a)) if on else None
+            monkeypatch.setattr(cd, "cpu_prefill_varlen_kernel", lambda dt, f=varlen: f)
+            monkeypatch.setattr(cd, "cpu_prefill_paged_kernel", lambda dt, f=paged: f)
             backend = cd.CPUPagedAttention(cache.clone(), 0.125)
             backend.metadata = md
             outs.append(backend(0, q, k, v))
-        assert calls == [sum(lens)] and torch.equal(outs[0], outs[1])
+        assert calls == [(kind, sum(lens))] and torch.equal(outs[0], outs[1]), (lens, block_size)
 
 
 def test_the_batch_form_refuses_prefix_sums_that_wrap_around(one_and_batch):

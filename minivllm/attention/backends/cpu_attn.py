@@ -53,7 +53,7 @@ def cpu_reshape_and_cache():
 __all__ = ['DECODE_KERNEL', 'CPU_KERNEL_DTYPES', 'GROUPED_QUERY_CHUNK', 'PREFILL_KERNEL_HEAD_DIMS', 'cpu_decode_kernel',
            'cpu_reshape_and_cache', 'prefill_attention_sdpa', 'prefill_attention_grouped', 'cpu_prefill_kernel',
            'cpu_amx_prefill_kernel', 'prefill_attention_cpu', 'cpu_amx_decode_kernel', 'cpu_prefill_varlen_kernel',
-           'paged_decode_attention_cpu', 'CPUPagedAttention']
+           'cpu_prefill_paged_kernel', 'paged_decode_attention_cpu', 'CPUPagedAttention']
 
 # %% ../../../notebooks/05_paged_attention.ipynb #af67e706
 import torch.nn.functional as F
@@ -188,10 +188,26 @@ def cpu_prefill_varlen_kernel(dtype: torch.dtype):
     return None
 
 
+def cpu_prefill_paged_kernel(dtype: torch.dtype):
+    """The batch form over a paged cache, `(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+    scale)`: sequence s's new tokens are q's rows `cu_seqlens_q[s]` to `cu_seqlens_q[s + 1] - 1` and its keys
+    the first `context_lens[s]` slots of its blocks (`block_tables[s]`, int64 `[num_seqs, max_blocks]`) in
+    `k_cache`, `v_cache` `[num_blocks, block_size, num_kv_heads, head_dim]` (contiguous, `block_size` a
+    multiple of 16), this step's keys stored by then: read in place, nothing gathered (FlashAttention's
+    varlen call with a `block_table`, as vLLM makes it for cached prefixes). The same tiles, so the bits of
+    `cpu_prefill_varlen_kernel` on the same keys. None where that is None. Raises ValueError as it, and for
+    a block size that is not a multiple of 16, a sequence longer than its blocks, or a block id outside the
+    cache."""
+    if cpu_prefill_varlen_kernel(dtype) is None:
+        return None
+    return _varlen_kernels()[2 if dtype == torch.float32 else 3]
+
+
 @functools.cache
-def _varlen_kernels():  # the library's float32 and AMX batch forms, looked up once
+def _varlen_kernels():  # the library's float32 and AMX batch forms, end to end and paged, looked up once
     module = load_extension(DECODE_KERNEL)
-    return module.prefill_attention_varlen, module.prefill_attention_amx_varlen
+    return (module.prefill_attention_varlen, module.prefill_attention_amx_varlen,
+            module.prefill_attention_paged, module.prefill_attention_amx_paged)
 
 # %% ../../../notebooks/05_paged_attention.ipynb #a2063830
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -244,13 +260,17 @@ class CPUPagedAttention(PagedAttention):
     def prefill(self, q, k, v, k_cache, v_cache, md):
         """As `PagedAttention.prefill`, in one call for the whole batch where `cpu_prefill_varlen_kernel` takes
         the dtype and head_dim: this step's `k`, `v` as they are where no sequence has cached tokens, else
-        every sequence's K/V copied end to end, the cached ones gathered (`sequence_kv`)."""
+        every sequence's keys read through its block table (`cpu_prefill_paged_kernel`; with a block size
+        that is not a multiple of 16, copied end to end instead, the cached ones gathered: `sequence_kv`)."""
         on_kernel = q.device.type == "cpu" and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
         if not on_kernel or (kernel := cpu_prefill_varlen_kernel(q.dtype)) is None:
             return super().prefill(q, k, v, k_cache, v_cache, md)
         cu_q = md.cu_seqlens_q
         if torch.equal(cu_q[1:] - cu_q[:-1], md.context_lens):  # nothing cached: this step's k, v hold every key
             return kernel(q, k, v, cu_q, cu_q, self.scale)
+        if k_cache.shape[1] % 16 == 0:
+            paged = cpu_prefill_paged_kernel(q.dtype)
+            return paged(q, k_cache, v_cache, cu_q, md.context_lens, md.block_tables, self.scale)
         keys = self.sequence_kv(k, v, k_cache, v_cache, md)
         cu_k = F.pad(md.context_lens.cumsum(0), (1, 0))
         return kernel(q, torch.cat([ki for ki, _ in keys]), torch.cat([vi for _, vi in keys]), cu_q, cu_k, self.scale)

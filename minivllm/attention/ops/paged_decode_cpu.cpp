@@ -737,13 +737,22 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
 // A prefill batch laid end to end, as FlashAttention's varlen kernels take one: sequence s's new tokens are
 // q's rows cu_q[s] .. cu_q[s + 1] - 1 and its keys k's and v's rows cu_k[s] .. cu_k[s + 1] - 1 (cached ones
 // first, then the new ones: its query i sees its keys 0 .. tk - tq + i). One call serves the whole batch:
-// no call per sequence, and the threads share out the tiles of all sequences.
+// no call per sequence, and the threads share out the tiles of all sequences. With block_tables, the keys
+// lie in a paged cache instead (FlashAttention's varlen call with a block table, as vLLM makes it for a
+// prefix the cache holds): key t of sequence s is row block_tables[s][t / block_size] * block_size +
+// t % block_size of k and v, and cu_k holds the prefix sums of the sequences' lengths only.
 struct VarlenBatch {
   const int64_t* cu_q;
   const int64_t* cu_k;
   int64_t num_seqs;
+  const int64_t* block_tables = nullptr;  // [num_seqs, max_blocks], or none: k's rows cu_k[s] + t
+  int64_t max_blocks = 0, block_size = 0;
   int64_t tq(int64_t s) const { return cu_q[s + 1] - cu_q[s]; }
   int64_t tk(int64_t s) const { return cu_k[s + 1] - cu_k[s]; }
+  int64_t key_row(int64_t s, int64_t t) const {  // k's and v's row of sequence s's key t (t < tk(s))
+    if (block_tables == nullptr) return cu_k[s] + t;
+    return block_tables[s * max_blocks + t / block_size] * block_size + t % block_size;
+  }
 };
 
 // Calls f(s, i) for every i < count[s] of every sequence s, the items of all sequences split among the
@@ -820,31 +829,44 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   auto kt_blocks = torch::empty({kt_start.back()}, k.options());
   float* kt_w = kt_blocks.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   const int64_t k_stride = k.stride(0);
+  const int64_t v_stride = v.stride(0);
+  torch::Tensor v_copy;  // a paged batch's V, [keys of all sequences, num_kv_heads, D]
+  if (batch.block_tables != nullptr) v_copy = torch::empty({batch.cu_k[batch.num_seqs], num_kv_heads, D}, v.options());
+  float* v_rows = v_copy.defined() ? v_copy.data_ptr<float>() : nullptr;
   for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], t0 = item % blocks[s] * kKeys, tk = batch.tk(s);
-    const float* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
     float* dst = kt_w + kt_start[s] + item * D * kKeys;
 #if defined(__AVX512F__)
     for (int64_t c = 0; c < kKeyVecs; ++c) {  // 16 keys' values d0..d0 + 15: 16 row loads, one transposition
-      const int64_t t = t0 + c * kLanes;
+      const int64_t t = t0 + c * kLanes, present = std::clamp<int64_t>(tk - t, 0, kLanes);
+      // 16 keys from a multiple of 16 are 16 rows in a row, in a paged cache too (block_size a multiple of 16)
+      const float* rows = present > 0 ? kp + batch.key_row(s, t) * k_stride + h * D : kp;
       for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
         __m512i r[16];
-        load_rows16(r, ks + t * k_stride + h * D + d0, k_stride, std::clamp<int64_t>(tk - t, 0, kLanes));
+        load_rows16(r, rows + d0, k_stride, present);
         transpose16x16(r);
         for (int64_t j = 0; j < kLanes; ++j) _mm512_storeu_si512(dst + (d0 + j) * kKeys + c * kLanes, r[j]);
       }
     }
 #else
     for (int64_t i = 0; i < kKeys; ++i)
-      for (int64_t d = 0; d < D; ++d) dst[d * kKeys + i] = t0 + i < tk ? ks[(t0 + i) * k_stride + h * D + d] : 0.0f;
+      for (int64_t d = 0; d < D; ++d)
+        dst[d * kKeys + i] = t0 + i < tk ? kp[batch.key_row(s, t0 + i) * k_stride + h * D + d] : 0.0f;
 #endif
+    if (v_rows != nullptr)  // a paged V: this item's rows copied end to end, where the tiles read V in place
+      for (int64_t t = t0; t < std::min(t0 + kKeys, tk); ++t)
+        std::memcpy(v_rows + ((batch.cu_k[s] + t) * num_kv_heads + h) * D, vp + batch.key_row(s, t) * v_stride + h * D,
+                    D * sizeof(float));
   });
   const float* kt = kt_blocks.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  // where the tiles read V: sequence s's rows from row cu_k[s], ldv apart
+  const float* vt = v_rows != nullptr ? v_rows : vp;
+  const int64_t ldv = v_rows != nullptr ? num_kv_heads * D : v_stride;
   float* op = out.data_ptr<float>();
-  const int64_t q_stride = q.stride(0), v_stride = v.stride(0);
+  const int64_t q_stride = q.stride(0);
   const float q_scale = float(scale * 1.4426950408889634);  // scores in base 2: scale * log2(e)
   const TileOrder order(tiles, batch);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
@@ -869,7 +891,7 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
         for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q_row[d] * q_scale;
       }
       prefill_tile<D>(qt, last, n, kt + kt_start[s] + kv * blocks[s] * D * kKeys,
-                      vp + batch.cu_k[s] * v_stride + kv * D, v_stride, out_rows);
+                      vt + batch.cu_k[s] * ldv + kv * D, ldv, out_rows);
     });
   });
 }
@@ -1159,14 +1181,15 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   // of 32), at least 4 blocks a thread
   for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], b = item % blocks[s], tk = batch.tk(s), n16 = 2 * blocks[s];
-    const uint16_t* ks = kp + batch.cu_k[s] * k_stride;  // the sequence's first key
-    const uint16_t* vs = vp + batch.cu_k[s] * v_stride;
     int32_t* kb_s = kb_w + pack_start[s] / 2;
     uint16_t* vb_s = vb + pack_start[s];
     for (int64_t n = 2 * b; n < 2 * b + 2; ++n) {
+      // 16 keys from a multiple of 16 are 16 rows in a row, in a paged cache too (block_size a multiple of 16)
+      const int64_t present = std::clamp<int64_t>(tk - 16 * n, 0, 16);
+      const uint16_t* rows = present > 0 ? kp + batch.key_row(s, 16 * n) * k_stride + h * D : kp;
       for (int64_t c = 0; c < D / 32; ++c) {  // words 16c..16c + 15 of the 16 keys: tile (n, c), row p = word 16c + p
         __m512i r[16];
-        load_rows16(r, ks + 16 * n * k_stride + h * D + 32 * c, k_stride, std::clamp<int64_t>(tk - 16 * n, 0, 16));
+        load_rows16(r, rows + 32 * c, k_stride, present);
         transpose16x16(r);
         int32_t* tile = kb_s + ((h * n16 + n) * (D / 32) + c) * 256;
         for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 16, r[p]);
@@ -1174,11 +1197,11 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
     }
     for (int64_t pr = 0; pr < 16; ++pr) {
       const int64_t t = 32 * b + 2 * pr;
+      const uint16_t* v0 = t < tk ? vp + batch.key_row(s, t) * v_stride + h * D : nullptr;
+      const uint16_t* v1 = t + 1 < tk ? vp + batch.key_row(s, t + 1) * v_stride + h * D : nullptr;
       for (int64_t j = 0; j < D / 16; ++j) {
-        const __m256i a = t < tk ? _mm256_loadu_si256((const __m256i*)(vs + t * v_stride + h * D + 16 * j))
-                                 : _mm256_setzero_si256();
-        const __m256i c = t + 1 < tk ? _mm256_loadu_si256((const __m256i*)(vs + (t + 1) * v_stride + h * D + 16 * j))
-                                     : _mm256_setzero_si256();
+        const __m256i a = v0 ? _mm256_loadu_si256((const __m256i*)(v0 + 16 * j)) : _mm256_setzero_si256();
+        const __m256i c = v1 ? _mm256_loadu_si256((const __m256i*)(v1 + 16 * j)) : _mm256_setzero_si256();
         _mm512_storeu_si512(vb_s + ((h * blocks[s] + b) * (D / 16) + j) * 512 + pr * 32,
                             _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
       }
@@ -1419,6 +1442,74 @@ torch::Tensor prefill_attention_amx_varlen(torch::Tensor q, torch::Tensor k, tor
   return prefill_entry(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, true);
 }
 
+// The batch forms over a paged cache (VarlenBatch's block_tables): sequence s's new tokens are q's rows
+// cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1, its keys (cached ones first, then the new ones, all stored by
+// then) the first context_lens[s] slots of its blocks block_tables[s] in k_cache, v_cache [num_blocks,
+// block_size, num_kv_heads, head_dim] (contiguous; block_size a multiple of 16). Nothing is gathered first.
+static torch::Tensor prefill_entry_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
+                                         torch::Tensor block_tables, double scale, bool amx) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                        v_cache.is_contiguous(),
+                    "k_cache and v_cache must both be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  TORCH_CHECK_VALUE(block_size % 16 == 0, "the paged prefill takes a block_size that is a multiple of 16, got ",
+                    block_size);
+  torch::Tensor k = k_cache.view({num_blocks * block_size, k_cache.size(2), k_cache.size(3)});
+  torch::Tensor v = v_cache.view({num_blocks * block_size, v_cache.size(2), v_cache.size(3)});
+  if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16);
+  else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat);
+  TORCH_CHECK(!amx || amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+  TORCH_CHECK_VALUE(context_lens.dim() == 1 && block_tables.dim() == 2 && cu_seqlens_q.dim() == 1 &&
+                        cu_seqlens_q.size(0) == context_lens.size(0) + 1 &&
+                        block_tables.size(0) == context_lens.size(0),
+                    "cu_seqlens_q must be [num_seqs + 1], context_lens [num_seqs], ",
+                    "block_tables [num_seqs, max_blocks]");
+  for (const torch::Tensor* t : {&cu_seqlens_q, &context_lens, &block_tables})
+    TORCH_CHECK_VALUE(t->scalar_type() == torch::kLong && t->device().is_cpu(),
+                      "cu_seqlens_q, context_lens and block_tables must be int64 CPU tensors");
+  cu_seqlens_q = cu_seqlens_q.contiguous(), context_lens = context_lens.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t num_seqs = context_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  std::vector<int64_t> cu_k(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {  // every block a sequence reads: one of the cache's
+    TORCH_CHECK_VALUE(lens[s] >= 0 && (lens[s] + block_size - 1) / block_size <= max_blocks, "context_lens[", s,
+                      "] = ", lens[s], " does not fit its ", max_blocks, " blocks of ", block_size);
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK_VALUE(table[s * max_blocks + b] >= 0 && table[s * max_blocks + b] < num_blocks, "block_tables[", s,
+                        "][", b, "] = ", table[s * max_blocks + b], " is not a block of the cache (", num_blocks, ")");
+    cu_k[s + 1] = cu_k[s] + lens[s];
+  }
+  // cu_seqlens_q checked as varlen_batch checks it, against prefix sums of the lengths standing in for k's rows
+  torch::Tensor cu_k_t = torch::from_blob(cu_k.data(), {num_seqs + 1}, torch::kLong);
+  const torch::Tensor k_rows = torch::empty({cu_k.back(), 0}, q.options());
+  VarlenBatch batch = varlen_batch(q, k_rows, cu_seqlens_q, cu_k_t);
+  batch.block_tables = table, batch.max_blocks = max_blocks, batch.block_size = block_size;
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  if (!amx) {
+    if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, batch, scale);
+    else prefill_heads<128>(q, k, v, out, batch, scale);
+  }
+#if defined(MINIVLLM_AMX)
+  else if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, batch, scale);
+  else prefill_heads_amx<128>(q, k, v, out, batch, scale);
+#endif
+  return out;
+}
+torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
+                                      torch::Tensor block_tables, double scale) {
+  return prefill_entry_paged(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, false);
+}
+torch::Tensor prefill_attention_amx_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
+                                          torch::Tensor block_tables, double scale) {
+  return prefill_entry_paged(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
@@ -1433,5 +1524,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one sequence's causal attention in bfloat16 on AMX tiles (q, k, v, scale)");
   m.def("prefill_attention_amx_varlen", &prefill_attention_amx_varlen,
         "a batch of causal attentions in bfloat16 on AMX tiles (q, k, v, cu_seqlens_q, cu_seqlens_k, scale)");
+  m.def("prefill_attention_paged", &prefill_attention_paged,
+        "the float32 batch form, keys read through block tables "
+        "(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)");
+  m.def("prefill_attention_amx_paged", &prefill_attention_amx_paged,
+        "the bfloat16 AMX batch form, keys read through block tables "
+        "(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)");
   m.def("amx_available", &amx_available, "whether this build and CPU run the AMX kernels");
 }
