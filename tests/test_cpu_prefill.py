@@ -639,15 +639,21 @@ def test_the_paged_form_refuses_bad_tables_with_a_clear_error(one_and_batch):
     paged = module.prefill_attention_paged if dtype == torch.float32 else module.prefill_attention_amx_paged
     q, k, v, cu_q, cu_k = varlen_inputs(dtype)
     k_cache, v_cache, lens, tables = paged_copy(k, v, cu_k, 16)
-    outside = tables.clone()
+    outside, last_outside, last_padding = tables.clone(), tables.clone(), tables.clone()
     outside[6, 2] = k_cache.shape[0]
-    short = lens.clone()
+    last_outside[6, 12] = 10 ** 12  # the 200-key sequence's last block, 8 of its 16 slots read
+    last_padding[6, 12] = -1
+    short, huge = lens.clone(), lens.clone()
     short[6] = tables.shape[1] * 16 + 1
+    huge[6] = 2 ** 63 - 1  # rounded up to whole blocks, it would wrap around
     halves = (x.view(-1, 8, 3, k.shape[-1]) for x in (k_cache, v_cache))  # the same cache in blocks of 8
     cases = {
         "multiple of 16": (q, *halves, cu_q, lens, tables),
         "not a block of the cache": (q, k_cache, v_cache, cu_q, lens, outside),
+        "12\\] = 1000000000000 is not a block": (q, k_cache, v_cache, cu_q, lens, last_outside),
+        "12\\] = -1 is not a block": (q, k_cache, v_cache, cu_q, lens, last_padding),
         "does not fit its": (q, k_cache, v_cache, cu_q, short, tables),
+        "= 9223372036854775807 does not fit": (q, k_cache, v_cache, cu_q, huge, tables),
         "int64 CPU tensors": (q, k_cache, v_cache, cu_q, lens.int(), tables),
         "at least Tq": (q, k_cache, v_cache, cu_q, torch.where(lens == 130, 129, lens), tables),
     }
@@ -707,6 +713,42 @@ def test_the_backend_prefills_a_batch_in_one_call_with_the_same_bits(dtype, monk
             backend.metadata = md
             outs.append(backend(0, q, k, v))
         assert calls == [(kind, sum(lens))] and torch.equal(outs[0], outs[1]), (lens, block_size)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_engine_over_cached_prefixes_takes_the_paged_form(prefill_kernel, monkeypatch, tmp_path, chunked):
+    """A tiny llama with head_dim 64 in float32 (the C++ kernels' shapes), prefix caching on, and with
+    `chunked` small chunks too (chapter 11): prompts that share a cached prefix, and chunks after the
+    first, reach `CPUPagedAttention.prefill` with cached tokens, which calls the paged form; greedy tokens
+    and prompt logprobs equal those of the same engine with the paged form swapped for a gather of the
+    keys in torch and the batch form over them (checked to fail with `key_row` ignoring the tables)."""
+    from engine_helpers import make_model, random_prompts, run_engine
+    import minivllm.attention.backends.cpu_attn as cd
+    from minivllm.attention.paged_attention import gather_kv
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    make_model(tmp_path, "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    shared = list(range(3, 40))
+    base = random_prompts(4, 1, 60, seed=11)
+    prompts = base + [shared + p[:20] for p in base[:3]] + [shared + [5] * 30]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    extra = dict(max_num_batched_tokens=16, max_num_seqs=8, long_prefill_token_threshold=5) if chunked else {}
+    real, varlen, calls = cd.cpu_prefill_paged_kernel(torch.float32), cd.cpu_prefill_varlen_kernel(torch.float32), []
+
+    def gathered(q, k_cache, v_cache, cu_q, lens, tables, scale):  # the keys end to end, then the batch form
+        keys = [(gather_kv(k_cache, tables[i], n), gather_kv(v_cache, tables[i], n)) for i, n in enumerate(lens.tolist())]
+        cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
+        return varlen(q, torch.cat([a for a, _ in keys]), torch.cat([b for _, b in keys]), cu_q, cu_k, scale)
+
+    results = []
+    for form in (lambda *a: calls.append(1) or real(*a), gathered):
+        monkeypatch.setattr(cd, "cpu_prefill_paged_kernel", lambda dtype, form=form: form)
+        engine = LLM(str(tmp_path), dtype="float32", max_model_len=128, enable_prefix_caching=True, **extra).llm_engine
+        outs = run_engine(engine, prompts, params)
+        results.append([(o.outputs[0].token_ids, [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs])
+                        for o in outs])
+    assert calls and results[0] == results[1]
 
 
 def test_the_batch_form_refuses_prefix_sums_that_wrap_around(one_and_batch):

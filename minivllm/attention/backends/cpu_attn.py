@@ -238,8 +238,9 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 class CPUPagedAttention(PagedAttention):
     """`PagedAttention` whose decode runs the C++ kernel on CPU tensors of `CPU_KERNEL_DTYPES` (other
     devices and dtypes, or no kernel: the plain-torch decode), and whose prefill runs the step's sequences
-    in one call of the prefill kernels' batch form (`cpu_prefill_varlen_kernel`) where one takes the dtype
-    and head_dim, else each sequence through `prefill_attention_cpu`. Args: as `PagedAttention`."""
+    in one call of the prefill kernels' batch form (`cpu_prefill_varlen_kernel`, or its paged form over
+    cached prefixes, `cpu_prefill_paged_kernel`) where one takes the dtype and head_dim, else each sequence
+    through `prefill_attention_cpu`. Args: as `PagedAttention`."""
 
     prefill_sequence = staticmethod(prefill_attention_cpu)
 
@@ -260,15 +261,17 @@ class CPUPagedAttention(PagedAttention):
     def prefill(self, q, k, v, k_cache, v_cache, md):
         """As `PagedAttention.prefill`, in one call for the whole batch where `cpu_prefill_varlen_kernel` takes
         the dtype and head_dim: this step's `k`, `v` as they are where no sequence has cached tokens, else
-        every sequence's keys read through its block table (`cpu_prefill_paged_kernel`; with a block size
-        that is not a multiple of 16, copied end to end instead, the cached ones gathered: `sequence_kv`)."""
+        every sequence's keys read through its block table (`cpu_prefill_paged_kernel`; where the caches are
+        not contiguous blocks of a multiple of 16 in q's dtype, copied end to end instead, the cached ones
+        gathered: `sequence_kv`)."""
         on_kernel = q.device.type == "cpu" and q.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
         if not on_kernel or (kernel := cpu_prefill_varlen_kernel(q.dtype)) is None:
             return super().prefill(q, k, v, k_cache, v_cache, md)
         cu_q = md.cu_seqlens_q
         if torch.equal(cu_q[1:] - cu_q[:-1], md.context_lens):  # nothing cached: this step's k, v hold every key
             return kernel(q, k, v, cu_q, cu_q, self.scale)
-        if k_cache.shape[1] % 16 == 0:
+        blocks_fit = k_cache.shape[1] % 16 == 0 and k_cache.dtype == q.dtype  # what the paged form takes
+        if blocks_fit and k_cache.is_contiguous() and v_cache.is_contiguous():
             paged = cpu_prefill_paged_kernel(q.dtype)
             return paged(q, k_cache, v_cache, cu_q, md.context_lens, md.block_tables, self.scale)
         keys = self.sequence_kv(k, v, k_cache, v_cache, md)

@@ -1475,8 +1475,9 @@ static torch::Tensor prefill_entry_paged(torch::Tensor q, torch::Tensor k_cache,
   const int64_t* table = block_tables.data_ptr<int64_t>();
   std::vector<int64_t> cu_k(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {  // every block a sequence reads: one of the cache's
-    TORCH_CHECK_VALUE(lens[s] >= 0 && (lens[s] + block_size - 1) / block_size <= max_blocks, "context_lens[", s,
-                      "] = ", lens[s], " does not fit its ", max_blocks, " blocks of ", block_size);
+    // compared, not rounded up: a length near 2**63 would wrap around in lens + block_size - 1
+    TORCH_CHECK_VALUE(lens[s] >= 0 && lens[s] <= max_blocks * block_size, "context_lens[", s, "] = ", lens[s],
+                      " does not fit its ", max_blocks, " blocks of ", block_size);
     for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
       TORCH_CHECK_VALUE(table[s * max_blocks + b] >= 0 && table[s * max_blocks + b] < num_blocks, "block_tables[", s,
                         "][", b, "] = ", table[s * max_blocks + b], " is not a block of the cache (", num_blocks, ")");
