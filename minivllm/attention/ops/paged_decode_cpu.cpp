@@ -1393,18 +1393,16 @@ bool amx_available() {
 #endif
 }
 
-// The prefill entry points' common path: the inputs checked (and laid out) for the float32 kernel or the AMX
-// one, the batch read from cu_seqlens_q and cu_seqlens_k (a batch of one where they are undefined), the
-// kernel run. Returns [sum Tq, num_heads, D] in the inputs' dtype.
-static torch::Tensor prefill_entry(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
-                                   torch::Tensor cu_seqlens_k, double scale, bool amx) {
+// check_prefill_inputs for the float32 kernel or the AMX one, and whether the AMX one may run.
+static void check_prefill_inputs(torch::Tensor& q, torch::Tensor& k, torch::Tensor& v, bool amx) {
   if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16);
   else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat);
   TORCH_CHECK(!amx || amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
-  const int64_t one_q[] = {0, q.size(0)}, one_k[] = {0, k.size(0)};
-  VarlenBatch batch{one_q, one_k, 1};
-  if (cu_seqlens_q.defined()) batch = varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k);
-  else TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+}
+
+// The output of a checked batch: the float32 tiles or the AMX ones, for head_dim 64 or 128.
+static torch::Tensor run_prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const VarlenBatch& batch, double scale, bool amx) {
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   if (!amx) {
@@ -1416,6 +1414,19 @@ static torch::Tensor prefill_entry(torch::Tensor q, torch::Tensor k, torch::Tens
   else prefill_heads_amx<128>(q, k, v, out, batch, scale);
 #endif
   return out;
+}
+
+// The prefill entry points' common path: the inputs checked (and laid out) for the float32 kernel or the AMX
+// one, the batch read from cu_seqlens_q and cu_seqlens_k (a batch of one where they are undefined), the
+// kernel run. Returns [sum Tq, num_heads, D] in the inputs' dtype.
+static torch::Tensor prefill_entry(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cu_seqlens_q,
+                                   torch::Tensor cu_seqlens_k, double scale, bool amx) {
+  check_prefill_inputs(q, k, v, amx);
+  const int64_t one_q[] = {0, q.size(0)}, one_k[] = {0, k.size(0)};
+  VarlenBatch batch{one_q, one_k, 1};
+  if (cu_seqlens_q.defined()) batch = varlen_batch(q, k, cu_seqlens_q, cu_seqlens_k);
+  else TORCH_CHECK_VALUE(k.size(0) >= q.size(0), "Tk must be at least Tq (the new tokens are the last keys)");
+  return run_prefill(q, k, v, batch, scale, amx);
 }
 
 // One sequence's causal attention: q [Tq, num_heads, D] over k, v [Tk, num_kv_heads, D], Tk >= Tq, query
@@ -1457,9 +1468,7 @@ static torch::Tensor prefill_entry_paged(torch::Tensor q, torch::Tensor k_cache,
                     block_size);
   torch::Tensor k = k_cache.view({num_blocks * block_size, k_cache.size(2), k_cache.size(3)});
   torch::Tensor v = v_cache.view({num_blocks * block_size, v_cache.size(2), v_cache.size(3)});
-  if (amx) check_prefill_inputs(q, k, v, "the AMX prefill kernel", torch::kBFloat16);
-  else check_prefill_inputs(q, k, v, "the CPU prefill kernel", torch::kFloat);
-  TORCH_CHECK(!amx || amx_available(), "the AMX prefill kernel needs a build for AMX and Linux's permission to use it");
+  check_prefill_inputs(q, k, v, amx);
   TORCH_CHECK_VALUE(context_lens.dim() == 1 && block_tables.dim() == 2 && cu_seqlens_q.dim() == 1 &&
                         cu_seqlens_q.size(0) == context_lens.size(0) + 1 &&
                         block_tables.size(0) == context_lens.size(0),
@@ -1488,17 +1497,7 @@ static torch::Tensor prefill_entry_paged(torch::Tensor q, torch::Tensor k_cache,
   const torch::Tensor k_rows = torch::empty({cu_k.back(), 0}, q.options());
   VarlenBatch batch = varlen_batch(q, k_rows, cu_seqlens_q, cu_k_t);
   batch.block_tables = table, batch.max_blocks = max_blocks, batch.block_size = block_size;
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.size(0) == 0) return out;
-  if (!amx) {
-    if (q.size(2) == 64) prefill_heads<64>(q, k, v, out, batch, scale);
-    else prefill_heads<128>(q, k, v, out, batch, scale);
-  }
-#if defined(MINIVLLM_AMX)
-  else if (q.size(2) == 64) prefill_heads_amx<64>(q, k, v, out, batch, scale);
-  else prefill_heads_amx<128>(q, k, v, out, batch, scale);
-#endif
-  return out;
+  return run_prefill(q, k, v, batch, scale, amx);
 }
 torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor cu_seqlens_q, torch::Tensor context_lens,
