@@ -737,7 +737,8 @@ def test_the_engine_over_cached_prefixes_takes_the_paged_form(prefill_kernel, mo
     real, varlen, calls = cd.cpu_prefill_paged_kernel(torch.float32), cd.cpu_prefill_varlen_kernel(torch.float32), []
 
     def gathered(q, k_cache, v_cache, cu_q, lens, tables, scale):  # the keys end to end, then the batch form
-        keys = [(gather_kv(k_cache, tables[i], n), gather_kv(v_cache, tables[i], n)) for i, n in enumerate(lens.tolist())]
+        keys = [(gather_kv(k_cache, tables[i], n), gather_kv(v_cache, tables[i], n))
+                for i, n in enumerate(lens.tolist())]
         cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
         return varlen(q, torch.cat([a for a, _ in keys]), torch.cat([b for _, b in keys]), cu_q, cu_k, scale)
 
@@ -746,8 +747,8 @@ def test_the_engine_over_cached_prefixes_takes_the_paged_form(prefill_kernel, mo
         monkeypatch.setattr(cd, "cpu_prefill_paged_kernel", lambda dtype, form=form: form)
         engine = LLM(str(tmp_path), dtype="float32", max_model_len=128, enable_prefix_caching=True, **extra).llm_engine
         outs = run_engine(engine, prompts, params)
-        results.append([(o.outputs[0].token_ids, [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs])
-                        for o in outs])
+        logprobs = [[d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs] for o in outs]
+        results.append([(o.outputs[0].token_ids, lp) for o, lp in zip(outs, logprobs)])
     assert calls and results[0] == results[1]
 
 

@@ -88,8 +88,8 @@ class MixedBatchAttention:
     block table). Set `metadata` (a `MixedBatchMetadata`) before each forward pass.
 
     Args: backend, an attention backend instance: chapter 05's `PagedAttention` interface (`metadata`,
-        `store_kvcache`, `layer_kv_cache`, `decode`, `prefill`); one without `decode` (chapter 04's `ContiguousAttention`,
-        which shares no block) is simply called once per part.
+        `store_kvcache`, `layer_kv_cache`, `decode`, `prefill`); one without `decode` (chapter 04's
+        `ContiguousAttention`, which shares no block) is simply called once per part.
     Call: `(layer_idx, q [N, num_heads, head_dim], k, v [N, num_kv_heads, head_dim])` -> `[N, num_heads, head_dim]`.
     """
 

@@ -1046,7 +1046,8 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   };
   if (num_keys > 0) block_scores(0);
   for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += kAmxKeys, ++b) {
-    // the next block's scores are asked for first: the tiles can compute them while this block's softmax runs
+    // the next block's scores are asked for first, into the other buffer: they are stored well before the
+    // softmax reads them back (a load right after a tile store waits for it)
     if (j0 + kAmxKeys < num_keys) block_scores(b + 1);
     const float(*s)[kAmxKeys] = s_buf[b % 2];
     const bool all_seen = j0 + kAmxKeys <= min_last + 1;  // no row's causal limit inside the block
@@ -1086,15 +1087,16 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     for (uint32_t rows = redo; rows != 0; rows &= rows - 1) {
       const int64_t r = __builtin_ctz(rows);
       Vec16 x[2], e[2];
+      __mmask16 k[2];
       for (int64_t h = 0; h < 2; ++h) {
-        x[h] = load_vec16(s[r] + h * kLanes) * scale2;
-        if (!all_seen) x[h] = (Vec16)_mm512_mask_blend_ps(seen(r, h), (__m512)minus_inf, (__m512)x[h]);
+        k[h] = seen(r, h);
+        x[h] = (Vec16)_mm512_mask_blend_ps(k[h], (__m512)minus_inf, (__m512)(load_vec16(s[r] + h * kLanes) * scale2));
       }
       m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
       // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
-      for (int64_t h = 0; h < 2; ++h) e[h] = exp2_poly_where(x[h] - m_ref, seen(r, h), kExp2Cubic);
+      for (int64_t h = 0; h < 2; ++h) e[h] = exp2_poly_where(x[h] - m_ref, k[h], kExp2Cubic);
       emit(r, e);
     }
     const bool rescale = redo != 0;
