@@ -349,7 +349,24 @@ def test_measure_peaks_gives_rates():
     peaks = measure_peaks("cpu", torch.float32, matmul_n=64, copy_bytes=1 << 20, repeats=2)
     assert peaks.matmul_flops_per_s > 0 and peaks.copy_bytes_per_s > 0
     assert peaks.detail.pop("matmul_op") in ("torch.mm", "F.linear", "PackedLinear")
-    assert peaks.detail == dict(device="cpu", dtype="float32", matmul_n=64, copy_bytes=1 << 20, repeats=2)
+    assert peaks.detail == dict(device="cpu", dtype="float32", matmul_n=64, matmul_sizes=[64], copy_bytes=1 << 20,
+                                repeats=2)
+
+
+def test_measure_peaks_takes_the_fastest_size_and_path(monkeypatch):
+    # oneDNN may run a bfloat16 matmul of n = 1024 on one thread: the peak is the best rate of every size
+    # tried, whichever comes first (times given here, rate = 2 n**3 / t)
+    import minivllm.benchmarks.roofline as roofline_module
+
+    rates = {16: {"torch.mm": 3e9, "F.linear": 1e9}, 32: {"torch.mm": 2e9, "PackedLinear": 7e9}, 48: {"torch.mm": 4e9}}
+    monkeypatch.setattr(roofline_module, "_matmul_seconds",
+                        lambda n, device, dtype, repeats: {k: 2 * n ** 3 / r for k, r in rates[n].items()})
+    for sizes in ((16, 32, 48), (48, 32, 16)):
+        peaks = measure_peaks("cpu", torch.float32, matmul_n=sizes, copy_bytes=1 << 20, repeats=1)
+        assert peaks.matmul_flops_per_s == pytest.approx(7e9)
+        assert (peaks.detail["matmul_n"], peaks.detail["matmul_op"]) == (32, "PackedLinear")
+        assert peaks.detail["matmul_sizes"] == list(sizes)
+    assert roofline_module.PEAK_SIZES["cpu"][0] == (1024, 2048)  # the default: two sizes on a CPU
 
 
 def test_shipped_qwen3_config_has_the_published_values():

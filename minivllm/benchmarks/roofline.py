@@ -99,7 +99,7 @@ def step_cost(cost: ModelCost, query_lens: list[int], context_lens: list[int]) -
     ### END SOLUTION
 
 # %% ../../notebooks/09_benchmark.ipynb #378f7881
-PEAK_SIZES = {"cuda": (8192, 1 << 30), "cpu": (1024, 1 << 28)}  # (matmul side n, copy bytes) per device type
+PEAK_SIZES = {"cuda": ((8192,), 1 << 30), "cpu": ((1024, 2048), 1 << 28)}  # (matmul sides n, copy bytes) by device
 PEAK_REPEATS = 5
 
 
@@ -109,10 +109,10 @@ class DevicePeaks:
 
     Attributes:
         matmul_flops_per_s: best rate of an `n x n` by `n x n` matmul in the run's dtype, by the fastest
-            of the paths the engine's linear layers may take.
+            of the paths the engine's linear layers may take, at the fastest of the sizes tried.
         copy_bytes_per_s: best rate of a device-to-device copy, bytes read plus bytes written per second.
-        detail: what was measured: device, dtype, `matmul_n`, `matmul_op` (the fastest path),
-            `copy_bytes`, `repeats`.
+        detail: what was measured: device, dtype, `matmul_n` (the fastest size), `matmul_sizes` (those
+            tried), `matmul_op` (the fastest path), `copy_bytes`, `repeats`.
     """
 
     matmul_flops_per_s: float
@@ -134,16 +134,8 @@ def _best_seconds(fn, device: torch.device, repeats: int) -> float:
     return best
 
 # %% ../../notebooks/09_benchmark.ipynb #f395a447
-def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | None = None,
-                  copy_bytes: int | None = None, repeats: int = PEAK_REPEATS) -> DevicePeaks:
-    """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.
-
-    Sizes default to `PEAK_SIZES` for the device type: big enough to leave the caches (CPU) and to fill
-    the device (GPU), small enough to take well under a second.
-    """
-    device = torch.device(device)
-    n_default, bytes_default = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
-    n, nbytes = matmul_n or n_default, copy_bytes or bytes_default
+def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Each path's best time (seconds) for an `n x n` by `n x n` matmul in `dtype` on `device`."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     c = torch.empty_like(a)
     paths = {"torch.mm": lambda: torch.mm(a, b, out=c), "F.linear": lambda: torch.nn.functional.linear(a, b)}
@@ -154,15 +146,33 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     if PanelLinear.can_pack(linear):  # chapter 02's own float32 kernel: the engine's path where it applies
         panel = PanelLinear(linear)
         paths["PanelLinear"] = lambda: panel(a)
-    times = {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}  # each path's best time
-    fastest = min(times, key=times.get)
+    return {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}
+
+
+def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | tuple[int, ...] | None = None,
+                  copy_bytes: int | None = None, repeats: int = PEAK_REPEATS) -> DevicePeaks:
+    """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.
+
+    Sizes default to `PEAK_SIZES` for the device type: big enough to leave the caches (CPU) and to fill
+    the device (GPU), small enough to take about a second at most. A CPU's matmul is timed at two sizes and
+    the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread (seen on a 2-thread Intel
+    Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048 on two), which would put
+    the peak below the rates the engine's own linear layers reach. `matmul_n`: one size or several.
+    """
+    device = torch.device(device)
+    sizes, bytes_default = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
+    if matmul_n is not None:
+        sizes = (matmul_n,) if isinstance(matmul_n, int) else tuple(matmul_n)
+    nbytes = copy_bytes or bytes_default
+    rates = {(n, name): 2 * n ** 3 / t for n in sizes for name, t in _matmul_seconds(n, device, dtype, repeats).items()}
+    n, fastest = max(rates, key=rates.get)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t_copy = _best_seconds(lambda: dst.copy_(src), device, repeats)
-    del a, b, c, linear, paths, src, dst
-    return DevicePeaks(2 * n ** 3 / times[fastest], 2 * nbytes / t_copy,
+    del src, dst
+    return DevicePeaks(rates[n, fastest], 2 * nbytes / t_copy,
                        dict(device=str(device), dtype=str(dtype).removeprefix("torch."), matmul_n=n,
-                            matmul_op=fastest, copy_bytes=nbytes, repeats=repeats))
+                            matmul_sizes=list(sizes), matmul_op=fastest, copy_bytes=nbytes, repeats=repeats))
 
 # %% ../../notebooks/09_benchmark.ipynb #5bad7733
 def roofline(cost: ModelCost, steps: list[tuple[list[int], list[int]]], peaks: DevicePeaks) -> dict:
