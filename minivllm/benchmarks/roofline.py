@@ -154,10 +154,11 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.
 
     Sizes default to `PEAK_SIZES` for the device type: big enough to leave the caches (CPU) and to fill
-    the device (GPU), small enough to take about a second at most. A CPU's matmul is timed at two sizes and
-    the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread (seen on a 2-thread Intel
-    Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048 on two), which would put
-    the peak below the rates the engine's own linear layers reach. `matmul_n`: one size or several.
+    the device (GPU), small enough to take seconds (float32 on 2 CPU threads: about 2 s). A CPU's matmul
+    is timed at two sizes and the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread
+    (seen on a 2-thread Intel Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048
+    on two), which would put the peak below the rates the engine's own linear layers reach. `matmul_n`:
+    one size or several.
     """
     device = torch.device(device)
     sizes, bytes_default = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
