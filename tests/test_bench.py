@@ -369,6 +369,12 @@ def test_measure_peaks_takes_the_fastest_size_and_path(monkeypatch):
     assert roofline_module.PEAK_SIZES["cpu"][0] == (1024, 2048)  # the default: two sizes on a CPU
 
 
+@pytest.mark.parametrize("matmul_n", [(), 0, -4, (64, 0), 64.5, True, (64, "128")])
+def test_measure_peaks_rejects_bad_sizes(matmul_n):
+    with pytest.raises(ValueError, match="matmul_n must be a positive integer"):
+        measure_peaks("cpu", torch.float32, matmul_n=matmul_n, copy_bytes=1 << 20, repeats=1)
+
+
 def test_shipped_qwen3_config_has_the_published_values():
     from minivllm.model_executor.models.llama import rope_theta_of
 

@@ -158,12 +158,14 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     is timed at two sizes and the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread
     (seen on a 2-thread Intel Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048
     on two), which would put the peak below the rates the engine's own linear layers reach. `matmul_n`:
-    one size or several.
+    one size or several. Raises ValueError for no size, or one that is not a positive integer.
     """
     device = torch.device(device)
     sizes, bytes_default = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
     if matmul_n is not None:
-        sizes = (matmul_n,) if isinstance(matmul_n, int) else tuple(matmul_n)
+        sizes = tuple(matmul_n) if isinstance(matmul_n, (tuple, list)) else (matmul_n,)
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"matmul_n must be a positive integer or a non-empty sequence of them, got {matmul_n!r}")
     nbytes = copy_bytes or bytes_default
     rates = {(n, name): 2 * n ** 3 / t for n in sizes for name, t in _matmul_seconds(n, device, dtype, repeats).items()}
     n, fastest = max(rates, key=rates.get)
