@@ -51,6 +51,17 @@ def source(name: str, r: dict) -> str:
     return f"`{name}`, {day(r)}, {where}"
 
 
+def one_size_peak(r: dict) -> str:
+    """For a CPU record whose matmul peak was timed at one size only (before `measure_peaks` took the faster
+    of two: oneDNN may run the smaller on a single thread, which lowers the peak and every bound drawn from
+    it), a note saying so; else ''."""
+    peaks = r.get("peaks") or {}
+    d = peaks.get("detail", peaks)
+    if d.get("device", "cpu") != "cpu" or "matmul_n" not in d or "matmul_sizes" in d:
+        return ""
+    return f"its matmul peak timed at n = {d['matmul_n']} only, before the faster of two sizes counted"
+
+
 def workload(r: dict) -> str:
     w = r["workload"]
     return (f"{w['num_requests']} requests, prompts {w['input_len'][0]}–{w['input_len'][1]} tokens, outputs "
@@ -70,7 +81,8 @@ def cpu_rows(results: Path) -> list[tuple[str, str, str]]:
              f"engine **{head['engine_tok_s']:,.1f}** output tok/s ({head['engine_s']:,.0f} s) against transformers' "
              f"{head['hf_tok_s']:,.1f} ({head['hf_s']:,.0f} s, batches of {head['hf_batch_size']}): "
              f"**{head['ratio']:.2f}×**; identical greedy outputs for {100 * head['hf_match_fraction']:.0f} % of "
-             f"requests" + (f"; roofline ratio {head['roofline_ratio']:.2f}" if head.get("roofline_ratio") else ""),
+             f"requests" + (f"; roofline ratio {head['roofline_ratio']:.2f}" if head.get("roofline_ratio") else "")
+             + (f" ({note})" if head.get("roofline_ratio") and (note := one_size_peak(head)) else ""),
              source("cpu_bench_headline.json", head))]
     if len(sweep) > 1:
         best = max(sweep, key=lambda b: sweep[b][1]["hf_tok_s"])
@@ -124,7 +136,7 @@ def profile_rows(results: Path) -> list[tuple[str, str, str]]:
              f"{p['generate_s']:.1f} s: linear layers {pre['parts']['linear'] + dec['parts']['linear']:.1f} s "
              f"({pre['linear_gflop_per_s']:.0f} GFLOP/s in prefill, {dec['linear_gflop_per_s']:.0f} in decode); "
              f"prefill attention {a_pre['seconds']:.1f} s, **{a_pre['ratio']:.1f}×** its FLOP bound at the matmul "
-             f"rate; decode attention {a_dec['seconds']:.1f} s, **{a_dec['ratio']:.1f}×** its K/V byte bound at the "
+             f"rate{f' ({note})' if (note := one_size_peak(r)) else ''}; decode attention {a_dec['seconds']:.1f} s, **{a_dec['ratio']:.1f}×** its K/V byte bound at the "
              f"copy rate (target ≤ 1.5× each); small ops (norms, rotary, activation, residuals) {small:.1f} s",
              source(path.name, r))]
 

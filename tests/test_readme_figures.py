@@ -105,3 +105,15 @@ def test_run_times_come_from_the_notebooks(tmp_path):
     table = m.run_times(nbs)
     assert "| whole chapter (s) | 35 |" in table and "| without its grader cells (s) | 5 |" in table
     assert "| its longest cell (s) | 30 |" in table
+
+
+def test_a_cpu_peak_timed_at_one_size_is_marked():
+    """Records made before `measure_peaks` timed two sizes say so next to what their peak bounds; a record
+    that names the sizes it tried, or a GPU record, carries no such note."""
+    m = _script()
+    old = {"peaks": {"detail": {"device": "cpu", "matmul_n": 1024}}}
+    assert "n = 1024 only" in m.one_size_peak(old)
+    assert "n = 1024 only" in m.one_size_peak({"peaks": {"device": "cpu", "matmul_n": 1024}})  # a profile's peaks
+    assert m.one_size_peak({"peaks": {"detail": {"device": "cpu", "matmul_n": 2048, "matmul_sizes": [1024, 2048]}}}) == ""
+    assert m.one_size_peak({"peaks": {"detail": {"device": "cuda:0", "matmul_n": 8192}}}) == ""
+    assert m.one_size_peak({}) == ""
