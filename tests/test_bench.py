@@ -348,7 +348,7 @@ def test_workload_bound_by_hand():
 def test_measure_peaks_gives_rates():
     peaks = measure_peaks("cpu", torch.float32, matmul_n=64, copy_bytes=1 << 20, repeats=2)
     assert peaks.matmul_flops_per_s > 0 and peaks.copy_bytes_per_s > 0
-    assert peaks.detail.pop("matmul_op") in ("torch.mm", "F.linear", "PackedLinear")
+    assert peaks.detail.pop("matmul_op") in ("torch.mm", "F.linear", "PackedLinear", "PanelLinear")
     assert peaks.detail == dict(device="cpu", dtype="float32", matmul_n=64, matmul_sizes=[64], copy_bytes=1 << 20,
                                 repeats=2)
 
@@ -356,6 +356,8 @@ def test_measure_peaks_gives_rates():
 def test_measure_peaks_takes_the_fastest_size_and_path(monkeypatch):
     # oneDNN may run a bfloat16 matmul of n = 1024 on one thread: the peak is the best rate of every size
     # tried, whichever comes first (times given here, rate = 2 n**3 / t)
+    import numpy as np
+
     import minivllm.benchmarks.roofline as roofline_module
 
     rates = {16: {"torch.mm": 3e9, "F.linear": 1e9}, 32: {"torch.mm": 2e9, "PackedLinear": 7e9}, 48: {"torch.mm": 4e9}}
@@ -366,13 +368,24 @@ def test_measure_peaks_takes_the_fastest_size_and_path(monkeypatch):
         assert peaks.matmul_flops_per_s == pytest.approx(7e9)
         assert (peaks.detail["matmul_n"], peaks.detail["matmul_op"]) == (32, "PackedLinear")
         assert peaks.detail["matmul_sizes"] == list(sizes)
-    assert roofline_module.PEAK_SIZES["cpu"][0] == (1024, 2048)  # the default: two sizes on a CPU
+    assert roofline_module.PEAK_SIZES["cpu"][0] == (1024, 2048)  # the default: two sizes on a CPU, one on a GPU
+    assert roofline_module.PEAK_SIZES["cuda"][0] == (8192,)
+    peaks = measure_peaks("cpu", torch.float32, matmul_n=range(16, 64, 16), copy_bytes=np.int64(1 << 20), repeats=1)
+    assert peaks.detail["matmul_sizes"] == [16, 32, 48] and peaks.detail["copy_bytes"] == 1 << 20
+    assert measure_peaks("cpu", torch.float32, matmul_n=np.int64(32), copy_bytes=1 << 20, repeats=1).detail[
+        "matmul_sizes"] == [32]
 
 
-@pytest.mark.parametrize("matmul_n", [(), 0, -4, (64, 0), 64.5, True, (64, "128")])
+@pytest.mark.parametrize("matmul_n", [(), 0, -4, (64, 0), 64.5, True, (64, "128"), "64"])
 def test_measure_peaks_rejects_bad_sizes(matmul_n):
     with pytest.raises(ValueError, match="matmul_n must be a positive integer"):
         measure_peaks("cpu", torch.float32, matmul_n=matmul_n, copy_bytes=1 << 20, repeats=1)
+
+
+@pytest.mark.parametrize("copy_bytes", [0, -1, 2.5, False])
+def test_measure_peaks_rejects_bad_copy_sizes(copy_bytes):
+    with pytest.raises(ValueError, match="copy_bytes must be a positive integer"):
+        measure_peaks("cpu", torch.float32, matmul_n=16, copy_bytes=copy_bytes, repeats=1)
 
 
 def test_shipped_qwen3_config_has_the_published_values():

@@ -6,7 +6,9 @@ rates (`measure_peaks`), the least time of a run's steps (`roofline`) and of a w
 any schedule that computes every prompt whole (`workload_bound`) — Williams, Waterman & Patterson, CACM 2009 (from chapter 09)."""
 from __future__ import annotations
 
+import numbers
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -149,24 +151,31 @@ def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: i
     return {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}
 
 
-def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | tuple[int, ...] | None = None,
+def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | Sequence[int] | None = None,
                   copy_bytes: int | None = None, repeats: int = PEAK_REPEATS) -> DevicePeaks:
     """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.
 
     Sizes default to `PEAK_SIZES` for the device type: big enough to leave the caches (CPU) and to fill
-    the device (GPU), small enough to take seconds (float32 on 2 CPU threads: about 2 s). A CPU's matmul
-    is timed at two sizes and the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread
-    (seen on a 2-thread Intel Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048
-    on two), which would put the peak below the rates the engine's own linear layers reach. `matmul_n`:
-    one size or several. Raises ValueError for no size, or one that is not a positive integer.
+    the device (GPU), small enough to take seconds (float32 on 2 CPU threads: about 2 s; longer on one
+    thread, and far longer in bfloat16 where the CPU emulates it). A CPU's matmul is timed at two sizes and
+    the faster counts: oneDNN may run a bfloat16 matmul of n = 1024 on one thread (seen on a 2-thread Intel
+    Xeon with AMX: about 1,450 GFLOP/s on one thread or two, and 2,450 at n = 2048 on two), which would put
+    the peak below the rates the engine's own linear layers reach. `matmul_n`: one size or a sequence of
+    them; `copy_bytes`: the copy's size. Raises ValueError for no size, or a size or `copy_bytes` that is
+    not a positive integer.
     """
     device = torch.device(device)
-    sizes, bytes_default = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
+    sizes, nbytes = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
+    positive = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0  # noqa: E731
     if matmul_n is not None:
-        sizes = tuple(matmul_n) if isinstance(matmul_n, (tuple, list)) else (matmul_n,)
-    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
-        raise ValueError(f"matmul_n must be a positive integer or a non-empty sequence of them, got {matmul_n!r}")
-    nbytes = copy_bytes or bytes_default
+        sizes = tuple(matmul_n) if isinstance(matmul_n, Sequence) and not isinstance(matmul_n, str) else (matmul_n,)
+        if not sizes or not all(positive(n) for n in sizes):
+            raise ValueError(f"matmul_n must be a positive integer or a non-empty sequence of them, got {matmul_n!r}")
+    if copy_bytes is not None:
+        if not positive(copy_bytes):
+            raise ValueError(f"copy_bytes must be a positive integer, got {copy_bytes!r}")
+        nbytes = copy_bytes
+    sizes, nbytes = tuple(int(n) for n in sizes), int(nbytes)
     rates = {(n, name): 2 * n ** 3 / t for n in sizes for name, t in _matmul_seconds(n, device, dtype, repeats).items()}
     n, fastest = max(rates, key=rates.get)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
