@@ -136,8 +136,9 @@ def profile_rows(results: Path) -> list[tuple[str, str, str]]:
              f"{p['generate_s']:.1f} s: linear layers {pre['parts']['linear'] + dec['parts']['linear']:.1f} s "
              f"({pre['linear_gflop_per_s']:.0f} GFLOP/s in prefill, {dec['linear_gflop_per_s']:.0f} in decode); "
              f"prefill attention {a_pre['seconds']:.1f} s, **{a_pre['ratio']:.1f}×** its FLOP bound at the matmul "
-             f"rate{f' ({note})' if (note := one_size_peak(r)) else ''}; decode attention {a_dec['seconds']:.1f} s, **{a_dec['ratio']:.1f}×** its K/V byte bound at the "
-             f"copy rate (target ≤ 1.5× each); small ops (norms, rotary, activation, residuals) {small:.1f} s",
+             f"rate{f' ({note})' if (note := one_size_peak(r)) else ''}; decode attention {a_dec['seconds']:.1f} s, "
+             f"**{a_dec['ratio']:.1f}×** its K/V byte bound at the copy rate (target ≤ 1.5× each); small ops (norms, "
+             f"rotary, activation, residuals) {small:.1f} s",
              source(path.name, r))]
 
 

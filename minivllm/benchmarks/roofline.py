@@ -151,6 +151,10 @@ def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: i
     return {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}
 
 
+def _positive_int(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0
+
+
 def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int | Sequence[int] | None = None,
                   copy_bytes: int | None = None, repeats: int = PEAK_REPEATS) -> DevicePeaks:
     """Measure the peak matmul rate (FLOPs/s) and copy bandwidth (bytes/s) of `device` in `dtype`.
@@ -166,13 +170,12 @@ def measure_peaks(device: str | torch.device, dtype: torch.dtype, matmul_n: int 
     """
     device = torch.device(device)
     sizes, nbytes = PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"])
-    positive = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0  # noqa: E731
     if matmul_n is not None:
         sizes = tuple(matmul_n) if isinstance(matmul_n, Sequence) and not isinstance(matmul_n, str) else (matmul_n,)
-        if not sizes or not all(positive(n) for n in sizes):
+        if not sizes or not all(_positive_int(n) for n in sizes):
             raise ValueError(f"matmul_n must be a positive integer or a non-empty sequence of them, got {matmul_n!r}")
     if copy_bytes is not None:
-        if not positive(copy_bytes):
+        if not _positive_int(copy_bytes):
             raise ValueError(f"copy_bytes must be a positive integer, got {copy_bytes!r}")
         nbytes = copy_bytes
     sizes, nbytes = tuple(int(n) for n in sizes), int(nbytes)
