@@ -6,7 +6,10 @@ Tolerances: float64, 1e-12 (the kernel takes float64 statistics there; the refer
 formula in float64). float32: a few units in the last place (a row's squares are summed in another
 order: rtol 1e-6). bfloat16: one unit in the last place (a statistic that differs in its last float32
 bit can round a value the other way), and almost every value equal. The rotation rounds exactly where
-the plain version does: equal bit for bit in every dtype.
+the plain version does: equal bit for bit in every dtype. `silu_and_mul` takes its exponential from a
+polynomial, torch from its vector library, each within about one unit in the last place: float32
+within rtol 5e-7 (a few units: the exponential's and the quotient's roundings, then the product's),
+bfloat16 within one unit and almost every value equal, float64 (`std::exp`) within 1e-12 relative.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ import torch
 
 from engine_helpers import make_model, require_built, runner_switch_ab
 from minivllm.course.testing import tiny_config
-from minivllm.model_executor.models.fused_layers import (FusedDecoderLayer, FusedDecoderModel, FusedRMSNorm,
-                                                         FusedRotaryEmbedding, cpu_fused_ops, fuse_small_ops)
-from minivllm.model_executor.models.llama import MODEL_REGISTRY, DecoderModel, RMSNorm, RotaryEmbedding
+from minivllm.model_executor.models.fused_layers import (FusedDecoderLayer, FusedDecoderModel, FusedMLP,
+                                                         FusedRMSNorm, FusedRotaryEmbedding, cpu_fused_ops,
+                                                         fuse_small_ops)
+from minivllm.model_executor.models.llama import MLP, MODEL_REGISTRY, DecoderModel, RMSNorm, RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,60 @@ def test_rotary_embedding_equals_the_plain_one_bit_for_bit(ops, dtype):
     assert torch.equal(views[:, 768:], qkv[:, 768:]) and torch.equal(views[:, :576].view(17, 9, 64), want_q)
 
 
+def assert_silu_mul_close(got, want, dtype):
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=5e-7, atol=1e-30)
+    else:
+        assert_norm_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, d", [(33, 1536), (5, 40), (1, 7)])  # 40, 7: a tail after the 16-wide vectors
+def test_silu_and_mul_equals_torch(ops, dtype, rows, d):
+    """Two projections' outputs, or the halves of one stacked output (views a wider stride apart, as
+    vLLM's gate_up_proj gives them); out a new tensor or the gate itself."""
+    g = torch.Generator().manual_seed(rows * d)
+    wide = (3 * torch.randn(rows, 2 * d + 5, generator=g, dtype=torch.float64)).to(dtype)
+    gate, up = wide[:, 2:d + 2], wide[:, d + 2:2 * d + 2]
+    want = torch.nn.functional.silu(gate) * up
+    out = torch.empty(rows, d, dtype=dtype)
+    ops.silu_and_mul(out, gate, up)
+    assert_silu_mul_close(out, want, dtype)
+    in_place = gate.clone()
+    ops.silu_and_mul(in_place, in_place, up.clone())
+    assert torch.equal(in_place, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_the_edges(ops, dtype):
+    """Where e**-g overflows, underflows or is not a number: torch's values (-0 where e**-g is inf,
+    g where it is 0, NaN from NaN and from -inf), and finite values up to the edge of float32's range."""
+    edge = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0, 87.6, -87.6, 88.4, -88.4, 88.6, -88.6, 88.8,
+            -88.8, 100.0, -100.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan")]
+    gate = torch.tensor(edge * 2, dtype=dtype)[None]  # 46 values: two 16-wide vectors and a tail
+    up = torch.full_like(gate, 1.5)
+    got, want = torch.empty_like(gate), torch.nn.functional.silu(gate) * 1.5
+    ops.silu_and_mul(got, gate, up)
+    same = (got == want) | (got.isnan() & want.isnan()) | ((got - want).abs() <= 5e-7 * want.abs())
+    assert same.all(), [(gate[0, i].item(), got[0, i].item(), want[0, i].item()) for i in (~same[0]).nonzero().flatten()]
+    assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_mlp_equals_the_plain_one(ops, dtype):
+    g = torch.Generator().manual_seed(3)
+    mlp = MLP(48, 80, bias=True).to(dtype)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) / 4
+    x = torch.randn(9, 48, generator=g, dtype=torch.float64).to(dtype)
+    with torch.inference_mode():
+        want, got = mlp(x), fused(mlp, FusedMLP)(x)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 0.05}[dtype]  # bfloat16: one unit of
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)  # the activation, through the down projection
+
+
 def test_bad_input_is_refused_clearly(ops):
     rope = fused(RotaryEmbedding(8, 16, 10000.0), FusedRotaryEmbedding)
     q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
@@ -116,6 +174,14 @@ def test_bad_input_is_refused_clearly(ops):
         norm(torch.zeros(3, 8, dtype=torch.float64))  # a float32 weight
     with pytest.raises(RuntimeError, match="residual must match"):
         norm(torch.zeros(3, 8), torch.zeros(4, 8))
+    with pytest.raises(RuntimeError, match=r"gate, up and out must be \[N, d\] each"):
+        ops.silu_and_mul(torch.empty(2, 3), torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match=r"gate, up and out must be \[N, d\] each"):
+        ops.silu_and_mul(torch.empty(2, 3, 1), torch.zeros(2, 3, 1), torch.zeros(2, 3, 1))
+    with pytest.raises(RuntimeError, match="last dimension must be contiguous"):
+        ops.silu_and_mul(torch.empty(4, 2), torch.zeros(2, 4).t(), torch.zeros(4, 2))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.silu_and_mul(torch.empty(2, 4, dtype=torch.float64), torch.zeros(2, 4), torch.zeros(2, 4))
 
 
 def logits(model, ids):
@@ -137,6 +203,7 @@ def test_the_fused_decoder_equals_the_plain_one(ops, kind, dtype):
     model = copy.deepcopy(plain)
     assert fuse_small_ops(model) and type(model.model) is FusedDecoderModel
     assert all(type(layer) is FusedDecoderLayer for layer in model.model.layers)
+    assert all(type(layer.mlp) is FusedMLP for layer in model.model.layers)
     ids = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         a, b = logits(plain, ids), logits(model, ids)
@@ -168,6 +235,8 @@ def test_the_engine_fuses_float32_and_keeps_float64_plain(ops, tmp_path):
     """The engine's model runner fuses on CPU in float32 (its greedy tokens equal a plain engine's on
     a tiny model) and leaves float64, the oracle tests' dtype, on the plain path."""
     make_model(tmp_path, "qwen3")
-    outs, decoders = runner_switch_ab(tmp_path, "fuse_cpu_small_ops", lambda model: type(model.model))
-    assert decoders == {"on": FusedDecoderModel, "off": DecoderModel, "float64": DecoderModel}
+    outs, decoders = runner_switch_ab(tmp_path, "fuse_cpu_small_ops",
+                                      lambda model: (type(model.model), type(model.model.layers[0].mlp)))
+    assert decoders == {"on": (FusedDecoderModel, FusedMLP), "off": (DecoderModel, MLP),
+                        "float64": (DecoderModel, MLP)}
     assert outs["on"] == outs["off"]

@@ -1,14 +1,18 @@
 // The small ops of a decoder layer, fused, for CPUs (chapter 02, appendix B): RMSNorm, the residual
-// add with the RMSNorm after it, and rotary embedding, each one pass over its rows. After vLLM's CPU
-// ops (csrc/cpu/layernorm.cpp, csrc/cpu/pos_encoding.cpp). Every value is rounded where torch's
-// op-by-op version rounds it (built with -ffp-contract=off: no fused multiply-add), so the results
-// equal the plain modules' but for the order in which a row's squares are summed.
+// add with the RMSNorm after it, rotary embedding, and SwiGLU's SiLU-and-product, each one pass over its
+// rows. After vLLM's CPU ops (csrc/cpu/layernorm.cpp, pos_encoding.cpp, activation.cpp). Every value
+// is rounded where torch's op-by-op version rounds it (built with -ffp-contract=off: no fused
+// multiply-add), so the results equal the plain modules' but for the order in which a row's squares
+// are summed, and for SiLU's exponential (a polynomial here, torch's vector library there).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // float <-> storage type. bfloat16 is a float32's high 16 bits; rounding to nearest even, as torch does.
 template <typename scalar_t>
@@ -173,8 +177,118 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
   });
 }
 
+// SwiGLU's activation (vLLM's silu_and_mul): out[r, i] = silu(gate[r, i]) * up[r, i], silu(g) = g / (1 +
+// e**-g), rounded to the storage type before the product, as torch's `silu(gate) * up` rounds it. vLLM's
+// op takes the two halves of one [N, 2d] tensor; this one takes them as two [N, d] tensors, which may be
+// those halves (views) or two projections' outputs, and out may be gate itself. e**-g: n = round(-g log2
+// e), r = -g - n ln 2 in two parts (Cody and Waite's reduction: n ln2_hi is exact), e**r by its Taylor
+// polynomial of degree 7 (|r| <= 0.35: within float32's rounding), times 2**n from the exponent bits; its
+// steps are fused multiply-adds where the CPU has AVX-512 (the exponential need not round as torch's
+// does, only be as close; the division and the product are rounded as torch's are). 16 values at a time
+// in the GCC/Clang vector extension (one AVX-512 register, two AVX2 ones).
+typedef float VecF __attribute__((vector_size(64)));
+typedef int32_t VecI __attribute__((vector_size(64)));
+typedef uint32_t VecU __attribute__((vector_size(64)));
+typedef uint16_t VecH __attribute__((vector_size(32)));
+
+static inline VecF fma16(VecF a, VecF b, VecF c) {  // a * b + c: one rounding with AVX-512, two without
+#if defined(__AVX512F__)
+  return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
+
+static inline VecF exp_neg(VecF g) {
+  VecF y = -g;
+  y = y > 89.0f ? VecF{} + 89.0f : y;    // above about 88.72, e**y overflows to inf, as it should
+  y = y < -87.5f ? VecF{} - 87.5f : y;   // below, 1 + e**y is 1 (a NaN fails both tests and stays NaN)
+  const VecF n = fma16(y, VecF{} + 1.44269504f, VecF{} + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: rounds
+  const VecF r = fma16(n, VecF{} + 2.12194440e-4f, fma16(n, VecF{} - 0.693359375f, y));  // ln 2 in two parts
+  VecF p = VecF{} + 1.98412698e-4f;  // 1/7!, then Horner's rule down to 1
+  for (const float c : {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f})
+    p = fma16(p, r, VecF{} + c);
+  // 2**n as 2 * 2**(n - 1), so that n = 128 still has an exponent field (n - 1 + 127 is in [0, 254])
+  const VecI bits = (__builtin_convertvector(n, VecI) + 126) << 23;
+  VecF half_two_n;
+  std::memcpy(&half_two_n, &bits, sizeof(half_two_n));
+  return (p + p) * half_two_n;
+}
+
+template <typename scalar_t>
+static inline VecF load16(const scalar_t* x) {  // 16 values widened to float32
+  VecF f;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    VecH h;
+    std::memcpy(&h, x, sizeof(h));
+    const VecU u = __builtin_convertvector(h, VecU) << 16;
+    std::memcpy(&f, &u, sizeof(f));
+  } else {
+    std::memcpy(&f, x, sizeof(f));
+  }
+  return f;
+}
+
+template <typename scalar_t>
+static inline VecF round16(VecF f) {  // to the storage type and back: to_f(from_f(f)) lane by lane
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    VecU u;
+    std::memcpy(&u, &f, sizeof(u));
+    u = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
+    u = f != f ? VecU{} + 0x7FC00000u : u;
+    std::memcpy(&f, &u, sizeof(f));
+  }
+  return f;
+}
+
+template <typename scalar_t>
+static inline void store16(scalar_t* out, VecF f) {  // f already rounded to the storage type
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    VecU u;
+    std::memcpy(&u, &f, sizeof(u));
+    const VecH h = __builtin_convertvector(u >> 16, VecH);
+    std::memcpy(out, &h, sizeof(h));
+  } else {
+    std::memcpy(out, &f, sizeof(f));
+  }
+}
+
+template <typename scalar_t>
+static inline void silu_mul_row(scalar_t* out, const scalar_t* gate, const scalar_t* up, int64_t d) {
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<scalar_t, double>) {  // float64: the plain loop, std::exp
+    for (; i + 16 <= d; i += 16) {
+      const VecF g = load16(gate + i), s = round16<scalar_t>(g / (1.0f + exp_neg(g)));
+      store16(out + i, round16<scalar_t>(s * load16(up + i)));
+    }
+  }
+  for (; i < d; ++i) {
+    const auto g = widen(gate[i]);
+    const scalar_t s = from_f<scalar_t>(g / (decltype(g)(1) + std::exp(-g)));
+    out[i] = from_f<scalar_t>(widen(s) * widen(up[i]));
+  }
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes(),
+              "gate, up and out must be [N, d] each, got ", gate.sizes(), ", ", up.sizes(), " and ", out.sizes());
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1 && out.stride(1) == 1, "the last dimension must be contiguous");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type() && out.scalar_type() == gate.scalar_type(),
+              "gate, up and out must have one dtype");
+  const int64_t n = gate.size(0), d = gate.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "silu_and_mul", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* g = gate.data_ptr<scalar_t>();
+    const scalar_t* u = up.data_ptr<scalar_t>();
+    const int64_t so = out.stride(0), sg = gate.stride(0), su = up.stride(0);
+    for_rows(n, d, [&](int64_t r) { silu_mul_row(o + r * so, g + r * sg, u + r * su, d); });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight (out, input, weight, eps)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (out, gate, up); out may be gate");
   m.def("rotary_embedding", &rotary_embedding, "rotate query and key in place (positions, query, key, cos, sin)");
 }

@@ -2,8 +2,9 @@
 
 # %% ../../../notebooks/02_model.ipynb #74004c0c
 """The decoder layer with its small ops fused in C++ on the CPU: RMSNorm, the residual add with the
-next RMSNorm, rotary embedding (exported from the appendix of notebooks/02_model.ipynb). After vLLM's
-CPU ops (`csrc/cpu/layernorm.cpp`, `pos_encoding.cpp`) and its layers' `(hidden, residual)` pairs."""
+next RMSNorm, rotary embedding, the MLP's SiLU and product (exported from the appendix of
+notebooks/02_model.ipynb). After vLLM's CPU ops (`csrc/cpu/layernorm.cpp`, `pos_encoding.cpp`,
+`activation.cpp`) and its layers' `(hidden, residual)` pairs."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from torch import nn
 
 import minivllm.model_executor.layers
 from ..cpp_extension import CPU_CFLAGS, CppExtension, load_extension
-from .llama import DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
+from .llama import MLP, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
 
 FUSED_OPS = CppExtension(
     "minivllm_fused_ops_cpu", Path(minivllm.model_executor.layers.__file__).parent / "fused_ops_cpu.cpp",
@@ -25,8 +26,8 @@ FUSED_OPS_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose statistic
 
 @functools.cache
 def cpu_fused_ops():
-    """The built module of `FUSED_OPS` (functions `rms_norm`, `fused_add_rms_norm`, `rotary_embedding`),
-    or None where it cannot be built or `MINIVLLM_CPU_KERNEL=0` (see `load_extension`)."""
+    """The built module of `FUSED_OPS` (functions `rms_norm`, `fused_add_rms_norm`, `rotary_embedding`,
+    `silu_and_mul`), or None where it cannot be built or `MINIVLLM_CPU_KERNEL=0` (see `load_extension`)."""
     return load_extension(FUSED_OPS)
 
 
@@ -55,9 +56,21 @@ class FusedRotaryEmbedding(RotaryEmbedding):
         cpu_fused_ops().rotary_embedding(positions, q, k, self.cos, self.sin)
         return q, k
 
+
+class FusedMLP(MLP):
+    """`MLP` whose SiLU and product are one C++ loop, vLLM's `silu_and_mul`, written over the gate
+    projection's output: `down_proj(silu(gate_proj(x)) * up_proj(x))`, `x` `[N, hidden_size]`. float32 and
+    bfloat16 take SiLU's exponential from a polynomial (torch from its vector library: float32 may differ
+    in its last bits); float64 from `std::exp`. Raises RuntimeError on shapes or dtypes that do not fit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        cpu_fused_ops().silu_and_mul(gate, gate, self.up_proj(x))
+        return self.down_proj(gate)
+
 # %% auto #0
-__all__ = ['FUSED_OPS', 'FUSED_OPS_DTYPES', 'cpu_fused_ops', 'FusedRMSNorm', 'FusedRotaryEmbedding', 'FusedDecoderLayer',
-           'FusedDecoderModel', 'fuse_small_ops']
+__all__ = ['FUSED_OPS', 'FUSED_OPS_DTYPES', 'cpu_fused_ops', 'FusedRMSNorm', 'FusedRotaryEmbedding', 'FusedMLP',
+           'FusedDecoderLayer', 'FusedDecoderModel', 'fuse_small_ops']
 
 # %% ../../../notebooks/02_model.ipynb #4d582cf6
 class FusedDecoderLayer(DecoderLayer):
@@ -97,7 +110,8 @@ def fuse_small_ops(model: nn.Module) -> bool:
     weight = decoder.embed_tokens.weight
     if weight.device.type != "cpu" or weight.dtype not in FUSED_OPS_DTYPES or cpu_fused_ops() is None:
         return False
-    swaps = {RMSNorm: FusedRMSNorm, RotaryEmbedding: FusedRotaryEmbedding, DecoderLayer: FusedDecoderLayer}
+    swaps = {RMSNorm: FusedRMSNorm, RotaryEmbedding: FusedRotaryEmbedding, MLP: FusedMLP,
+             DecoderLayer: FusedDecoderLayer}
     for module in decoder.modules():
         module.__class__ = swaps.get(type(module), type(module))
     rotary = decoder.rotary_emb  # its table in float32, as built (`.to(dtype)` casts it too)
