@@ -5,6 +5,7 @@
 // multiply-add), so the results equal the plain modules' but for the order in which a row's squares
 // are summed, and for SiLU's exponential (a polynomial here, torch's vector library there).
 #include <torch/extension.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -180,7 +181,8 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
 // SwiGLU's activation (vLLM's silu_and_mul): out[r, i] = silu(gate[r, i]) * up[r, i], silu(g) = g / (1 +
 // e**-g), rounded to the storage type before the product, as torch's `silu(gate) * up` rounds it. vLLM's
 // op takes the two halves of one [N, 2d] tensor; this one takes them as two [N, d] tensors, which may be
-// those halves (views) or two projections' outputs, and out may be gate itself. e**-g: n = round(-g log2
+// those halves (views) or two projections' outputs; out may be gate or up itself, but may not overlap
+// them otherwise (each value is read before it is written, in the same place only). e**-g: n = round(-g log2
 // e), r = -g - n ln 2 in two parts (Cody and Waite's reduction: n ln2_hi is exact), e**r by its Taylor
 // polynomial of degree 7 (|r| <= 0.35: within float32's rounding), times 2**n from the exponent bits; its
 // steps are fused multiply-adds where the CPU has AVX-512 (the exponential need not round as torch's
@@ -208,7 +210,8 @@ static inline VecF exp_neg(VecF g) {
   VecF p = VecF{} + 1.98412698e-4f;  // 1/7!, then Horner's rule down to 1
   for (const float c : {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f})
     p = fma16(p, r, VecF{} + c);
-  // 2**n as 2 * 2**(n - 1), so that n = 128 still has an exponent field (n - 1 + 127 is in [0, 254])
+  // 2**n as 2 * 2**(n - 1), so that n = 128 still has an exponent field (n - 1 + 127 is in [0, 254]); at
+  // n = -126 the field is 0 and the result 0, for y near -87, where 1 + e**y is 1 anyway
   const VecI bits = (__builtin_convertvector(n, VecI) + 126) << 23;
   VecF half_two_n;
   std::memcpy(&half_two_n, &bits, sizeof(half_two_n));
@@ -276,6 +279,9 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1 && out.stride(1) == 1, "the last dimension must be contiguous");
   TORCH_CHECK(up.scalar_type() == gate.scalar_type() && out.scalar_type() == gate.scalar_type(),
               "gate, up and out must have one dtype");
+  at::assert_no_internal_overlap(out);  // as torch's out= ops: out's values in places of their own,
+  at::assert_no_partial_overlap(out, gate);  // and out either gate, up or apart from them
+  at::assert_no_partial_overlap(out, up);
   const int64_t n = gate.size(0), d = gate.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "silu_and_mul", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();

@@ -11,6 +11,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import minivllm.model_executor.layers
@@ -59,13 +60,18 @@ class FusedRotaryEmbedding(RotaryEmbedding):
 
 class FusedMLP(MLP):
     """`MLP` whose SiLU and product are one C++ loop, vLLM's `silu_and_mul`, written over the gate
-    projection's output: `down_proj(silu(gate_proj(x)) * up_proj(x))`, `x` `[N, hidden_size]`. float32 and
+    projection's output: `down_proj(silu(gate_proj(x)) * up_proj(x))`, `x` `[..., hidden_size]`. float32 and
     bfloat16 take SiLU's exponential from a polynomial (torch from its vector library: float32 may differ
-    in its last bits); float64 from `std::exp`. Raises RuntimeError on shapes or dtypes that do not fit."""
+    in its last bits); float64 from `std::exp`. Where autograd records the gate projection (its weight or
+    `x` requires grad, outside `torch.no_grad()`), torch's ops instead: the C++ op has no backward.
+    Raises RuntimeError on dtypes that do not fit."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        cpu_fused_ops().silu_and_mul(gate, gate, self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.requires_grad:
+            return self.down_proj(F.silu(gate) * up)
+        rows = gate.view(-1, gate.shape[-1])  # a projection's output: contiguous, so a view of it
+        cpu_fused_ops().silu_and_mul(rows, rows, up.reshape(rows.shape))
         return self.down_proj(gate)
 
 # %% auto #0
