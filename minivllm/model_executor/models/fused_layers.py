@@ -57,7 +57,11 @@ class FusedRotaryEmbedding(RotaryEmbedding):
         cpu_fused_ops().rotary_embedding(positions, q, k, self.cos, self.sin)
         return q, k
 
+# %% auto #0
+__all__ = ['FUSED_OPS', 'FUSED_OPS_DTYPES', 'cpu_fused_ops', 'FusedRMSNorm', 'FusedRotaryEmbedding', 'FusedMLP',
+           'FusedDecoderLayer', 'FusedDecoderModel', 'fuse_small_ops']
 
+# %% ../../../notebooks/02_model.ipynb #d61b7044
 class FusedMLP(MLP):
     """`MLP` whose SiLU and product are one C++ loop, vLLM's `silu_and_mul`, written over the gate
     projection's output: `down_proj(silu(gate_proj(x)) * up_proj(x))`, `x` `[..., hidden_size]`. float32 and
@@ -73,10 +77,6 @@ class FusedMLP(MLP):
         rows = gate.view(-1, gate.shape[-1])  # a projection's output: contiguous, so a view of it
         cpu_fused_ops().silu_and_mul(rows, rows, up.reshape(rows.shape))
         return self.down_proj(gate)
-
-# %% auto #0
-__all__ = ['FUSED_OPS', 'FUSED_OPS_DTYPES', 'cpu_fused_ops', 'FusedRMSNorm', 'FusedRotaryEmbedding', 'FusedMLP',
-           'FusedDecoderLayer', 'FusedDecoderModel', 'fuse_small_ops']
 
 # %% ../../../notebooks/02_model.ipynb #4d582cf6
 class FusedDecoderLayer(DecoderLayer):
