@@ -1,9 +1,9 @@
 // The small ops of a decoder layer, fused, for CPUs (chapter 02, appendix B): RMSNorm, the residual
 // add with the RMSNorm after it, rotary embedding, and SwiGLU's SiLU-and-product, each one pass over its
 // rows. After vLLM's CPU ops (csrc/cpu/layernorm.cpp, pos_encoding.cpp, activation.cpp). Every value
-// is rounded where torch's op-by-op version rounds it (built with -ffp-contract=off: no fused
-// multiply-add), so the results equal the plain modules' but for the order in which a row's squares
-// are summed, and for SiLU's exponential (a polynomial here, torch's vector library there).
+// is rounded where torch's op-by-op version rounds it (-ffp-contract=off: no fused multiply-add but the
+// ones SiLU's exponential names), so the results equal the plain modules' but for the order in which a
+// row's squares are summed, and for SiLU's exponential (a polynomial here, torch's vector library there).
 #include <torch/extension.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -295,6 +295,6 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = RMSNorm(input) * weight (out, input, weight, eps)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += input; input = RMSNorm(residual) * weight");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (out, gate, up); out may be gate");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (out, gate, up); out may be gate or up");
   m.def("rotary_embedding", &rotary_embedding, "rotate query and key in place (positions, query, key, cos, sin)");
 }
