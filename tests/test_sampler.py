@@ -19,9 +19,9 @@ from minivllm.sample.generator import make_generator
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.sample.metadata import pad_token_ids, sampling_metadata
-from minivllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, gather_logprobs, mass_ranked_before,
-                                 random_sample, sample_top_k_top_p, top_k_mask)
-from minivllm.sample.sampler import Sampler
+from minivllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p, gather_logprobs, greedy_sample,
+                                 mass_ranked_before, random_sample, sample_top_k_top_p, top_k_mask)
+from minivllm.sample.sampler import Sampler, argmax_only
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -223,6 +223,72 @@ def test_overflowing_or_nan_logits_still_give_tokens_of_the_vocabulary(params):
         assert all(0 <= t < vocab for t in tokens), tokens
         assert tokens[0] in (1, 2)  # the prompt's tokens: 5 / 1e-40 overflows, so they tie at the top
         assert tokens[2] != 0  # NaN is never drawn
+
+
+# --- greedy rows: the argmax ------------------------------------------------------------------------
+
+SPECIAL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(0, 5), vocab=st.sampled_from([1, 2, 3, 7, 64, 96, 1000, 1024, 2048,
+                                                                                   3072, 5000, 49152]),
+       chunk=st.sampled_from([1, 2, 16, 1024, 4096]), levels=st.integers(1, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       special=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 49151), st.sampled_from(sorted(SPECIAL))),
+                        max_size=4))
+def test_greedy_sample_is_the_first_argmax(seed, rows, vocab, chunk, levels, dtype, special):
+    """Ties (a few distinct values: many equal maxima, within and across slices), NaN, +-inf, every dtype,
+    vocabulary sizes that the slices divide and that they do not: the index `max(dim=-1)` gives."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).to(dtype)
+    for r, t, name in special:
+        if r < rows:
+            logits[r, t % vocab] = SPECIAL[name]
+    want = logits.max(dim=-1).indices
+    got = greedy_sample(logits, chunk)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, want)
+    assert torch.equal(got, logits.float().max(dim=-1).indices)  # widening to float32 changes no argmax
+
+
+def test_greedy_sample_finds_a_maximum_in_the_last_slice_and_a_late_tie():
+    logits = torch.zeros(3, 4096)
+    logits[0, 4095] = 1.0  # the last token of the last slice
+    logits[1, [3000, 1023, 1024]] = 2.0  # ties across slices: the first in the row wins
+    logits[2] = float("-inf")  # nothing but -inf: token 0, as argmax
+    assert greedy_sample(logits).tolist() == [4095, 1023, 0]
+
+
+class RecordingSampler(Sampler):
+    """A Sampler that notes the dtype its one pass receives."""
+
+    def forward(self, logits, md):
+        self.seen_dtype = logits.dtype
+        return super().forward(logits, md)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(logprobs=2), dict(repetition_penalty=1.2), dict(min_tokens=3),
+                                   dict(temperature=0.7, seed=1)])
+def test_a_plain_greedy_step_takes_the_argmax_in_the_models_dtype(extra):
+    """bfloat16 logits: a step of plain greedy rows is not copied to float32 (its argmax is the same); any
+    penalty, min_tokens, log-probabilities or random row on one of the rows sends the step through float32.
+    Either way the greedy rows' tokens are the float32 argmax (with min_tokens: of the masked logits)."""
+    vocab = 4096
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (3, vocab), generator=gen).to(torch.bfloat16)  # many ties at the top
+    seqs = [Sequence([5], SamplingParams(temperature=0)), Sequence([6], SamplingParams(temperature=0)),
+            Sequence([7], SamplingParams(**{"temperature": 0, **extra}))]
+    sampler = RecordingSampler(frozenset({int(logits[2].float().argmax())}))
+    tokens = sampler(logits, seqs, {}, make_generator(0))
+    md = sampling_metadata(seqs, {}, make_generator(0), sampler.eos_token_ids, vocab, torch.float32, "cpu")
+    assert argmax_only(md) == (not extra)
+    assert sampler.seen_dtype == (torch.bfloat16 if not extra else torch.float32)
+    assert tokens[:2] == logits[:2].float().argmax(dim=-1).tolist()
+    if "min_tokens" in extra:  # its EOS (the row's argmax) is masked: the next of the tied maxima
+        assert tokens[2] != int(logits[2].float().argmax()) and logits[2, tokens[2]] == logits[2].max()
+    elif "temperature" not in extra:
+        assert tokens[2] == int(logits[2].float().argmax())
 
 
 # --- the draws -------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
 
 # %% auto #0
 __all__ = ['bin_counts', 'apply_penalties', 'apply_min_p', 'apply_top_k_top_p', 'inverse_transform', 'random_sample',
-           'ranked_before', 'mass_ranked_before', 'top_k_mask', 'sample_top_k_top_p', 'gather_logprobs']
+           'ranked_before', 'mass_ranked_before', 'top_k_mask', 'sample_top_k_top_p', 'gather_logprobs',
+           'greedy_sample']
 
 # %% ../../notebooks/10_sampling.ipynb #cf74a173
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -203,3 +204,21 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprob
     ids = torch.cat([token_ids[:, None], top_ids], dim=1).tolist()
     values = torch.cat([chosen, top_values], dim=1).tolist()
     return [None if n is None else (ids[i][:n + 1], values[i][:n + 1], ranks[i]) for i, n in enumerate(wanted)]
+
+# %% ../../notebooks/10_sampling.ipynb #206d6af7
+def greedy_sample(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Each row's argmax: `[num_seqs]` int64 for `logits [num_seqs, vocab_size]` of any floating dtype, the
+    first index of the row's largest value (the first NaN where a row holds one), as `logits.max(dim=-1)`
+    gives it. Computed in two passes: the largest value of each slice of `chunk` tokens, then the first
+    index of the row's largest inside the first slice that holds it. `chunk` (a power of two) is halved
+    until it divides vocab_size; where none from 2 does, or vocab_size <= chunk, one `max(dim=-1)`.
+    Named after vLLM V1's `Sampler.greedy_sample`."""
+    num_rows, vocab_size = logits.shape
+    while chunk > 1 and vocab_size % chunk:
+        chunk //= 2
+    if chunk == 1 or vocab_size <= chunk:
+        return logits.max(dim=-1).indices
+    slices = logits.reshape(num_rows, vocab_size // chunk, chunk)
+    first = slices.amax(dim=-1).max(dim=-1).indices  # [num_rows]: the first slice holding the row's max
+    rows = torch.arange(num_rows, device=logits.device)
+    return first * chunk + slices[rows, first].max(dim=-1).indices

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from .metadata import SamplingMetadata, sampling_metadata
-from .ops import apply_min_p, apply_penalties, gather_logprobs, random_sample, sample_top_k_top_p
+from .ops import (apply_min_p, apply_penalties, gather_logprobs, greedy_sample, random_sample,
+                                sample_top_k_top_p)
 from ..sequence import Sequence
 
 
@@ -30,6 +31,14 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 
+def argmax_only(md: SamplingMetadata) -> bool:
+    """Whether the step computes nothing from the logits but each row's argmax: every row greedy, with no
+    penalty, no stop token masked for `min_tokens` and no log-probabilities asked for. Widening bfloat16 (or
+    float16) to float32 changes no value, so no argmax: such a step may skip the float32 copy."""
+    return (md.all_greedy and md.no_penalties and not md.min_tokens_rows.numel()
+            and all(n is None for n in md.num_logprobs))
+
+
 def apply_temperature_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Random rows' logits before top-k and top-p: divided by the temperature, then min-p; a row left
     with nothing to draw from draws from all alike. `[num_seqs, vocab_size]`."""
@@ -41,19 +50,20 @@ def apply_temperature_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 # %% auto #0
-__all__ = ['finite_logits', 'apply_logits_processors', 'apply_temperature_min_p', 'sample_logits', 'Sampler']
+__all__ = ['finite_logits', 'apply_logits_processors', 'argmax_only', 'apply_temperature_min_p', 'sample_logits', 'Sampler']
 
 # %% ../../notebooks/10_sampling.ipynb #5ae1c0d2
 def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
     """The sampler's one pass: `(tokens [num_seqs] int64, per-row log-probabilities or None)` for
-    `logits [num_seqs, vocab_size]` in float32 or float64, in vLLM's order (see `Sampler`). A random row
-    that excludes every token (`min_tokens` with every token a stop token) draws from all alike."""
+    `logits [num_seqs, vocab_size]` in float32 or float64 (or the model's dtype where `argmax_only(md)`), in
+    vLLM's order (see `Sampler`). A random row that excludes every token (`min_tokens` with every token a stop
+    token) draws from all alike."""
     wants_logprobs = any(n is not None for n in md.num_logprobs)
     raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
     logits = apply_logits_processors(logits, md)
     num_rows = len(logits)
     if md.all_greedy or len(md.plain_rows) + len(md.filtered_rows) < num_rows:
-        sampled = logits.max(dim=-1).indices  # argmax's answer (first of equal maxima), faster on CPUs
+        sampled = greedy_sample(logits)
     else:  # no greedy row: no argmax
         sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if not md.all_greedy:
@@ -92,7 +102,7 @@ class Sampler:
         dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 models
         md = sampling_metadata(seqs, generators, default_generator, self.eos_token_ids, logits.shape[1], dtype,
                                logits.device)
-        sampled, logprobs = self.forward(logits.to(dtype), md)
+        sampled, logprobs = self.forward(logits if argmax_only(md) else logits.to(dtype), md)
         self.logprobs = {s.seq_id: row for s, row in zip(seqs, logprobs or ()) if row is not None}
         return sampled.tolist()
 
