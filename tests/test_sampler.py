@@ -233,11 +233,12 @@ SPECIAL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 10_000), rows=st.integers(0, 5), vocab=st.sampled_from([1, 2, 3, 7, 64, 96, 1000, 1024, 2048,
                                                                                    3072, 5000, 49152]),
-       chunk=st.sampled_from([1, 2, 16, 1024, 4096]), levels=st.integers(1, 6),
+       chunk=st.sampled_from([1, 2, 16, 1024, 4096]), min_chunk=st.sampled_from([1, 2, 32]),
+       levels=st.integers(1, 6),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
        special=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 49151), st.sampled_from(sorted(SPECIAL))),
                         max_size=4))
-def test_greedy_sample_is_the_first_argmax(seed, rows, vocab, chunk, levels, dtype, special):
+def test_greedy_sample_is_the_first_argmax(seed, rows, vocab, chunk, min_chunk, levels, dtype, special):
     """Ties (a few distinct values: many equal maxima, within and across slices), NaN, +-inf, every dtype,
     vocabulary sizes that the slices divide and that they do not: the index `max(dim=-1)` gives."""
     gen = torch.Generator().manual_seed(seed)
@@ -246,7 +247,7 @@ def test_greedy_sample_is_the_first_argmax(seed, rows, vocab, chunk, levels, dty
         if r < rows:
             logits[r, t % vocab] = SPECIAL[name]
     want = logits.max(dim=-1).indices
-    got = greedy_sample(logits, chunk)
+    got = greedy_sample(logits, chunk, min_chunk)
     assert got.dtype == torch.int64 and got.shape == (rows,)
     assert torch.equal(got, want)
     assert torch.equal(got, logits.float().max(dim=-1).indices)  # widening to float32 changes no argmax
@@ -258,6 +259,9 @@ def test_greedy_sample_finds_a_maximum_in_the_last_slice_and_a_late_tie():
     logits[1, [3000, 1023, 1024]] = 2.0  # ties across slices: the first in the row wins
     logits[2] = float("-inf")  # nothing but -inf: token 0, as argmax
     assert greedy_sample(logits).tolist() == [4095, 1023, 0]
+    for chunk, min_chunk in ((0, 32), (1024, 0)):
+        with pytest.raises(ValueError, match="chunk and min_chunk must be at least 1"):
+            greedy_sample(logits, chunk, min_chunk)
 
 
 class RecordingSampler(Sampler):

@@ -206,17 +206,20 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprob
     return [None if n is None else (ids[i][:n + 1], values[i][:n + 1], ranks[i]) for i, n in enumerate(wanted)]
 
 # %% ../../notebooks/10_sampling.ipynb #206d6af7
-def greedy_sample(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def greedy_sample(logits: torch.Tensor, chunk: int = 1024, min_chunk: int = 32) -> torch.Tensor:
     """Each row's argmax: `[num_seqs]` int64 for `logits [num_seqs, vocab_size]` of any floating dtype, the
     first index of the row's largest value (the first NaN where a row holds one), as `logits.max(dim=-1)`
     gives it. Computed in two passes: the largest value of each slice of `chunk` tokens, then the first
-    index of the row's largest inside the first slice that holds it. `chunk` (a power of two) is halved
-    until it divides vocab_size; where none from 2 does, or vocab_size <= chunk, one `max(dim=-1)`.
-    Named after vLLM V1's `Sampler.greedy_sample`."""
+    index of the row's largest inside the first slice that holds it. `chunk` is halved until it divides
+    vocab_size; where none down to `min_chunk` does (shorter slices were slower than one pass), or
+    vocab_size <= chunk, one `max(dim=-1)`. `logits` is not modified. Named after vLLM V1's
+    `Sampler.greedy_sample`. Raises: ValueError for a `chunk` or `min_chunk` below 1."""
+    if chunk < 1 or min_chunk < 1:
+        raise ValueError(f"greedy_sample: chunk and min_chunk must be at least 1; got {chunk} and {min_chunk}")
     num_rows, vocab_size = logits.shape
-    while chunk > 1 and vocab_size % chunk:
+    while chunk >= min_chunk and vocab_size % chunk:
         chunk //= 2
-    if chunk == 1 or vocab_size <= chunk:
+    if chunk < min_chunk or chunk == 1 or vocab_size <= chunk:
         return logits.max(dim=-1).indices
     slices = logits.reshape(num_rows, vocab_size // chunk, chunk)
     first = slices.amax(dim=-1).max(dim=-1).indices  # [num_rows]: the first slice holding the row's max

@@ -55,9 +55,9 @@ __all__ = ['finite_logits', 'apply_logits_processors', 'argmax_only', 'apply_tem
 # %% ../../notebooks/10_sampling.ipynb #5ae1c0d2
 def sample_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, list | None]:
     """The sampler's one pass: `(tokens [num_seqs] int64, per-row log-probabilities or None)` for
-    `logits [num_seqs, vocab_size]` in float32 or float64 (or the model's dtype where `argmax_only(md)`), in
-    vLLM's order (see `Sampler`). A random row that excludes every token (`min_tokens` with every token a stop
-    token) draws from all alike."""
+    `logits [num_seqs, vocab_size]` in float32 or float64 (or the model's dtype where `argmax_only(md)`: then
+    the model's own tensor, which it does not modify), in vLLM's order (see `Sampler`). A random row that
+    excludes every token (`min_tokens` with every token a stop token) draws from all alike."""
     wants_logprobs = any(n is not None for n in md.num_logprobs)
     raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None  # of the model's own logits
     logits = apply_logits_processors(logits, md)
