@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from .metadata import SamplingMetadata, sampling_metadata
-from .ops import (apply_min_p, apply_penalties, gather_logprobs, greedy_sample, random_sample,
-                                sample_top_k_top_p)
+from .ops import (
+    apply_min_p, apply_penalties, gather_logprobs, greedy_sample, random_sample, sample_top_k_top_p)
 from ..sequence import Sequence
 
 
