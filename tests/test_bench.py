@@ -838,3 +838,43 @@ def test_small_ops_probe_compares_equal_numbers(capsys):
     q, k = torch.randn(5, 9, 64, dtype=torch.float64), torch.randn(5, 3, 64, dtype=torch.float64)
     swapped = probe.rotary_without_cat(rot, pos, q.roll(32, -1), k.roll(32, -1))
     assert probe.same(rot(pos, q, k), swapped, torch.float64) == "NO"
+
+
+def _overlap_probe():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "overlap_probe.py"
+    spec = importlib.util.spec_from_file_location("overlap_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overlap_probe_reads_every_float_and_writes_its_record(tmp_path, capsys):
+    """scripts/overlap_probe.py (chapter 09): its kernel sums every float of the buffer (whole numbers, so the
+    float32 sums are exact) plus its 8 x 16 multiply-add lanes, which start at 1 + i/1000 and stay there with no
+    work; the record holds one row per (prefetch distance, work) with the three timings."""
+    from minivllm.model_executor.cpp_extension import load_extension
+    from engine_helpers import require_built
+
+    probe = _overlap_probe()
+    module = load_extension(probe.PROBE)
+    require_built(module, "the overlap probe's kernel")
+    buffer = torch.randint(0, 8, (4 * 1024,), generator=torch.Generator().manual_seed(0)).float()  # 4 chunks
+    chains = 16 * sum(1 + 0.001 * i for i in range(8))  # per thread
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            total = module.stream(buffer, 0, 0, 3)
+        finally:
+            torch.set_num_threads(before)
+        assert total == pytest.approx(3 * buffer.sum().item() + threads * chains, rel=1e-6)
+    with pytest.raises(ValueError, match="4 KiB"):
+        module.stream(torch.ones(100), 0, 0, 1)
+    out = tmp_path / "probe.json"
+    args = ["--mib", "2", "--work", "0", "4", "--ahead", "0", "1", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    assert probe.main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["command"] == "python scripts/overlap_probe.py " + " ".join(args) and r["threads"] == 1
+    assert [(row["ahead"], row["work"]) for row in r["rows"]] == [(0, 0), (0, 4), (1, 0), (1, 4)]
+    assert all(row["memory_s"] > 0 and row["compute_s"] > 0 and row["both_s"] > 0 for row in r["rows"])
+    assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and "wrote" in capsys.readouterr().out

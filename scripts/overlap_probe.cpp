@@ -1,0 +1,60 @@
+// scripts/overlap_probe.py's kernel: does this CPU overlap reading memory with arithmetic on registers?
+// Each thread takes an equal share of a buffer's 4 KiB chunks, `reps` times over; for each chunk it sums
+// the chunk's 64 cache lines (the memory part), then runs `work` rounds of 8 independent multiply-add
+// chains that touch no memory (the compute part). With `ahead` > 0 it also asks for the chunk `ahead`
+// chunks further on, into the L2 cache, one line at a time spread evenly over the compute part (the
+// software prefetch of chapter 05's decode kernel and chapter 02's float32 GEMM). Plain vectors of the
+// GCC/Clang extension: AVX-512 or AVX2, whichever -march=native gives.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kChunk = 4096, kLines = kChunk / 64;
+
+// The sum of every float read and of the chains' final values (returned so that nothing is optimised away).
+double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps) {
+  TORCH_CHECK_VALUE(buffer.device().is_cpu() && buffer.scalar_type() == torch::kFloat && buffer.is_contiguous(),
+                    "stream: a contiguous float32 CPU buffer");
+  TORCH_CHECK_VALUE(buffer.numel() * 4 % kChunk == 0 && buffer.numel() > 0, "stream: a whole number of 4 KiB chunks");
+  TORCH_CHECK_VALUE(work >= 0 && ahead >= 0 && reps >= 1, "stream: work and ahead >= 0, reps >= 1");
+  const char* base = static_cast<const char*>(buffer.data_ptr());
+  const int64_t chunks = buffer.numel() * 4 / kChunk, threads = at::get_num_threads();
+  std::vector<double> part(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = chunks * t / threads, last = chunks * (t + 1) / threads;
+      Vec sum = {}, chain[8];
+      for (int i = 0; i < 8; ++i) chain[i] = Vec{} + (1.0f + 0.001f * i);
+      const Vec m = Vec{} + 0.999999f, c = Vec{} + 1e-7f;  // x -> 0.999999 x + 1e-7 stays near 0.1: no subnormals
+      for (int64_t r = 0; r < reps; ++r)
+        for (int64_t ch = first; ch < last; ++ch) {
+          const char* p = base + ch * kChunk;
+          for (int64_t l = 0; l < kLines; ++l) {
+            Vec v;
+            std::memcpy(&v, p + 64 * l, sizeof(v));
+            sum += v;
+          }
+          const char* next = p + ahead * kChunk;
+          const bool ask = ahead > 0 && ch + ahead < last;
+          int64_t sent = 0;
+          for (int64_t w = 0; w < work; ++w) {
+            for (int i = 0; i < 8; ++i) chain[i] = chain[i] * m + c;
+            for (; ask && sent < (w + 1) * kLines / work; ++sent) __builtin_prefetch(next + 64 * sent, 0, 2);
+          }
+          for (; ask && sent < kLines; ++sent) __builtin_prefetch(next + 64 * sent, 0, 2);
+        }
+      for (int i = 0; i < 8; ++i) sum += chain[i];
+      for (int i = 0; i < 16; ++i) part[t] += sum[i];
+    }
+  });
+  double total = 0;
+  for (double x : part) total += x;
+  return total;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream", &stream, "read a buffer chunk by chunk with `work` rounds of register arithmetic per chunk");
+}
