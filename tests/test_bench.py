@@ -212,12 +212,17 @@ def test_bench_prints_the_cpu_it_ran_on(tiny_llama, capsys):
     assert json.loads(captured.out)["hardware"]["cpu"] == cpu
 
 
-def _profile_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_engine.py"
-    spec = importlib.util.spec_from_file_location("profile_engine", path)
+def _load_script(name: str):
+    """scripts/NAME.py as a module (the scripts folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _profile_script():
+    return _load_script("profile_engine")
 
 
 def test_profile_script_accounts_for_every_step(tiny_llama, tmp_path, capsys):
@@ -840,14 +845,6 @@ def test_small_ops_probe_compares_equal_numbers(capsys):
     assert probe.same(rot(pos, q, k), swapped, torch.float64) == "NO"
 
 
-def _overlap_probe():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "overlap_probe.py"
-    spec = importlib.util.spec_from_file_location("overlap_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_overlap_probe_reads_every_float_and_writes_its_record(tmp_path, capsys):
     """scripts/overlap_probe.py (chapter 09): its kernel sums every float of the buffer (whole numbers, so the
     float32 sums are exact) plus its 8 x 16 multiply-add lanes, which start at 1 + i/1000 and stay there with no
@@ -855,7 +852,7 @@ def test_overlap_probe_reads_every_float_and_writes_its_record(tmp_path, capsys)
     from minivllm.model_executor.cpp_extension import load_extension
     from engine_helpers import require_built
 
-    probe = _overlap_probe()
+    probe = _load_script("overlap_probe")
     module = load_extension(probe.PROBE)
     require_built(module, "the overlap probe's kernel")
     buffer = torch.randint(0, 8, (4 * 1024,), generator=torch.Generator().manual_seed(0)).float()  # 4 chunks
