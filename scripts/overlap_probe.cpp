@@ -1,10 +1,11 @@
 // scripts/overlap_probe.py's kernel: does this CPU overlap reading memory with arithmetic on registers?
-// Each thread takes an equal share of a buffer's 4 KiB chunks, `reps` times over; for each chunk it sums
-// the chunk's 64 cache lines (the memory part), then runs `work` rounds of 8 independent multiply-add
-// chains that touch no memory (the compute part). With `ahead` > 0 it also asks for the chunk `ahead`
-// chunks further on, into the L2 cache, one line at a time spread evenly over the compute part (the
-// software prefetch of chapter 05's decode kernel and chapter 02's float32 GEMM). Plain vectors of the
-// GCC/Clang extension: AVX-512 or AVX2, whichever -march=native gives.
+// Each thread takes an equal share of a buffer's 4 KiB chunks, `reps` times over. For each chunk it reads
+// the chunk's 64 cache lines into 8 independent sums (the memory part; skipped where `read` is false), then
+// runs `work` rounds of 8 independent multiply-add chains that touch no memory (the arithmetic part). With
+// `ahead` > 0 it also asks for the chunk `ahead` chunks further on, into the L2 cache, one line at a time
+// spread evenly over the rounds (Bresenham's stepping, no division in the loop), as chapter 02's float32
+// GEMM spreads its prefetches. Plain vectors of the GCC/Clang extension: AVX-512 or AVX2, whichever
+// -march=native gives.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -14,8 +15,10 @@
 typedef float Vec __attribute__((vector_size(64)));
 constexpr int64_t kChunk = 4096, kLines = kChunk / 64;
 
-// The sum of every float read and of the chains' final values (returned so that nothing is optimised away).
-double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps) {
+// The sum of every float read and of the chains' final values (returned so that nothing is optimised
+// away). Each chain starts at 1 + i / 1000 (i = 0..7, every lane) and steps x -> 0.999999 x + 1e-7 once per
+// round, `work` rounds per chunk of the thread's share, `reps` times.
+double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps, bool read) {
   TORCH_CHECK_VALUE(buffer.device().is_cpu() && buffer.scalar_type() == torch::kFloat && buffer.is_contiguous(),
                     "stream: a contiguous float32 CPU buffer");
   TORCH_CHECK_VALUE(buffer.numel() * 4 % kChunk == 0 && buffer.numel() > 0, "stream: a whole number of 4 KiB chunks");
@@ -26,28 +29,32 @@ double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps) {
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = chunks * t / threads, last = chunks * (t + 1) / threads;
-      Vec sum = {}, chain[8];
+      Vec sum[8] = {}, chain[8];
       for (int i = 0; i < 8; ++i) chain[i] = Vec{} + (1.0f + 0.001f * i);
-      const Vec m = Vec{} + 0.999999f, c = Vec{} + 1e-7f;  // x -> 0.999999 x + 1e-7 stays near 0.1: no subnormals
+      const Vec m = Vec{} + 0.999999f, c = Vec{} + 1e-7f;  // x -> 0.999999 x + 1e-7 tends to 0.1: no subnormals
       for (int64_t r = 0; r < reps; ++r)
         for (int64_t ch = first; ch < last; ++ch) {
           const char* p = base + ch * kChunk;
-          for (int64_t l = 0; l < kLines; ++l) {
-            Vec v;
-            std::memcpy(&v, p + 64 * l, sizeof(v));
-            sum += v;
-          }
+          if (read)
+            for (int64_t l = 0; l < kLines; l += 8)
+              for (int j = 0; j < 8; ++j) {
+                Vec v;
+                std::memcpy(&v, p + 64 * (l + j), sizeof(v));
+                sum[j] += v;
+              }
           const char* next = p + ahead * kChunk;
           const bool ask = ahead > 0 && ch + ahead < last;
-          int64_t sent = 0;
+          int64_t sent = 0, due = 0;  // due: kLines added per round, `work` taken per line asked for
           for (int64_t w = 0; w < work; ++w) {
             for (int i = 0; i < 8; ++i) chain[i] = chain[i] * m + c;
-            for (; ask && sent < (w + 1) * kLines / work; ++sent) __builtin_prefetch(next + 64 * sent, 0, 2);
+            if (ask)
+              for (due += kLines; due >= work; due -= work) __builtin_prefetch(next + 64 * sent++, 0, 2);
           }
-          for (; ask && sent < kLines; ++sent) __builtin_prefetch(next + 64 * sent, 0, 2);
+          for (; ask && sent < kLines; ++sent) __builtin_prefetch(next + 64 * sent, 0, 2);  // work 0: all at once
         }
-      for (int i = 0; i < 8; ++i) sum += chain[i];
-      for (int i = 0; i < 16; ++i) part[t] += sum[i];
+      Vec total = {};
+      for (int i = 0; i < 8; ++i) total += sum[i] + chain[i];
+      for (int i = 0; i < 16; ++i) part[t] += total[i];
     }
   });
   double total = 0;
@@ -56,5 +63,5 @@ double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream", &stream, "read a buffer chunk by chunk with `work` rounds of register arithmetic per chunk");
+  m.def("stream", &stream, "read a buffer chunk by chunk (if `read`) with `work` rounds of register arithmetic per chunk");
 }

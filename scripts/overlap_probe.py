@@ -1,23 +1,27 @@
 """Does this CPU hide memory reads under arithmetic? A probe for reading the roofline (chapter 09).
 
-    python scripts/overlap_probe.py [--mib 1024] [--work 16 32 64 128 256] [--ahead 0 8] [--threads N]
+    python scripts/overlap_probe.py [--mib 2048] [--work 32 64 128 256 512] [--ahead 0 2 8 32] [--threads N]
                                     [--out results/cpu_overlap_probe.json]
 
 The roofline gives each step the longer of its compute time and its memory time, as if a core could
-stream memory and compute at full speed at once. This probe measures how far that holds here. A C++
-loop (`scripts/overlap_probe.cpp`, built like the engine's kernels) reads a buffer of `--mib` MiB chunk by
-chunk (4 KiB, 64 cache lines) and, after each chunk, runs `work` rounds of multiply-adds on registers. It
-is timed three ways, in turn, each the best of `--repeats` rounds:
+stream memory and compute at full speed at once. This probe measures how far that holds for one simple
+loop on this machine. A C++ loop (`scripts/overlap_probe.cpp`, built like the engine's kernels) reads a
+buffer of `--mib` MiB chunk by chunk (4 KiB, 64 cache lines) and, after each chunk, runs `work` rounds
+of 8 multiply-add chains on registers. It is timed three ways, in turn, each the best of `--repeats`
+rounds (after one untimed round):
 
-    memory    the big buffer, no arithmetic
-    compute   the arithmetic alone, over a 512 KiB buffer read again and again (it stays in the caches),
-              as many chunks as the big buffer has
-    both      the big buffer with the arithmetic
+    memory    the reads alone (no rounds)
+    compute   the rounds alone (no reads), as many chunks' worth, with the same prefetch instructions
+              aimed at a small buffer that stays in the caches
+    both      the reads and the rounds
 
-and reports `hidden = (memory + compute - both) / min(memory, compute)`: 1 where the shorter part is
-hidden entirely (both = the longer of the two, the roofline's assumption), 0 where the two add up.
-`--ahead N` also prefetches the chunk N chunks further on into L2, spread over the arithmetic (0: only
-the hardware's prefetchers). Writes a record with the CPU named where `--out` is given.
+and reports `both / longer` (1: the roofline's assumption, the shorter part hidden entirely), `both /
+sum` (1: the two parts one after the other) and `hidden = (memory + compute - both) / min(memory,
+compute)`, the share of the shorter part hidden (1 at the roofline, 0 for the sum, below 0 where the loop
+takes longer than its parts apart). `--ahead N` also prefetches the chunk N chunks further on into L2,
+spread over the rounds (0: only the hardware's prefetchers). The buffer should be several times the
+last-level cache, or the reads come partly from it: the script warns where Linux reports an L3 more
+than a quarter of `--mib`. Writes a record with the CPU named where `--out` is given.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from minivllm.model_executor.cpp_extension import CppExtension, load_extension
 
 PROBE = CppExtension("minivllm_overlap_probe", Path(__file__).with_name("overlap_probe.cpp"),
                      "the overlap probe's kernel", "the probe cannot run")
-SMALL_MIB = 0.5  # the compute part's buffer: cached, so that its reads cost next to nothing
+SMALL_MIB = 4  # the compute part's prefetch targets: cached, so that those prefetches cost only their instructions
+L3_SIZE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # Linux: e.g. "32768K"
 
 
 def seconds(fn) -> float:
@@ -42,48 +47,66 @@ def seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
+def summarize(ahead: int, work: int, memory: float, compute: float, both: float) -> dict:
+    """One row of the record from the three best times (seconds)."""
+    return dict(ahead=ahead, work=work, memory_s=memory, compute_s=compute, both_s=both,
+                hidden=(memory + compute - both) / min(memory, compute),
+                both_over_longer=both / max(memory, compute), both_over_sum=both / (memory + compute))
+
+
 def probe(module, mib: int, works: list[int], aheads: list[int], repeats: int) -> list[dict]:
     """For each prefetch distance and amount of work, the best of `repeats` rounds of the three timings
-    taken in turn (a machine that drifts slows all three alike); one row each."""
+    taken in turn (a machine that drifts slows all three alike), after one untimed round; one row each."""
     big = torch.ones(mib * 2**20 // 4)
-    small = torch.ones(int(SMALL_MIB * 2**20) // 4)
-    reps = round(mib / SMALL_MIB)  # the same number of chunks as the big buffer
-    module.stream(big, 0, 0, 1)  # first touch
+    small = torch.ones(SMALL_MIB * 2**20 // 4)
+    reps = max(1, round(mib / SMALL_MIB))  # as many chunks' worth of rounds as the big buffer has chunks
     rows = []
     for ahead in aheads:
         for work in works:
-            runs = dict(memory=lambda: module.stream(big, 0, ahead, 1),
-                        compute=lambda: module.stream(small, work, 0, reps),
-                        both=lambda: module.stream(big, work, ahead, 1))
-            best = {name: min(seconds(fn) for _ in range(1)) for name, fn in runs.items()}  # warm
-            for _ in range(repeats):
+            runs = dict(memory=lambda: module.stream(big, 0, ahead, 1, True),
+                        compute=lambda: module.stream(small, work, ahead, reps, False),
+                        both=lambda: module.stream(big, work, ahead, 1, True))
+            for fn in runs.values():
+                fn()  # untimed: first touch, caches
+            best = {name: seconds(fn) for name, fn in runs.items()}
+            for _ in range(repeats - 1):
                 for name, fn in runs.items():
                     best[name] = min(best[name], seconds(fn))
-            memory, compute, both = best["memory"], best["compute"], best["both"]
-            hidden = (memory + compute - both) / min(memory, compute)
-            rows.append(dict(ahead=ahead, work=work, memory_s=memory, compute_s=compute, both_s=both,
-                             hidden=hidden, both_over_longer=both / max(memory, compute),
-                             both_over_sum=both / (memory + compute)))
-            print(f"ahead {ahead:2d}  work {work:4d}: memory {memory * 1e3:7.1f} ms  compute {compute * 1e3:7.1f} ms  "
-                  f"both {both * 1e3:7.1f} ms  -> both / longer {both / max(memory, compute):.2f}, "
-                  f"hidden {hidden:.2f}", flush=True)
+            row = summarize(ahead, work, best["memory"], best["compute"], best["both"])
+            rows.append(row)
+            print(f"ahead {ahead:2d}  work {work:4d}: memory {1e3 * row['memory_s']:7.1f} ms  compute "
+                  f"{1e3 * row['compute_s']:7.1f} ms  both {1e3 * row['both_s']:7.1f} ms  -> both / longer "
+                  f"{row['both_over_longer']:.2f}, both / sum {row['both_over_sum']:.2f}", flush=True)
     return rows
+
+
+def l3_bytes() -> int | None:
+    """The last-level cache Linux reports for CPU 0, in bytes (None where it reports none)."""
+    try:
+        text = L3_SIZE.read_text().strip()
+    except OSError:
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mib", type=int, default=1024, help="the streamed buffer's size (MiB)")
-    ap.add_argument("--work", type=int, nargs="+", default=[16, 32, 64, 128, 256],
+    ap.add_argument("--mib", type=int, default=2048, help="the streamed buffer's size (MiB)")
+    ap.add_argument("--work", type=int, nargs="+", default=[32, 64, 128, 256, 512],
                     help="rounds of 8 register multiply-adds per 4 KiB chunk")
-    ap.add_argument("--ahead", type=int, nargs="+", default=[0, 8], help="software prefetch distance in chunks (0: none)")
+    ap.add_argument("--ahead", type=int, nargs="+", default=[0, 2, 8, 32], help="software prefetch distance in chunks (0: none)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="write a JSON record here")
     args = ap.parse_args(argv)
-    if args.mib < 1 or min(args.work) < 0 or min(args.ahead) < 0 or args.repeats < 1:
-        ap.error("--mib and --repeats must be at least 1, --work and --ahead at least 0")
+    if args.mib < 1 or min(args.work) < 1 or min(args.ahead) < 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        ap.error("--mib, --work, --repeats and --threads must be at least 1, --ahead at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (l3 := l3_bytes()) and 4 * l3 > args.mib * 2**20:
+        print(f"warning: Linux reports an L3 cache of {l3 / 2**20:.0f} MiB; a buffer of {args.mib} MiB is less than "
+              "four times that, so some reads may come from it", file=sys.stderr)
     module = load_extension(PROBE)
     if module is None:
         raise SystemExit("overlap_probe: the C++ probe could not be built (see the warning above)")

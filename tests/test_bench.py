@@ -845,33 +845,63 @@ def test_small_ops_probe_compares_equal_numbers(capsys):
     assert probe.same(rot(pos, q, k), swapped, torch.float64) == "NO"
 
 
-def test_overlap_probe_reads_every_float_and_writes_its_record(tmp_path, capsys):
-    """scripts/overlap_probe.py (chapter 09): its kernel sums every float of the buffer (whole numbers, so the
-    float32 sums are exact) plus its 8 x 16 multiply-add lanes, which start at 1 + i/1000 and stay there with no
-    work; the record holds one row per (prefetch distance, work) with the three timings."""
+def _chains_after(rounds: int) -> float:
+    """The sum of scripts/overlap_probe.cpp's 8 x 16 multiply-add lanes after `rounds` rounds, in float64 with
+    its float32 constants (the kernel rounds each step to float32, or fuses it: within 1e-3 here)."""
+    import numpy as np
+
+    m, c = float(np.float32(0.999999)), float(np.float32(1e-7))
+    x = np.array([float(np.float32(1 + 0.001 * i)) for i in range(8)])
+    x = c / (1 - m) + (x - c / (1 - m)) * m ** rounds  # the affine recurrence, closed form
+    return 16 * float(x.sum())
+
+
+def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
+    """scripts/overlap_probe.py's kernel (chapter 09): it returns the sum of every float it read (whole
+    numbers: exact in float32) plus its chains' lanes, which step once per round; with `read` off nothing
+    is read. Checked on 1 and 2 threads, with and without prefetches (which change nothing computed)."""
     from minivllm.model_executor.cpp_extension import load_extension
     from engine_helpers import require_built
 
-    probe = _load_script("overlap_probe")
-    module = load_extension(probe.PROBE)
-    require_built(module, "the overlap probe's kernel")
-    buffer = torch.randint(0, 8, (4 * 1024,), generator=torch.Generator().manual_seed(0)).float()  # 4 chunks
-    chains = 16 * sum(1 + 0.001 * i for i in range(8))  # per thread
-    for threads in (1, 2):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            total = module.stream(buffer, 0, 0, 3)
-        finally:
-            torch.set_num_threads(before)
-        assert total == pytest.approx(3 * buffer.sum().item() + threads * chains, rel=1e-6)
+    module = require_built(load_extension(_load_script("overlap_probe").PROBE), "the overlap probe's kernel")
+    buffer = torch.randint(0, 8, (8 * 1024,), generator=torch.Generator().manual_seed(0)).float()  # 8 chunks
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            chunks_each = 8 // threads
+            for ahead in (0, 1):
+                for work, read in ((0, True), (500, True), (500, False)):
+                    total = module.stream(buffer, work, ahead, 3, read)
+                    expected = 3 * buffer.sum().item() * read + threads * _chains_after(3 * chunks_each * work)
+                    assert total == pytest.approx(expected, rel=1e-6, abs=1e-3 * threads * 129), (threads, ahead, work, read)
+    finally:
+        torch.set_num_threads(before)
+    assert _chains_after(3 * 8 * 500) < 0.995 * _chains_after(0)  # the rounds move the chains: the check can fail
     with pytest.raises(ValueError, match="4 KiB"):
-        module.stream(torch.ones(100), 0, 0, 1)
+        module.stream(torch.ones(100), 0, 0, 1, True)
+
+
+def test_overlap_probe_rows_and_record(tmp_path, monkeypatch, capsys):
+    """The probe's arithmetic on given times (the roofline's case: hidden 1; one after the other: 0), then
+    a small real run's record: one row per (prefetch distance, work), the command, the CPU; the thread
+    count it set is put back."""
+    probe = _load_script("overlap_probe")
+    at_roofline, in_turn = probe.summarize(0, 8, 10.0, 4.0, 10.0), probe.summarize(0, 8, 10.0, 4.0, 14.0)
+    assert (at_roofline["hidden"], at_roofline["both_over_longer"]) == (1.0, 1.0)
+    assert (in_turn["hidden"], in_turn["both_over_sum"]) == (0.0, 1.0)
+    assert probe.summarize(0, 8, 3.0, 6.0, 6.0)["hidden"] == 1.0  # the arithmetic the longer part
     out = tmp_path / "probe.json"
-    args = ["--mib", "2", "--work", "0", "4", "--ahead", "0", "1", "--repeats", "1", "--threads", "1", "--out", str(out)]
-    assert probe.main(args) == 0
+    args = ["--mib", "4", "--work", "1", "4", "--ahead", "0", "1", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    before = torch.get_num_threads()
+    try:
+        assert probe.main(args) == 0
+    finally:
+        torch.set_num_threads(before)
     r = json.loads(out.read_text())
     assert r["command"] == "python scripts/overlap_probe.py " + " ".join(args) and r["threads"] == 1
-    assert [(row["ahead"], row["work"]) for row in r["rows"]] == [(0, 0), (0, 4), (1, 0), (1, 4)]
+    assert [(row["ahead"], row["work"]) for row in r["rows"]] == [(0, 1), (0, 4), (1, 1), (1, 4)]
     assert all(row["memory_s"] > 0 and row["compute_s"] > 0 and row["both_s"] > 0 for row in r["rows"])
     assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        probe.main(["--threads", "0"])
