@@ -63,5 +63,6 @@ double stream(torch::Tensor buffer, int64_t work, int64_t ahead, int64_t reps, b
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream", &stream, "read a buffer chunk by chunk (if `read`) with `work` rounds of register arithmetic per chunk");
+  m.def("stream", &stream,
+        "read a buffer chunk by chunk (if `read`) with `work` rounds of register arithmetic per chunk");
 }

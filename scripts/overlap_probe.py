@@ -95,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=2048, help="the streamed buffer's size (MiB)")
     ap.add_argument("--work", type=int, nargs="+", default=[32, 64, 128, 256, 512],
                     help="rounds of 8 register multiply-adds per 4 KiB chunk")
-    ap.add_argument("--ahead", type=int, nargs="+", default=[0, 2, 8, 32], help="software prefetch distance in chunks (0: none)")
+    ap.add_argument("--ahead", type=int, nargs="+", default=[0, 2, 8, 32],
+                    help="software prefetch distance in chunks (0: none)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="write a JSON record here")
     args = ap.parse_args(argv)
-    if args.mib < 1 or min(args.work) < 1 or min(args.ahead) < 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+    threads_ok = args.threads is None or args.threads >= 1
+    if args.mib < 1 or min(args.work) < 1 or min(args.ahead) < 0 or args.repeats < 1 or not threads_ok:
         ap.error("--mib, --work, --repeats and --threads must be at least 1, --ahead at least 0")
     if args.threads:
         torch.set_num_threads(args.threads)
