@@ -858,8 +858,9 @@ def _chains_after(rounds: int) -> float:
 
 def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
     """scripts/overlap_probe.py's kernel (chapter 09): it returns the sum of every float it read (whole
-    numbers: exact in float32) plus its chains' lanes, which step once per round; with `read` off nothing
-    is read. Checked on 1 and 2 threads, with and without prefetches (which change nothing computed)."""
+    numbers: exact in float32) plus its chains' lanes, which step once per round, and how many lines it asked
+    for: 64 per chunk `ahead` chunks further on, none past a thread's share. With `read` off nothing is read.
+    Checked on 1 and 2 threads."""
     from minivllm.model_executor.cpp_extension import load_extension
     from engine_helpers import require_built
 
@@ -869,16 +870,18 @@ def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            chunks_each = 8 // threads
-            for ahead in (0, 1):
-                for work, read in ((0, True), (500, True), (500, False)):
-                    total = module.stream(buffer, work, ahead, 3, read)
-                    expected = 3 * buffer.sum().item() * read + threads * _chains_after(3 * chunks_each * work)
-                    tolerance = 1e-3 * threads * 129  # the chains' float32 steps (their sum is about 129 a thread)
+            share = 8 // threads  # chunks per thread
+            for ahead in (0, 1, 3):
+                for work, read in ((0, True), (500, True), (500, False), (7, True), (100, False)):
+                    total, lines = module.stream(buffer, work, ahead, 3, read)
+                    expected = 3 * buffer.sum().item() * read + threads * _chains_after(3 * share * work)
+                    tolerance = 0.03 * threads  # the chains' float32 steps (their sum is about 128 a thread)
                     assert total == pytest.approx(expected, rel=1e-6, abs=tolerance), (threads, ahead, work, read)
+                    asking = 0 if ahead == 0 else max(0, share - ahead)  # chunks that ask
+                    assert lines == threads * 3 * asking * 64, (threads, ahead, work, read)
     finally:
         torch.set_num_threads(before)
-    assert _chains_after(3 * 8 * 500) < 0.995 * _chains_after(0)  # the rounds move the chains: the check can fail
+    assert _chains_after(3 * 8 * 450) - _chains_after(3 * 8 * 500) > 0.1  # 10 % fewer rounds would fail
     with pytest.raises(ValueError, match="4 KiB"):
         module.stream(torch.ones(100), 0, 0, 1, True)
 
