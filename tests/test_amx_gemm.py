@@ -137,7 +137,7 @@ def test_the_same_bits_on_any_number_of_threads(amx):
     """Each thread configures its own tiles for its panels: 1, 2, 3 and 4 threads give the same bits
     (a thread that used unconfigured tiles would crash the process instead)."""
     g = torch.Generator().manual_seed(1)
-    linear = bf16_linear(300, 700, True, g)  # 11 panels
+    linear = bf16_linear(300, 700, True, g)  # 44 panels: shares of 22 at 2 threads, 14 or 15 at 3, 11 at 4
     packed = amx.pack_weight(linear.weight)
     x = torch.randn(200, 300, generator=g).to(BF16)
     threads = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 # %% ../../../notebooks/02_model.ipynb #52817cda
 """A bfloat16 linear layer for CPUs with AMX, our own matrix multiply on AMX tiles: the weight packed
-once into panels of 64 columns in AMX's VNNI tile layout (exported from the appendix of
+once into panels of 16 columns in AMX's VNNI tile layout (exported from the appendix of
 notebooks/02_model.ipynb). After Intel's AMX programming reference and the packed CPU kernels of
 oneDNN and SGLang."""
 from __future__ import annotations
@@ -33,15 +33,16 @@ def amx_gemm():
     return module if module is not None and module.has_amx() else None
 
 
+
 # %% auto #0
 __all__ = ['CPU_AMX_GEMM', 'amx_gemm', 'AMXLinear', 'use_amx_linear']
 
 # %% ../../../notebooks/02_model.ipynb #a2f9608c
 class AMXLinear(PanelLinear):
     """A bfloat16 CPU `nn.Linear` computed by `CPU_AMX_GEMM` on AMX tiles, its weight packed once into
-    `[ceil(out_features / 64), ceil(in_features / 32), 4, 16, 16, 2]`: per panel of 64 output columns and
-    block of 32 inputs, four 16 x 32 tiles in VNNI order (pairs of consecutive inputs side by side;
-    zeros past the ends). `forward(x)`: `[..., in_features]` bfloat16 -> `[..., out_features]` bfloat16:
+    `[ceil(out_features / 16), ceil(in_features / 32), 16, 16, 2]`: per panel of 16 output columns and
+    block of 32 inputs, one 16 x 32 tile in VNNI order (pairs of consecutive inputs side by side; zeros
+    past the ends). `forward(x)`: `[..., in_features]` bfloat16 -> `[..., out_features]` bfloat16:
     float32 sums of the exact bfloat16 products (subnormal inputs, products, sums and results, below
     2**-126, read as zero), the bias added in float32, rounded once to bfloat16 (round to nearest even).
     Equal to `F.linear` in bfloat16 up to the order of the float32 additions. More than `max_rows` rows (a
@@ -60,6 +61,7 @@ class AMXLinear(PanelLinear):
 
     dtype = torch.bfloat16
     kernel = staticmethod(amx_gemm)
+    panel_width = 16  # one tile's columns
     max_rows = 128  # most rows for our kernel; oneDNN's is as fast from about 128 rows (appendix C's timings)
 
     def __init__(self, linear: nn.Linear):

@@ -40,8 +40,9 @@ class PanelLinear(nn.Module):
     `[..., in_features]` float32 -> `[..., out_features]` float32, equal to `F.linear` up to the
     summation order (each output is one float32 fused multiply-add chain over k: relative differences
     around 1e-6). As `PackedLinear`, the plain weight is not kept: for running only. A subclass sets
-    `dtype` and `kernel` (a function returning the built module, with `pack_weight` and `linear`, or
-    None) for another kernel, and may override `matmul`.
+    `dtype`, `kernel` (a function returning the built module, with `pack_weight` and `linear`, or None)
+    and `panel_width` (the output columns of one of its panels) for another kernel, and may override
+    `matmul`.
     Idea: Goto and van de Geijn's GEMM (2008) and BLIS's packed panels and register micro-kernel.
 
     Raises:
@@ -52,6 +53,7 @@ class PanelLinear(nn.Module):
 
     dtype = torch.float32  # the one dtype the kernel takes
     kernel = staticmethod(cpu_gemm)  # the built kernel, or None
+    panel_width = PANEL_WIDTH  # output columns per panel of the kernel's pack_weight
 
     @classmethod
     def can_pack(cls, linear: nn.Linear) -> bool:
@@ -67,7 +69,7 @@ class PanelLinear(nn.Module):
                              f"on {linear.weight.device}, kernel {'available' if self.kernel() else 'not available'}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.panels = self.kernel().pack_weight(linear.weight.detach().contiguous())
-        assert len(self.panels) == -(-self.out_features // PANEL_WIDTH), "the C++ panel width and PANEL_WIDTH disagree"
+        assert len(self.panels) == -(-self.out_features // self.panel_width), "the C++ panel width and panel_width disagree"
         self.bias = None if linear.bias is None else linear.bias.detach().clone().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +92,7 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 
 # %% ../../../notebooks/02_model.ipynb #b6f8d498

@@ -5,13 +5,14 @@
 // 16 rows x 64 bytes and one instruction, tdpbf16ps, that multiplies a 16 x 32 bfloat16 tile of x by a
 // 32 x 16 bfloat16 tile of the weight and adds the 16 x 16 float32 products into a third tile. The
 // weight tile must be in "VNNI" order: 16 rows, each holding 16 columns x 2 consecutive k (pairs along
-// K), so the weight is packed once into panels of 64 output columns, [ceil(N/64), ceil(K/32), 4, 16, 16, 2]:
-// for each block of 32 k, the panel's four tiles of 16 columns, 1 KiB each, one after another. A panel
-// is one contiguous stream of memory. For each block of up to 16 rows of x, four float32 tiles hold a
-// 16 x 64 block of the output over the whole of K; then they are stored, the bias added, and the sums
-// rounded to bfloat16 once. Rows beyond 16 walk the panel again, from the L2 cache. Threads split the
-// panels. Ideas: Intel's AMX programming reference (tile configuration, VNNI layout) and the weight
-// packing of oneDNN's and SGLang's CPU kernels.
+// K), so the weight is packed once into panels of 16 output columns, [ceil(N/16), ceil(K/32), 16, 16, 2]:
+// a panel is its 1 KiB tiles for each block of 32 k, one after another, one contiguous stream of memory.
+// The kernel takes four panels side by side (64 columns): for each block of up to 16 rows of x, four
+// float32 tiles hold a 16 x 64 block of the output over the whole of K, fed by four streams; then they are
+// stored, the bias added, and the sums rounded to bfloat16 once. Rows beyond 16 walk the panels again,
+// from the L2 cache. Each thread takes an equal share of the panels, in runs of four. Ideas: Intel's AMX
+// programming reference (tile configuration, VNNI layout) and the weight packing of oneDNN's and SGLang's
+// CPU kernels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -23,14 +24,15 @@
 #include <unistd.h>
 #endif
 
-static constexpr int64_t PANEL = 64;  // output columns per panel: four tiles of 16 float32 columns
+static constexpr int64_t PANEL = 16;  // output columns per panel: one tile of 16 float32 columns
+static constexpr int64_t GROUP = 4;   // panels side by side in one pass: four tiles of sums, 64 columns
 static constexpr int64_t KT = 32;     // k per tile: 16 rows of pairs
 static constexpr int64_t TILE = 16 * KT;  // bfloat16 values in one weight tile (1 KiB)
 static constexpr int64_t ROWS = 16;   // most rows of x per tile
 static constexpr int64_t MC = 128;    // rows per row block: 128 rows of x stay in the L2 cache beside a panel
 
-// [N, K] -> [ceil(N/64), ceil(K/32), 4, 16, 16, 2]: packed[p][b][t][i][c][e] = weight[64p + 16t + c][32b + 2i + e],
-// zeros past N and K.
+// [N, K] -> [ceil(N/16), ceil(K/32), 16, 16, 2]: packed[p][b][i][c][e] = weight[16p + c][32b + 2i + e], zeros
+// past N and K.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.device().is_cpu(),
               "pack_weight: a 2-D bfloat16 CPU weight");
@@ -38,7 +40,7 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
   const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (k + KT - 1) / KT;
   auto padded = torch::zeros({panels * PANEL, blocks * KT}, weight.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  return padded.view({panels, 4, 16, blocks, 16, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
+  return padded.view({panels, PANEL, blocks, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
 #if defined(MINIVLLM_AMX)
@@ -64,28 +66,40 @@ static void configure_tiles(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// out[0:rows, 0:cols] = x[0:rows, :] @ one panel (+ bias), rounded to bfloat16 once; the tiles are
-// configured for `rows`. x: rows of `k` bfloat16 (k a multiple of 32); w: the panel's first tile.
-static void panel_kernel(const uint16_t* x, int64_t k, const uint16_t* w, int rows, int64_t cols, const uint16_t* bias,
-                         uint16_t* out, int64_t ldo) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t k0 = 0; k0 < k; k0 += KT, w += 4 * TILE) {
+// out[0:rows, 0:cols] = x[0:rows, :] @ G panels side by side (+ bias), rounded to bfloat16 once; the tiles
+// are configured for `rows`. x: rows of `k` bfloat16 (k a multiple of 32); w: the first panel's first tile,
+// the next panels `stride` values further each.
+template <int G>
+static void panel_kernel(const uint16_t* x, int64_t k, const uint16_t* w, int64_t stride, int rows, int64_t cols,
+                         const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  _tile_zero(0);
+  if (G > 1) _tile_zero(1);
+  if (G > 2) _tile_zero(2);
+  if (G > 3) _tile_zero(3);
+  for (int64_t k0 = 0; k0 < k; k0 += KT, w += TILE) {
     _tile_loadd(4, x + k0, k * 2);  // rows x 32 of x; the row stride in bytes
     _tile_loadd(5, w, 64);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, w + TILE, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, w + 2 * TILE, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, w + 3 * TILE, 64);
-    _tile_dpbf16ps(3, 4, 6);
+    if (G > 1) {
+      _tile_loadd(6, w + stride, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (G > 2) {
+      _tile_loadd(5, w + 2 * stride, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (G > 3) {
+      _tile_loadd(6, w + 3 * stride, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
   }
-  alignas(64) float sums[ROWS * PANEL];
-  _tile_stored(0, sums, PANEL * 4);
-  _tile_stored(1, sums + 16, PANEL * 4);
-  _tile_stored(2, sums + 32, PANEL * 4);
-  _tile_stored(3, sums + 48, PANEL * 4);
-  for (int j = 0; j < 4; ++j) {
+  alignas(64) float sums[ROWS * GROUP * PANEL];
+  constexpr int64_t ld = GROUP * PANEL * 4;  // bytes per row of sums
+  _tile_stored(0, sums, ld);
+  if (G > 1) _tile_stored(1, sums + 16, ld);
+  if (G > 2) _tile_stored(2, sums + 32, ld);
+  if (G > 3) _tile_stored(3, sums + 48, ld);
+  for (int j = 0; j < G; ++j) {
     const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
     if (c == 0) break;
     const __mmask16 mask = __mmask16((1u << c) - 1u);
@@ -94,11 +108,16 @@ static void panel_kernel(const uint16_t* x, int64_t k, const uint16_t* w, int ro
                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
                           : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + r * PANEL + 16 * j), b));
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + r * GROUP * PANEL + 16 * j), b));
       _mm256_mask_storeu_epi16(out + r * ldo + 16 * j, mask, (__m256i)v);
     }
   }
 }
+
+using PanelKernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int, int64_t, const uint16_t*,
+                             uint16_t*, int64_t);
+static constexpr PanelKernel PANEL_KERNELS[GROUP + 1] = {nullptr, panel_kernel<1>, panel_kernel<2>, panel_kernel<3>,
+                                                         panel_kernel<4>};
 #endif
 
 bool has_amx() {
@@ -119,8 +138,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
               "linear: x must be a contiguous 2-D bfloat16 tensor");
   const int64_t m = x.size(0), k = x.size(1), blocks = (k + KT - 1) / KT;
-  TORCH_CHECK(packed.dim() == 6 && packed.size(1) == blocks && packed.size(2) == 4 && packed.size(3) == 16 &&
-              packed.size(4) == 16 && packed.size(5) == 2 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 5 && packed.size(1) == blocks && packed.size(2) == 16 && packed.size(3) == PANEL &&
+              packed.size(4) == 2 && packed.is_contiguous() &&
               packed.scalar_type() == torch::kBFloat16,
               "linear: packed weight of shape ", packed.sizes(), " (", packed.scalar_type(), ") does not fit bfloat16 x of shape ",
               x.sizes());
@@ -141,17 +160,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t kp = blocks * KT;
-  const int64_t row_blocks = (m + MC - 1) / MC;
-  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t row_blocks = (m + MC - 1) / MC, stride = blocks * TILE;  // stride: values per panel
+  // each thread an equal share of the panels (a run of whole panels), walked four at a time
+  const int64_t shares = std::clamp<int64_t>(at::get_num_threads(), 1, panels);
+  at::parallel_for(0, row_blocks * shares, 1, [&](int64_t begin, int64_t end) {
     int configured = 0;  // tile configurations are per thread
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item % panels, r0 = item / panels * MC, r1 = std::min(m, r0 + MC);
-      const int64_t cols = std::min(PANEL, n - p * PANEL);
-      for (int64_t m0 = r0; m0 < r1; m0 += ROWS) {
-        const int rows = static_cast<int>(std::min(ROWS, r1 - m0));
-        if (rows != configured) configure_tiles(configured = rows);
-        panel_kernel(X + m0 * kp, kp, W + p * blocks * 4 * TILE, rows, cols, b ? b + p * PANEL : nullptr,
-                     O + m0 * n + p * PANEL, n);
+      const int64_t share = item % shares, r0 = item / shares * MC, r1 = std::min(m, r0 + MC);
+      const int64_t p1 = panels * (share + 1) / shares;
+      for (int64_t p = panels * share / shares; p < p1; p += GROUP) {
+        const int64_t g = std::min(GROUP, p1 - p), cols = std::min(g * PANEL, n - p * PANEL);
+        for (int64_t m0 = r0; m0 < r1; m0 += ROWS) {
+          const int rows = static_cast<int>(std::min(ROWS, r1 - m0));
+          if (rows != configured) configure_tiles(configured = rows);
+          PANEL_KERNELS[g](X + m0 * kp, kp, W + p * stride, stride, rows, cols, b ? b + p * PANEL : nullptr,
+                           O + m0 * n + p * PANEL, n);
+        }
       }
     }
     if (configured) _tile_release();  // leave no tile state behind for the thread's next work
@@ -163,7 +187,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pack_weight, "[N, K] bfloat16 -> [ceil(N/64), ceil(K/32), 4, 16, 16, 2] AMX weight tiles");
+  m.def("pack_weight", &pack_weight, "[N, K] bfloat16 -> [ceil(N/16), ceil(K/32), 16, 16, 2] AMX weight tiles");
   m.def("linear", &linear, "x [M, K] @ weight^T (+ bias) -> [M, N] bfloat16, from pack_weight's tiles");
   m.def("has_amx", &has_amx, "whether this build has the AMX kernel and Linux granted the tile state");
 }
