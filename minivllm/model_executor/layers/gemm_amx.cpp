@@ -29,7 +29,7 @@ static constexpr int64_t GROUP = 4;   // panels side by side in one pass: four t
 static constexpr int64_t KT = 32;     // k per tile: 16 rows of pairs
 static constexpr int64_t TILE = 16 * KT;  // bfloat16 values in one weight tile (1 KiB)
 static constexpr int64_t ROWS = 16;   // most rows of x per tile
-static constexpr int64_t MC = 128;    // rows per row block: 128 rows of x stay in the L2 cache beside a panel
+static constexpr int64_t MC = 128;    // rows per row block: 128 rows of x stay in the L2 cache beside four panels
 
 // [N, K] -> [ceil(N/16), ceil(K/32), 16, 16, 2]: packed[p][b][i][c][e] = weight[16p + c][32b + 2i + e], zeros
 // past N and K.
