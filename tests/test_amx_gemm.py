@@ -13,6 +13,9 @@ zero, and the rounding to bfloat16 a subnormal result (test_subnormals_read_as_z
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,7 +68,7 @@ def bf16_linear(k_in: int, n_out: int, bias: bool, g: torch.Generator) -> nn.Lin
 @example(rows=1, k_in=576, n_out=960, bias=False, seed=0)    # a decode row of the default model's q/k/v
 @example(rows=37, k_in=1536, n_out=576, bias=True, seed=1)   # down_proj, three 16-row blocks
 @example(rows=129, k_in=33, n_out=65, bias=True, seed=2)     # two row blocks of 128, K and N one past a tile
-@example(rows=16, k_in=32, n_out=64, bias=False, seed=3)     # exactly one tile of each
+@example(rows=16, k_in=32, n_out=64, bias=False, seed=3)     # one tile of x, one pass of four panels
 @torch.inference_mode()
 def test_the_kernel_is_a_bfloat16_product(amx, rows, k_in, n_out, bias, seed):
     g = torch.Generator().manual_seed(seed)
@@ -150,6 +153,59 @@ def test_the_same_bits_on_any_number_of_threads(amx):
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     assert share_of_bound(outs[0], x, linear.weight, linear.bias) <= 1.0
+
+
+# Run in a child process (a read past an end kills the process): x, the packed weight and the bias each
+# placed right before a page that may not be read, and right after one, then the same product as from
+# ordinary memory, bit for bit. A kernel that read past the last panel of a share (say, always four panels)
+# or before the first crashes the child. Shapes: K a multiple of 32 (else x is padded, a copy) and not;
+# N a multiple of 64, of 16, and neither; rows a tile, less and more; 1 to 3 threads.
+GUARDED_PRODUCTS = r"""
+import ctypes, mmap, sys
+import torch
+from minivllm.model_executor.layers.amx_gemm import amx_gemm
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+keep = []
+
+def guarded(t, at_end):
+    # a copy of t whose bytes end where an unreadable page starts (at_end) or start where one ends
+    size = t.numel() * t.element_size()
+    pages = -(-size // PAGE)
+    region = mmap.mmap(-1, (pages + 2) * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    for page in (0, pages + 1):
+        assert libc.mprotect(base + page * PAGE, PAGE, 0) == 0, ctypes.get_errno()
+    offset = PAGE + pages * PAGE - size if at_end else PAGE
+    keep.append(region)
+    out = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset)
+    return out.view(t.dtype).view(t.shape).copy_(t)
+
+amx = amx_gemm()
+g = torch.Generator().manual_seed(0)
+cases = 0
+for k in (64, 70):
+    for n in (1, 17, 48, 64, 100, 700):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        packed, bias = amx.pack_weight(w), torch.randn(n, generator=g).bfloat16()
+        for rows in (1, 16, 40):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                plain = amx.linear(x, packed, bias, n)
+                for at_end in (True, False):
+                    out = amx.linear(guarded(x, at_end), guarded(packed, at_end), guarded(bias, at_end), n)
+                    assert torch.equal(out, plain), (k, n, rows, threads, at_end)
+                    cases += 1
+print("ok", cases)
+"""
+
+
+def test_no_read_outside_the_inputs(amx):
+    done = subprocess.run([sys.executable, "-c", GUARDED_PRODUCTS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["ok", "216"], (done.returncode, done.stderr[-2000:])
 
 
 @torch.inference_mode()

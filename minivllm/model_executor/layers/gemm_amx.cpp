@@ -7,10 +7,11 @@
 // weight tile must be in "VNNI" order: 16 rows, each holding 16 columns x 2 consecutive k (pairs along
 // K), so the weight is packed once into panels of 16 output columns, [ceil(N/16), ceil(K/32), 16, 16, 2]:
 // a panel is its 1 KiB tiles for each block of 32 k, one after another, one contiguous stream of memory.
-// The kernel takes four panels side by side (64 columns): for each block of up to 16 rows of x, four
-// float32 tiles hold a 16 x 64 block of the output over the whole of K, fed by four streams; then they are
-// stored, the bias added, and the sums rounded to bfloat16 once. Rows beyond 16 walk the panels again,
-// from the L2 cache. Each thread takes an equal share of the panels, in runs of four. Ideas: Intel's AMX
+// The kernel takes up to four panels side by side (64 columns; fewer at the end of a thread's share): for
+// each block of up to 16 rows of x, one float32 tile per panel holds 16 x 16 sums over the whole of K, the
+// panels read as separate streams; then the tiles are stored, the bias added, and the sums rounded to
+// bfloat16 once. Rows beyond 16 walk the panels again, from the L2 cache. Each thread takes an equal share
+// of the panels, a run of whole panels walked four at a time. Ideas: Intel's AMX
 // programming reference (tile configuration, VNNI layout) and the weight packing of oneDNN's and SGLang's
 // CPU kernels.
 #include <torch/extension.h>
@@ -136,15 +137,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and the packed weight must be on the CPU; got ",
               x.device(), " and ", packed.device());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
-              "linear: x must be a contiguous 2-D bfloat16 tensor");
+              "linear: x must be a contiguous 2-D bfloat16 tensor; got ", x.sizes(), " ", x.scalar_type(),
+              x.is_contiguous() ? "" : ", not contiguous");
   const int64_t m = x.size(0), k = x.size(1), blocks = (k + KT - 1) / KT;
   TORCH_CHECK(packed.dim() == 5 && packed.size(1) == blocks && packed.size(2) == 16 && packed.size(3) == PANEL &&
               packed.size(4) == 2 && packed.is_contiguous() &&
               packed.scalar_type() == torch::kBFloat16,
-              "linear: packed weight of shape ", packed.sizes(), " (", packed.scalar_type(), ") does not fit bfloat16 x of shape ",
-              x.sizes());
+              "linear: packed weight of shape ", packed.sizes(), " (", packed.scalar_type(),
+              packed.is_contiguous() ? "" : ", not contiguous", ") does not fit bfloat16 x of shape ", x.sizes(),
+              ": pack_weight gives [ceil(N/16), ", blocks, ", 16, 16, 2], contiguous");
   const int64_t panels = packed.size(0);
-  TORCH_CHECK(n > (panels - 1) * PANEL && n <= panels * PANEL, "linear: ", n, " columns do not fit ", panels, " panels");
+  TORCH_CHECK(n >= 0 && n > (panels - 1) * PANEL && n <= panels * PANEL, "linear: ", n, " columns do not fit ", panels,
+              " panels");
   const uint16_t* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == torch::kBFloat16 &&
@@ -162,7 +166,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int64_t kp = blocks * KT;
   const int64_t row_blocks = (m + MC - 1) / MC, stride = blocks * TILE;  // stride: values per panel
   // each thread an equal share of the panels (a run of whole panels), walked four at a time
-  const int64_t shares = std::clamp<int64_t>(at::get_num_threads(), 1, panels);
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));  // 1 for no panels
   at::parallel_for(0, row_blocks * shares, 1, [&](int64_t begin, int64_t end) {
     int configured = 0;  // tile configurations are per thread
     for (int64_t item = begin; item < end; ++item) {
