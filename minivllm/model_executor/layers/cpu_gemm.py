@@ -69,8 +69,7 @@ class PanelLinear(nn.Module):
                              f"on {linear.weight.device}, kernel {'available' if self.kernel() else 'not available'}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.panels = self.kernel().pack_weight(linear.weight.detach().contiguous())
-        panels = -(-self.out_features // self.panel_width)
-        assert len(self.panels) == panels, "the kernel's panels and panel_width disagree"
+        assert len(self.panels) == -(-self.out_features // self.panel_width), "panel_width and the kernel disagree"
         self.bias = None if linear.bias is None else linear.bias.detach().clone().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
