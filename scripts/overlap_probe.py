@@ -29,24 +29,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from minivllm.benchmarks.env import environment, write_json
+from minivllm.benchmarks.runners import timed
 from minivllm.model_executor.cpp_extension import CppExtension, load_extension
 
 PROBE = CppExtension("minivllm_overlap_probe", Path(__file__).with_name("overlap_probe.cpp"),
                      "the overlap probe's kernel", "the probe cannot run")
 SMALL_MIB = 4  # the compute part's prefetch targets: cached, so that those prefetches cost only their instructions
 L3_SIZE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # Linux: e.g. "32768K"
-
-
-def seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def summarize(ahead: int, work: int, memory: float, compute: float, both: float) -> dict:
@@ -70,10 +64,10 @@ def probe(module, mib: int, works: list[int], aheads: list[int], repeats: int) -
                         both=lambda: module.stream(big, work, ahead, 1, True))
             for fn in runs.values():
                 fn()  # untimed: first touch, caches
-            best = {name: seconds(fn) for name, fn in runs.items()}
+            best = {name: timed(fn)[1] for name, fn in runs.items()}
             for _ in range(repeats - 1):
                 for name, fn in runs.items():
-                    best[name] = min(best[name], seconds(fn))
+                    best[name] = min(best[name], timed(fn)[1])
             row = summarize(ahead, work, best["memory"], best["compute"], best["both"])
             rows.append(row)
             print(f"ahead {ahead:2d}  work {work:4d}: memory {1e3 * row['memory_s']:7.1f} ms  compute "

@@ -33,7 +33,6 @@ def amx_gemm():
     return module if module is not None and module.has_amx() else None
 
 
-
 # %% auto #0
 __all__ = ['CPU_AMX_GEMM', 'amx_gemm', 'AMXLinear', 'use_amx_linear']
 

@@ -94,7 +94,6 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-
 # %% ../../../notebooks/02_model.ipynb #b6f8d498
 def use_panel_linear(model: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` inside `model` by a `PanelLinear`, where the kernel is
