@@ -210,9 +210,23 @@ static inline void tile_scores(acc_t* __restrict s, int64_t s_stride, const acc_
   }
 }
 
+#if defined(__AVX512F__)
+// bfloat16 on the 16-lane path reads V 32 values at a time and widens them as two registers: the 16 even
+// dimensions (each 32-bit word's low half, shifted up) and the 16 odd ones (its high half, already a
+// float32's bits: the low half masked off). Two instructions for 32 values, where widening 16 at a time
+// takes two for 16; each sum gets the same products in the same order, so the same bits. The weighted sums
+// then hold each run of 32 dimensions as its even ones, then its odd ones.
+template <typename scalar_t, int64_t kHeadDim>
+constexpr bool kPairs = kWide<scalar_t, kHeadDim> && std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+template <typename scalar_t, int64_t kHeadDim>
+constexpr bool kPairs = false;
+#endif
+
 // A tile's weighted sum over n consecutive cached tokens of a block: a[h] += sum over i < n of
 // p[h * p_stride + i * p_step] * v[i * v_stride] (rows of D values), two registers of D at a time (on the
 // AVX-512 path four of 16 lanes, 64 values), so that the tile's sums stay in registers across the n tokens.
+// Where kPairs, a[h] holds the dimensions in kPairs' order: sums_in_order puts them back.
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
                                      const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim,
@@ -225,7 +239,15 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
         for (int64_t c = 0; c < 4; ++c) sum[h][c] = load16(a + h * kHeadDim + d0 + 16 * c);
       for (int64_t i = 0; i < n; ++i) {
         __m512 vv[4];
-        for (int64_t c = 0; c < 4; ++c) vv[c] = load16(v + i * v_stride + d0 + 16 * c);
+        if constexpr (kPairs<scalar_t, kHeadDim>) {
+          for (int64_t c = 0; c < 2; ++c) {  // even dimensions, then odd ones
+            const __m512i pairs = _mm512_loadu_si512(v + i * v_stride + d0 + 32 * c);
+            vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+          }
+        } else {
+          for (int64_t c = 0; c < 4; ++c) vv[c] = load16(v + i * v_stride + d0 + 16 * c);
+        }
         for (int64_t h = 0; h < kTile; ++h) {
           const __m512 w = _mm512_set1_ps(p[h * p_stride + i * p_step]);
           for (int64_t c = 0; c < 4; ++c) sum[h][c] = _mm512_fmadd_ps(w, vv[c], sum[h][c]);
@@ -261,6 +283,24 @@ static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restric
   for (int64_t d = D_vec; d < D; ++d)  // an odd head_dim's rest
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < kTile; ++h) a[h * D + d] += p[h * p_stride + i * p_step] * acc_t(v[i * v_stride + d]);
+}
+
+// The weighted sums of `heads` query heads, a [heads, kHeadDim], back in dimension order where kPairs left each
+// run of 32 as its 16 even dimensions, then its 16 odd ones (two two-register shuffles per run); else nothing.
+template <typename scalar_t, int64_t kHeadDim, typename acc_t>
+static inline void sums_in_order(acc_t* a, int64_t heads) {
+#if defined(__AVX512F__)
+  if constexpr (kPairs<scalar_t, kHeadDim>) {  // acc_t is float
+    // lane j of the first result: even[j / 2] (index j / 2) or odd[j / 2] (index 16 + j / 2); the second: 8 more
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int64_t i = 0; i < heads * kHeadDim; i += 32) {
+      const __m512 even = _mm512_loadu_ps(a + i), odd = _mm512_loadu_ps(a + i + 16);
+      _mm512_storeu_ps(a + i, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(a + i + 16, _mm512_permutex2var_ps(even, second, odd));
+    }
+  }
+#endif
 }
 
 // Asks for size values of the cache to be brought into the caches while the current block is worked
@@ -363,6 +403,7 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   // 3. a[h] = sum over t of s[h, t] * v[t, h / group]
   weighted_sum_of_blocks<kHeadDim>(a, s, len, 1, v_cache, block_table, len, block_size, num_kv_heads, 0, num_kv_heads,
                                    group, D);
+  sums_in_order<scalar_t, kHeadDim>(a, num_heads);
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = scalar_t(a[h * D + d] / denom[h]);
 }
@@ -1338,6 +1379,7 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
     float* __restrict a = acc.data();
     std::fill(a, a + cols * D, 0.0f);
     weighted_sum_of_blocks<D>(a, s, 1, 16, v_cache, block_table, len, block_size, num_kv_heads, kv0, kvn, group, D);
+    sums_in_order<c10::BFloat16, D>(a, cols);
     for (int64_t col = 0; col < cols; ++col)
       for (int64_t d = 0; d < D; ++d) out[(h0 + col) * D + d] = c10::BFloat16(a[col * D + d] / sum[col]);
   }
