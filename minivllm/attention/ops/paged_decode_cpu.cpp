@@ -1325,10 +1325,12 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
         const c10::BFloat16* k_block = k_cache + block_table[b] * block_stride + kv0 * D;
         const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          prefetch(k_cache + next + i * token_stride, kvn * D);     // the next block's K rows, into L1
-          prefetch<1>(v_cache + next + i * token_stride, kvn * D);  // and its V rows, into L2 for step 3
-        }
+        // the next block's K rows into L1 and its V rows into L2 for step 3, a share of the n rows after each
+        // tile product (product k of the block's `products` asks for rows n * k / products up to the next
+        // share's first): asked for all at once, they fill the core's queue of misses, and the products
+        // behind them wait for the reads instead of running while they come in
+        const int64_t products = (n + 15) / 16 * kvn * C;
+        int64_t asked = 0, k = 0;
         for (int64_t i0 = 0; i0 < n; i0 += 16) {  // rows past n: within the block (block_size a multiple of 16)
           for (int64_t j = 0; j < kvn; ++j) {
             if (apart || j == 0) _tile_zero(0);
@@ -1336,6 +1338,10 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
               _tile_loadd(1, k_block + i0 * token_stride + j * D + 32 * c, token_stride * 2);
               _tile_loadd(2, q_tiles.data() + (j * C + c) * 256, 64);
               _tile_dpbf16ps(0, 1, 2);
+              for (const int64_t until = n * ++k / products; asked < until; ++asked) {
+                prefetch(k_cache + next + asked * token_stride, kvn * D);
+                prefetch<1>(v_cache + next + asked * token_stride, kvn * D);
+              }
             }
             if (apart) _tile_stored(0, &heads[j][0][0], 64);
           }
