@@ -226,7 +226,7 @@ constexpr bool kPairs = false;
 // A tile's weighted sum over n consecutive cached tokens of a block: a[h] += sum over i < n of
 // p[h * p_stride + i * p_step] * v[i * v_stride] (rows of D values), two registers of D at a time (on the
 // AVX-512 path four of 16 lanes, 64 values), so that the tile's sums stay in registers across the n tokens.
-// Where kPairs, a[h] holds the dimensions in kPairs' order: sums_in_order puts them back.
+// Where kPairs, a[h] holds the dimensions in kPairs' order (weighted_sum_of_blocks puts them back at its end).
 template <int64_t kTile, int64_t kHeadDim, typename acc_t, typename scalar_t>
 static inline void tile_weighted_sum(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_stride,
                                      const scalar_t* __restrict v, int64_t v_stride, int64_t n, int64_t head_dim,
@@ -291,7 +291,8 @@ template <typename scalar_t, int64_t kHeadDim, typename acc_t>
 static inline void sums_in_order(acc_t* a, int64_t heads) {
 #if defined(__AVX512F__)
   if constexpr (kPairs<scalar_t, kHeadDim>) {  // acc_t is float
-    // lane j of the first result: even[j / 2] (index j / 2) or odd[j / 2] (index 16 + j / 2); the second: 8 more
+    // lane j of the first result: for even j even[j / 2] (index j / 2), for odd j odd[j / 2] (index 16 + j / 2);
+    // the second result: the same indices plus 8
     const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int64_t i = 0; i < heads * kHeadDim; i += 32) {
@@ -325,7 +326,8 @@ static inline void with_tile(int64_t tile, F&& f) {
 
 // Step 3 of a decode, for the query heads of K/V heads kv0 .. kv0 + kvn - 1: a[h] += sum over the sequence's
 // len tokens t of p(h, t) * v[t, kv0 + h / group] (h counted from kv0's first query head; p(h, t) =
-// p[h * p_head + t * p_token]), block by block through the block table, kMaxTile query heads at a time.
+// p[h * p_head + t * p_token]), block by block through the block table, kMaxTile query heads at a time; a
+// holds the sums in dimension order at the end (a must start at zero where kPairs: it is read in pair order).
 template <int64_t kHeadDim, typename acc_t, typename scalar_t>
 static void weighted_sum_of_blocks(acc_t* __restrict a, const acc_t* __restrict p, int64_t p_head, int64_t p_token,
                                    const scalar_t* v_cache, const int64_t* __restrict block_table, int64_t len,
@@ -350,6 +352,7 @@ static void weighted_sum_of_blocks(acc_t* __restrict a, const acc_t* __restrict 
         });
     }
   }
+  sums_in_order<scalar_t, kHeadDim>(a, kvn * group);
 }
 
 // One sequence's decode attention: its query heads q [num_heads, D] over its context_len cached
@@ -403,7 +406,6 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
   // 3. a[h] = sum over t of s[h, t] * v[t, h / group]
   weighted_sum_of_blocks<kHeadDim>(a, s, len, 1, v_cache, block_table, len, block_size, num_kv_heads, 0, num_kv_heads,
                                    group, D);
-  sums_in_order<scalar_t, kHeadDim>(a, num_heads);
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = scalar_t(a[h * D + d] / denom[h]);
 }
@@ -1326,9 +1328,10 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
         const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
         // the next block's K rows into L1 and its V rows into L2 for step 3, a share of the n rows after each
-        // tile product (product k of the block's `products` asks for rows n * k / products up to the next
-        // share's first): asked for all at once, they fill the core's queue of misses, and the products
-        // behind them wait for the reads instead of running while they come in
+        // tile product: the k-th product (counted from 1) asks for rows n (k - 1) / products up to, not
+        // including, n k / products. Asked for all at once before the products, they made the products wait
+        // (presumably the burst fills the core's queue of misses, and the products queue behind it) rather
+        // than run while the reads come in
         const int64_t products = (n + 15) / 16 * kvn * C;
         int64_t asked = 0, k = 0;
         for (int64_t i0 = 0; i0 < n; i0 += 16) {  // rows past n: within the block (block_size a multiple of 16)
@@ -1385,7 +1388,6 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
     float* __restrict a = acc.data();
     std::fill(a, a + cols * D, 0.0f);
     weighted_sum_of_blocks<D>(a, s, 1, 16, v_cache, block_table, len, block_size, num_kv_heads, kv0, kvn, group, D);
-    sums_in_order<c10::BFloat16, D>(a, cols);
     for (int64_t col = 0; col < cols; ++col)
       for (int64_t d = 0; d < D; ++d) out[(h0 + col) * D + d] = c10::BFloat16(a[col * D + d] / sum[col]);
   }
