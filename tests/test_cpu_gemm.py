@@ -86,6 +86,27 @@ def test_a_row_does_not_depend_on_how_many_rows_come_with_it(gemm):
         assert torch.equal(layer(x[:rows]), full[:rows]), rows
 
 
+@torch.inference_mode()
+def test_the_same_bits_on_any_number_of_threads(gemm):
+    """Up to 96 rows the threads share the (panel, row) pairs equally, so a panel may be split by rows
+    between two threads (9 panels for 2 threads): each output is still one multiply-add chain over k in
+    the same order, whichever thread computes it, and no pair is left out or done twice."""
+    linear = nn.Linear(200, 9 * PANEL_WIDTH - 3, bias=True)
+    layer, x = PanelLinear(linear), torch.randn(97, 200)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {rows: layer(x[:rows]) for rows in (1, 2, 5, 31, 96, 97)}
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            for rows, out in alone.items():
+                shared = layer(x[:rows])
+                assert torch.equal(shared, out), (threads, rows)
+                assert share_of_bound(shared, x[:rows], linear) <= 1.0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_input_is_refused_clearly(gemm):
     layer = PanelLinear(nn.Linear(8, 16))
     with pytest.raises(ValueError, match="float32 weights; got a torch.bfloat16 input"):

@@ -5,12 +5,13 @@
 // is one contiguous stream of memory. A micro-kernel keeps a 6 x 64 block of the output in 24
 // AVX-512 registers and, for each k, loads 64 weights and multiplies them with 6 broadcast inputs
 // (the register blocking of Goto and van de Geijn's GEMM, as in BLIS). The K axis is cut into equal
-// blocks of at most 128 (256 above 96 rows) so the block of a panel being read stays in the L1 cache
+// blocks of at most 128 so the block of a panel being read stays in the L1 cache
 // while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
 // ahead into the L2 cache, spread evenly over its k loop (with one or two rows, only one line in 16),
 // so the next weights come from memory while these are multiplied. Up to 96 rows the weight is read
-// once; more rows are cut into equal row blocks of at most 96, each reading it again. Threads split
-// the work items, one panel of one row block each.
+// once, and each thread takes an equal share of the (panel, row) pairs, panel by panel, so a panel
+// may be split by rows between two threads; more rows are cut into equal row blocks of at most 96,
+// each reading the weight again, and the threads split the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -21,8 +22,7 @@
 
 static constexpr int64_t PANEL = 64;    // output columns per panel: 4 AVX-512 vectors of 16 floats
 static constexpr int64_t MR = 6;        // rows per micro-kernel call: 6 x 4 = 24 accumulators
-static constexpr int64_t KC_FEW = 128;  // most k per block for up to MC_MAX rows: 128 x 64 floats, 32 KiB (L1)
-static constexpr int64_t KC_MANY = 256; // for more rows: fewer reloads of the accumulators
+static constexpr int64_t KC = 128;      // most k per block: 128 x 64 floats, 32 KiB (L1)
 static constexpr int64_t MC_MAX = 96;   // rows per row block, for many rows (prefill)
 static constexpr int64_t LINE = 64;     // bytes per cache line
 static constexpr int64_t AHEAD = 2;     // prefetch the block this many blocks ahead in the stream
@@ -125,30 +125,49 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int64_t w_size = panels * k * PANEL;  // floats in the packed weight
   const int64_t row_blocks = (m + MC_MAX - 1) / MC_MAX;
   const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
-  const int64_t most = m <= MC_MAX ? KC_FEW : KC_MANY, k_blocks = (k + most - 1) / most;
+  const int64_t k_blocks = (k + KC - 1) / KC;
   const int64_t every = m <= FEW_ROWS ? SPARSE : 1;  // prefetch every line, or one in SPARSE for a row or two
-  const int64_t kc_block = (k + k_blocks - 1) / k_blocks;  // equal blocks of at most `most`
-  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item % panels, m0 = item / panels * mc, m1 = std::min(m, m0 + mc);
-      const int64_t chunks = (m1 - m0 + MR - 1) / MR, cols = std::min(PANEL, n - p * PANEL);
-      for (int64_t k0 = 0; k0 < k; k0 += kc_block) {
-        const int64_t kc = std::min(kc_block, k - k0);
-        const float* w = W + (p * k + k0) * PANEL;
-        // a block further on in the stream (into the next panel, near the end), shared among the chunks;
-        // offsets, not pointers, until it is known to lie inside the weight
-        const int64_t pf_at = std::min(w_size, (p * k + k0 + AHEAD * kc) * PANEL);
-        const int64_t lines = std::min(kc * PANEL, w_size - pf_at) * int64_t(sizeof(float)) / LINE;
-        const char* pf = reinterpret_cast<const char*>(W + pf_at);
-        const int64_t per_chunk = (lines + chunks - 1) / chunks;
-        for (int64_t r = m0, c = 0; r < m1; r += MR, ++c) {
-          const int64_t pf_lines = std::clamp<int64_t>(lines - per_chunk * c, 0, per_chunk);
-          MICRO_KERNELS[std::min(MR, m1 - r)](X + r * k + k0, k, w, kc, O + r * n + p * PANEL, n, cols, b ? b + p * PANEL : nullptr, k0 == 0,
-                                              pf + LINE * std::min(per_chunk * c, lines), pf_lines, every);
-        }
+  const int64_t kc_block = (k + k_blocks - 1) / k_blocks;  // equal blocks of at most KC
+  // rows [r0, r1) of panel p, block by block of K
+  const auto panel_rows = [&](int64_t p, int64_t r0, int64_t r1) {
+    const int64_t chunks = (r1 - r0 + MR - 1) / MR, cols = std::min(PANEL, n - p * PANEL);
+    for (int64_t k0 = 0; k0 < k; k0 += kc_block) {
+      const int64_t kc = std::min(kc_block, k - k0);
+      const float* w = W + (p * k + k0) * PANEL;
+      // a block further on in the stream (into the next panel, near the end), shared among the chunks;
+      // offsets, not pointers, until it is known to lie inside the weight
+      const int64_t pf_at = std::min(w_size, (p * k + k0 + AHEAD * kc) * PANEL);
+      const int64_t lines = std::min(kc * PANEL, w_size - pf_at) * int64_t(sizeof(float)) / LINE;
+      const char* pf = reinterpret_cast<const char*>(W + pf_at);
+      const int64_t per_chunk = (lines + chunks - 1) / chunks;
+      for (int64_t r = r0, c = 0; r < r1; r += MR, ++c) {
+        const int64_t pf_lines = std::clamp<int64_t>(lines - per_chunk * c, 0, per_chunk);
+        MICRO_KERNELS[std::min(MR, r1 - r)](X + r * k + k0, k, w, kc, O + r * n + p * PANEL, n, cols,
+                                            b ? b + p * PANEL : nullptr, k0 == 0,
+                                            pf + LINE * std::min(per_chunk * c, lines), pf_lines, every);
       }
     }
-  });
+  };
+  if (row_blocks == 1) {
+    // thread t takes the pairs [t U / T, (t + 1) U / T) of the U = panels x m (panel, row) pairs laid
+    // panel by panel: the same multiply-adds for every thread, where whole panels leave one thread a panel
+    // more for an odd count (9 panels of 64 for the default model's 576 columns)
+    const int64_t pairs = panels * m, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t u0 = pairs * t / threads, u1 = pairs * (t + 1) / threads;
+        for (int64_t p = u0 / m; p * m < u1; ++p)
+          panel_rows(p, std::max(u0, p * m) - p * m, std::min(u1, (p + 1) * m) - p * m);
+      }
+    });
+  } else {
+    at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t p = item % panels, m0 = item / panels * mc;
+        panel_rows(p, m0, std::min(m, m0 + mc));
+      }
+    });
+  }
   return out;
 #else
   TORCH_CHECK(false, "linear: this library was built without AVX-512");
