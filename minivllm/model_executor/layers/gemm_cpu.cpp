@@ -9,8 +9,8 @@
 // while every 6-row chunk of x passes over it; meanwhile each chunk prefetches a share of a block two
 // ahead into the L2 cache, spread evenly over its k loop (with one or two rows, only one line in 16),
 // so the next weights come from memory while these are multiplied. Up to 96 rows the weight is read
-// once, and each thread takes an equal share of the (panel, row) pairs, panel by panel, so a panel
-// may be split by rows between two threads; more rows are cut into equal row blocks of at most 96,
+// once, and each thread takes an equal share of the (panel, row) pairs, panel by panel, so from two rows
+// on a panel may be split by rows between threads; more rows are cut into equal row blocks of at most 96,
 // each reading the weight again, and the threads split the work items, one panel of one row block each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -149,9 +149,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
     }
   };
   if (row_blocks == 1) {
-    // thread t takes the pairs [t U / T, (t + 1) U / T) of the U = panels x m (panel, row) pairs laid
-    // panel by panel: the same multiply-adds for every thread, where whole panels leave one thread a panel
-    // more for an odd count (9 panels of 64 for the default model's 576 columns)
+    // thread t takes the pairs [t U / T, (t + 1) U / T) of the U = panels x m (panel, row) pairs laid panel
+    // by panel (T <= U: no range is empty), the same work per thread to within one pair, whereas whole
+    // panels leave one thread a panel more when T does not divide them (9 panels for 576 columns)
     const int64_t pairs = panels * m, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
