@@ -7,8 +7,10 @@
 #   scripts/record_bf16.sh                              # small workload -> results/cpu_bf16_small_{float32,bfloat16}.json
 #   scripts/record_bf16.sh headline results/cpu_amx    # the README's headline workload (on a CPU with AMX or
 #                                                       # AVX512-BF16) -> results/cpu_amx_headline_{float32,bfloat16}.json,
-#                                                       # and scripts/profile_engine.py's record of each dtype
-#                                                       # -> results/cpu_amx_profile_headline_{float32,bfloat16}.json
+#                                                       # scripts/profile_engine.py's record of each dtype
+#                                                       # -> results/cpu_amx_profile_headline_{float32,bfloat16}.json,
+#                                                       # and scripts/prefill_attention_lengths.py's record
+#                                                       # -> results/cpu_amx_prefill_attention_lengths.json
 #
 # Small: a few minutes on 2 cores without fast bfloat16. Headline: about 5 minutes per dtype where
 # bfloat16 is fast (the profile another minute or two); far longer where it is emulated. Run it on a
@@ -36,4 +38,6 @@ if [ "$WORKLOAD" = headline ]; then  # where each dtype's time goes, attention a
         "$PY" scripts/profile_engine.py "${ARGS[@]}" "${THREAD_ARGS[@]}" --dtype "$DTYPE" \
             --out "${PREFIX}_profile_${WORKLOAD}_${DTYPE}.json"
     done
+    # the prefill kernels alone against the same FLOP bound, by sequence length (a few seconds)
+    "$PY" scripts/prefill_attention_lengths.py "${THREAD_ARGS[@]}" --out "${PREFIX}_prefill_attention_lengths.json"
 fi

@@ -910,3 +910,38 @@ def test_overlap_probe_rows_and_record(tmp_path, monkeypatch, capsys):
     assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         probe.main(["--threads", "0"])
+
+
+def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys):
+    """scripts/prefill_attention_lengths.py (chapter 09): per dtype whose C++ prefill kernel runs here, one row
+    per length with `tokens // length` sequences (at least one), the causal pairs and FLOPs of the call counted
+    as the roofline counts them, and time over bound from the rate it was given (a stand-in for
+    `measure_peaks`); a dtype whose kernel does not run here has no rows. The thread count is put back."""
+    from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
+    from minivllm.benchmarks.roofline import DevicePeaks
+
+    script = _load_script("prefill_attention_lengths")
+    monkeypatch.setattr(script, "measure_peaks", lambda device, dtype: DevicePeaks(1e9, 1e9))
+    out = tmp_path / "lengths.json"
+    args = ["--lengths", "16", "40", "200", "--tokens", "96", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    before = torch.get_num_threads()
+    try:
+        assert script.main(args) == 0
+    finally:
+        torch.set_num_threads(before)
+    r = json.loads(out.read_text())
+    assert r["command"] == "python scripts/prefill_attention_lengths.py " + " ".join(args) and r["threads"] == 1
+    assert set(r["dtypes"]) == {"float32", "bfloat16"} and "wrote" in capsys.readouterr().out
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        run = r["dtypes"][name]
+        assert run["kernel"] == (cpu_prefill_varlen_kernel(dtype) is not None)
+        if not run["kernel"]:
+            assert run["rows"] == []
+            continue
+        assert [(row["length"], row["num_seqs"]) for row in run["rows"]] == [(16, 6), (40, 2), (200, 1)]
+        for row in run["rows"]:
+            pairs = row["num_seqs"] * sum(range(1, row["length"] + 1))  # query i of a sequence sees keys 0..i
+            assert row["pairs"] == pairs and row["flops"] == 4 * 9 * 64 * pairs and row["seconds"] > 0
+            assert row["ratio"] == pytest.approx(row["seconds"] * 1e9 / row["flops"])
+    with pytest.raises(SystemExit):
+        script.main(["--lengths", "0"])

@@ -1,0 +1,93 @@
+"""How near the CPU prefill attention kernels come to their FLOP bound, by sequence length (chapter 09).
+
+    python scripts/prefill_attention_lengths.py [--dtype float32 bfloat16] [--lengths 32 64 ... 2048]
+                                                [--tokens 2048] [--threads N] [--out results/NAME.json]
+
+The profile (`scripts/profile_engine.py`) holds a prefill's attention against its FLOPs at the matmul
+rate. This script asks what that ratio depends on. For each dtype whose C++ prefill kernel runs here
+(chapter 05's `cpu_prefill_varlen_kernel`: float32 where the CPU has AVX-512, bfloat16 where it has AMX)
+and each length L of `--lengths`, it times one call of the kernel's batch form on `--tokens // L`
+sequences of L new tokens each (at least one), the default model's heads (9 query heads, 3 K/V heads of
+64), random inputs, best of `--repeats` calls after one untimed call. The bound is the causal pairs'
+FLOPs (`ModelCost.attention_flops_per_pair` for one layer: 4 x heads x head_dim per pair, each sequence
+L (L + 1) / 2 pairs) at the matmul rate `measure_peaks` measures for the dtype in the same run; the
+ratio is time over bound (1 at the bound). A dtype whose kernel does not run here is recorded as such,
+with no rows. Writes a record with the CPU named where `--out` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
+from minivllm.benchmarks.env import environment, write_json
+from minivllm.benchmarks.roofline import measure_peaks
+from minivllm.benchmarks.runners import timed
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's attention (SmolLM2-135M)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def time_length(kernel, dtype: torch.dtype, length: int, tokens: int, repeats: int) -> dict:
+    """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`; its best time,
+    the causal pairs and FLOPs of the call (one layer)."""
+    num_seqs = max(1, tokens // length)
+    g = torch.Generator().manual_seed(length)
+    n = num_seqs * length
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k, v = (torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    cu = torch.arange(0, n + 1, length, dtype=torch.int64)
+    scale = HEAD_DIM ** -0.5
+    kernel(q, k, v, cu, cu, scale)  # untimed: first-touch of the output, caches
+    best = min(timed(kernel, q, k, v, cu, cu, scale)[1] for _ in range(repeats))
+    pairs = num_seqs * length * (length + 1) // 2
+    return dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * NUM_HEADS * HEAD_DIM * pairs, seconds=best)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048],
+                    help="tokens per sequence")
+    ap.add_argument("--tokens", type=int, default=2048, help="new tokens per call (sequences: tokens // length)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
+    ap.add_argument("--out", default=None, help="write a JSON record here")
+    args = ap.parse_args(argv)
+    if min(args.lengths) < 1 or args.tokens < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        ap.error("--lengths, --tokens, --repeats and --threads must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment()
+    print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads")
+    results = {}
+    for name in args.dtype:
+        dtype = DTYPES[name]
+        kernel = cpu_prefill_varlen_kernel(dtype)
+        if kernel is None:
+            print(f"{name}: the C++ prefill kernel does not run here (no AVX-512 for float32, no AMX for bfloat16)")
+            results[name] = dict(kernel=False, rows=[])
+            continue
+        peaks = measure_peaks("cpu", dtype)
+        rows = [time_length(kernel, dtype, length, args.tokens, args.repeats) for length in args.lengths]
+        print(f"{name}: matmul rate {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
+        print(f"{'length':>8} {'seqs':>5} {'ms':>8} {'GFLOP/s':>8} {'x bound':>8}")
+        for row in rows:
+            row["gflop_per_s"] = row["flops"] / row["seconds"] / 1e9
+            row["ratio"] = row["seconds"] * peaks.matmul_flops_per_s / row["flops"]
+            print(f"{row['length']:8d} {row['num_seqs']:5d} {1e3 * row['seconds']:8.2f} {row['gflop_per_s']:8.0f} "
+                  f"{row['ratio']:8.2f}")
+        results[name] = dict(kernel=True, matmul_flops_per_s=peaks.matmul_flops_per_s, rows=rows)
+    if args.out:
+        command = "python scripts/prefill_attention_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_json(dict(script="scripts/prefill_attention_lengths.py", command=command, tokens=args.tokens,
+                        heads=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM),
+                        dtypes=results, **env), args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
