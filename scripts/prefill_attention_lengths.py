@@ -7,16 +7,21 @@ The profile (`scripts/profile_engine.py`) holds a prefill's attention against it
 rate. This script asks what that ratio depends on. For each dtype whose C++ prefill kernel runs here
 (chapter 05's `cpu_prefill_varlen_kernel`: float32 where the CPU has AVX-512, bfloat16 where it has AMX)
 and each length L of `--lengths`, it times one call of the kernel's batch form on `--tokens // L`
-sequences of L new tokens each (at least one), the default model's heads (9 query heads, 3 K/V heads of
-64), random inputs, best of `--repeats` calls after one untimed call. The bound is the causal pairs'
-FLOPs (`ModelCost.attention_flops_per_pair` for one layer: 4 x heads x head_dim per pair, each sequence
-L (L + 1) / 2 pairs) at the matmul rate `measure_peaks` measures for the dtype in the same run; the
-ratio is time over bound (1 at the bound). A dtype whose kernel does not run here is recorded as such,
-with no rows. Writes a record with the CPU named where `--out` is given.
+sequences of L new tokens each (at least one sequence, so a row holds `--tokens` tokens only where L
+divides it), with the default model's heads (read from its config), random inputs, after one untimed
+call: the best and the median of `--repeats` calls. The bound is the causal pairs' FLOPs
+(`ModelCost.attention_flops_per_pair` for one layer: 4 x query heads x head_dim per pair, each sequence
+L (L + 1) / 2 pairs) at the matmul rate `measure_peaks` measures for the dtype in the same run; the ratio
+is the best time over the bound (1 at the bound). The times depend a little on the data: the bfloat16
+kernel rescales a row's sums only where a score rises well above the row's running maximum, which
+random scores seldom do. A dtype whose kernel does not run here is recorded as such, with no rows.
+Writes a record with the CPU named where `--out` is given.
 """
 from __future__ import annotations
 
 import argparse
+import shlex
+import statistics
 import sys
 
 import torch
@@ -25,25 +30,36 @@ from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
 from minivllm.benchmarks.env import environment, write_json
 from minivllm.benchmarks.roofline import measure_peaks
 from minivllm.benchmarks.runners import timed
+from minivllm.transformers_utils.model_files import resolve_model
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's attention (SmolLM2-135M)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def time_length(kernel, dtype: torch.dtype, length: int, tokens: int, repeats: int) -> dict:
-    """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`; its best time,
-    the causal pairs and FLOPs of the call (one layer)."""
+def default_heads() -> dict:
+    """The default model's attention shape: `num_heads`, `num_kv_heads`, `head_dim` (from its config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model(None))
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return dict(num_heads=num_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
+
+
+def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: int, repeats: int) -> dict:
+    """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`; its best and median
+    times, the causal pairs and FLOPs of the call (one layer)."""
     num_seqs = max(1, tokens // length)
     g = torch.Generator().manual_seed(length)
-    n = num_seqs * length
-    q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
-    k, v = (torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    n, head_dim = num_seqs * length, heads["head_dim"]
+    q = torch.randn(n, heads["num_heads"], head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(n, heads["num_kv_heads"], head_dim, generator=g).to(dtype) for _ in range(2))
     cu = torch.arange(0, n + 1, length, dtype=torch.int64)
-    scale = HEAD_DIM ** -0.5
+    scale = head_dim ** -0.5
     kernel(q, k, v, cu, cu, scale)  # untimed: first-touch of the output, caches
-    best = min(timed(kernel, q, k, v, cu, cu, scale)[1] for _ in range(repeats))
+    times = [timed(kernel, q, k, v, cu, cu, scale)[1] for _ in range(repeats)]
     pairs = num_seqs * length * (length + 1) // 2
-    return dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * NUM_HEADS * HEAD_DIM * pairs, seconds=best)
+    return dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * heads["num_heads"] * head_dim * pairs,
+                seconds=min(times), median_seconds=statistics.median(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048],
                     help="tokens per sequence")
     ap.add_argument("--tokens", type=int, default=2048, help="new tokens per call (sequences: tokens // length)")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=10, help="timed calls per row")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--out", default=None, help="write a JSON record here")
     args = ap.parse_args(argv)
@@ -60,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--lengths, --tokens, --repeats and --threads must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = environment()
-    print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads")
+    env, heads = environment(), default_heads()
+    print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads; heads {heads}")
     results = {}
     for name in args.dtype:
         dtype = DTYPES[name]
@@ -71,20 +87,19 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = dict(kernel=False, rows=[])
             continue
         peaks = measure_peaks("cpu", dtype)
-        rows = [time_length(kernel, dtype, length, args.tokens, args.repeats) for length in args.lengths]
+        rows = [time_length(kernel, dtype, heads, length, args.tokens, args.repeats) for length in args.lengths]
         print(f"{name}: matmul rate {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
-        print(f"{'length':>8} {'seqs':>5} {'ms':>8} {'GFLOP/s':>8} {'x bound':>8}")
+        print(f"{'length':>8} {'seqs':>5} {'best ms':>8} {'median ms':>9} {'GFLOP/s':>8} {'x bound':>8}")
         for row in rows:
             row["gflop_per_s"] = row["flops"] / row["seconds"] / 1e9
             row["ratio"] = row["seconds"] * peaks.matmul_flops_per_s / row["flops"]
-            print(f"{row['length']:8d} {row['num_seqs']:5d} {1e3 * row['seconds']:8.2f} {row['gflop_per_s']:8.0f} "
-                  f"{row['ratio']:8.2f}")
+            print(f"{row['length']:8d} {row['num_seqs']:5d} {1e3 * row['seconds']:8.2f} "
+                  f"{1e3 * row['median_seconds']:9.2f} {row['gflop_per_s']:8.0f} {row['ratio']:8.2f}")
         results[name] = dict(kernel=True, matmul_flops_per_s=peaks.matmul_flops_per_s, rows=rows)
     if args.out:
-        command = "python scripts/prefill_attention_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python scripts/prefill_attention_lengths.py " + shlex.join(sys.argv[1:] if argv is None else argv)
         write_json(dict(script="scripts/prefill_attention_lengths.py", command=command, tokens=args.tokens,
-                        heads=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM),
-                        dtypes=results, **env), args.out)
+                        heads=heads, dtypes=results, **env), args.out)
         print(f"wrote {args.out}")
     return 0
 

@@ -913,17 +913,31 @@ def test_overlap_probe_rows_and_record(tmp_path, monkeypatch, capsys):
 
 
 def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys):
-    """scripts/prefill_attention_lengths.py (chapter 09): per dtype whose C++ prefill kernel runs here, one row
-    per length with `tokens // length` sequences (at least one), the causal pairs and FLOPs of the call counted
-    as the roofline counts them, and time over bound from the rate it was given (a stand-in for
-    `measure_peaks`); a dtype whose kernel does not run here has no rows. The thread count is put back."""
-    from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
+    """scripts/prefill_attention_lengths.py (chapter 09), on any CPU: a recording kernel in place of chapter 05's
+    gets, per dtype and length, `tokens // length` sequences (at least one) of the default model's heads laid end
+    to end in the dtype; each row counts the call's causal pairs and FLOPs as the roofline does, and its ratio
+    is the best time over those FLOPs at the matmul rate measured for that dtype (a stand-in for
+    `measure_peaks`, with a copy rate of its own that must not be used). The thread count is put back."""
     from minivllm.benchmarks.roofline import DevicePeaks
 
     script = _load_script("prefill_attention_lengths")
-    monkeypatch.setattr(script, "measure_peaks", lambda device, dtype: DevicePeaks(1e9, 1e9))
+    heads = script.default_heads()
+    assert heads == {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
+    rates = {torch.float32: 2e9, torch.bfloat16: 7e9}
+    asked, calls = [], []
+    monkeypatch.setattr(script, "measure_peaks",
+                        lambda device, dtype: asked.append(dtype) or DevicePeaks(rates[dtype], 1.0))
+
+    def fake_kernel(dtype):
+        def kernel(q, k, v, cu_q, cu_k, scale):
+            calls.append((dtype, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), cu_q.tolist(),
+                          cu_k.tolist(), scale))
+            return torch.empty_like(q)
+        return kernel
+
+    monkeypatch.setattr(script, "cpu_prefill_varlen_kernel", fake_kernel)
     out = tmp_path / "lengths.json"
-    args = ["--lengths", "16", "40", "200", "--tokens", "96", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    args = ["--lengths", "16", "40", "200", "--tokens", "96", "--repeats", "2", "--threads", "1", "--out", str(out)]
     before = torch.get_num_threads()
     try:
         assert script.main(args) == 0
@@ -931,17 +945,36 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
         torch.set_num_threads(before)
     r = json.loads(out.read_text())
     assert r["command"] == "python scripts/prefill_attention_lengths.py " + " ".join(args) and r["threads"] == 1
-    assert set(r["dtypes"]) == {"float32", "bfloat16"} and "wrote" in capsys.readouterr().out
+    assert r["heads"] == heads and "wrote" in capsys.readouterr().out and asked == [torch.float32, torch.bfloat16]
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        run = r["dtypes"][name]
+        assert run["kernel"] and run["matmul_flops_per_s"] == rates[dtype]
+        assert [(row["length"], row["num_seqs"]) for row in run["rows"]] == [(16, 6), (40, 2), (200, 1)]
+        for row in run["rows"]:
+            n = row["num_seqs"] * row["length"]
+            cu = list(range(0, n + 1, row["length"]))
+            assert calls.count((dtype, dtype, (n, 9, 64), (n, 3, 64), (n, 3, 64), cu, cu, 64 ** -0.5)) == 3  # + warm-up
+            pairs = row["num_seqs"] * sum(range(1, row["length"] + 1))  # query i of a sequence sees keys 0..i
+            assert row["pairs"] == pairs and row["flops"] == 4 * 9 * 64 * pairs
+            assert 0 < row["seconds"] <= row["median_seconds"]
+            assert row["ratio"] == pytest.approx(row["seconds"] * rates[dtype] / row["flops"])
+    with pytest.raises(SystemExit):
+        script.main(["--lengths", "0"])
+
+
+def test_prefill_attention_lengths_with_the_kernels_of_this_cpu(tmp_path, monkeypatch):
+    """The same script with chapter 05's own kernels: a dtype is timed where its kernel runs here and recorded
+    without rows where it does not."""
+    from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
+    from minivllm.benchmarks.roofline import DevicePeaks
+
+    script = _load_script("prefill_attention_lengths")
+    monkeypatch.setattr(script, "measure_peaks", lambda device, dtype: DevicePeaks(1e9, 1e9))
+    out = tmp_path / "lengths.json"
+    assert script.main(["--lengths", "16", "48", "--tokens", "48", "--repeats", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         run = r["dtypes"][name]
         assert run["kernel"] == (cpu_prefill_varlen_kernel(dtype) is not None)
-        if not run["kernel"]:
-            assert run["rows"] == []
-            continue
-        assert [(row["length"], row["num_seqs"]) for row in run["rows"]] == [(16, 6), (40, 2), (200, 1)]
-        for row in run["rows"]:
-            pairs = row["num_seqs"] * sum(range(1, row["length"] + 1))  # query i of a sequence sees keys 0..i
-            assert row["pairs"] == pairs and row["flops"] == 4 * 9 * 64 * pairs and row["seconds"] > 0
-            assert row["ratio"] == pytest.approx(row["seconds"] * 1e9 / row["flops"])
-    with pytest.raises(SystemExit):
-        script.main(["--lengths", "0"])
+        assert [row["length"] for row in run["rows"]] == ([16, 48] if run["kernel"] else [])
+        assert all(row["seconds"] > 0 for row in run["rows"])
