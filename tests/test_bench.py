@@ -886,6 +886,19 @@ def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
         module.stream(torch.ones(100), 0, 0, 1, True)
 
 
+def _script_record(script, name: str, args: list[str], out: Path) -> dict:
+    """Run scripts/NAME.py's `main(args)`, which writes its record to `out`, and put torch's thread count back
+    (a `--threads` argument changes it); the record, whose `command` must be the one run."""
+    before = torch.get_num_threads()
+    try:
+        assert script.main(args) == 0
+    finally:
+        torch.set_num_threads(before)
+    r = json.loads(out.read_text())
+    assert r["command"] == f"python scripts/{name}.py " + " ".join(args)
+    return r
+
+
 def test_overlap_probe_rows_and_record(tmp_path, monkeypatch, capsys):
     """The probe's arithmetic on given times (the roofline's case: hidden 1; one after the other: 0), then
     a small real run's record: one row per (prefetch distance, work), the command, the CPU; the thread
@@ -898,13 +911,8 @@ def test_overlap_probe_rows_and_record(tmp_path, monkeypatch, capsys):
     out = tmp_path / "probe.json"
     args = ["--mib", "4", "--work", "1", "4", "--ahead", "0", "1", "--repeats", "1", "--threads", "1",
             "--out", str(out)]
-    before = torch.get_num_threads()
-    try:
-        assert probe.main(args) == 0
-    finally:
-        torch.set_num_threads(before)
-    r = json.loads(out.read_text())
-    assert r["command"] == "python scripts/overlap_probe.py " + " ".join(args) and r["threads"] == 1
+    r = _script_record(probe, "overlap_probe", args, out)
+    assert r["threads"] == 1
     assert [(row["ahead"], row["work"]) for row in r["rows"]] == [(0, 1), (0, 4), (1, 1), (1, 4)]
     assert all(row["memory_s"] > 0 and row["compute_s"] > 0 and row["both_s"] > 0 for row in r["rows"])
     assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and "wrote" in capsys.readouterr().out
@@ -938,13 +946,8 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(script, "cpu_prefill_varlen_kernel", fake_kernel)
     out = tmp_path / "lengths.json"
     args = ["--lengths", "16", "40", "200", "--tokens", "96", "--repeats", "2", "--threads", "1", "--out", str(out)]
-    before = torch.get_num_threads()
-    try:
-        assert script.main(args) == 0
-    finally:
-        torch.set_num_threads(before)
-    r = json.loads(out.read_text())
-    assert r["command"] == "python scripts/prefill_attention_lengths.py " + " ".join(args) and r["threads"] == 1
+    r = _script_record(script, "prefill_attention_lengths", args, out)
+    assert r["threads"] == 1
     assert r["heads"] == heads and "wrote" in capsys.readouterr().out and asked == [torch.float32, torch.bfloat16]
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         run = r["dtypes"][name]
@@ -971,8 +974,8 @@ def test_prefill_attention_lengths_with_the_kernels_of_this_cpu(tmp_path, monkey
     script = _load_script("prefill_attention_lengths")
     monkeypatch.setattr(script, "measure_peaks", lambda device, dtype: DevicePeaks(1e9, 1e9))
     out = tmp_path / "lengths.json"
-    assert script.main(["--lengths", "16", "48", "--tokens", "48", "--repeats", "1", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
+    r = _script_record(script, "prefill_attention_lengths",
+                       ["--lengths", "16", "48", "--tokens", "48", "--repeats", "1", "--out", str(out)], out)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         run = r["dtypes"][name]
         assert run["kernel"] == (cpu_prefill_varlen_kernel(dtype) is not None)
