@@ -124,7 +124,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   float* O = out.data_ptr<float>();
   const int64_t w_size = panels * k * PANEL;  // floats in the packed weight
   const int64_t row_blocks = (m + MC_MAX - 1) / MC_MAX;
-  const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
   const int64_t k_blocks = (k + KC - 1) / KC;
   const int64_t every = m <= FEW_ROWS ? SPARSE : 1;  // prefetch every line, or one in SPARSE for a row or two
   const int64_t kc_block = (k + k_blocks - 1) / k_blocks;  // equal blocks of at most KC
@@ -161,6 +160,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
       }
     });
   } else {
+    const int64_t mc = ((m + row_blocks - 1) / row_blocks + MR - 1) / MR * MR;  // equal blocks of whole chunks
     at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t p = item % panels, m0 = item / panels * mc;
