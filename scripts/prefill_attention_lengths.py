@@ -14,8 +14,11 @@ call: the best and the median of `--repeats` calls. The bound is the causal pair
 L (L + 1) / 2 pairs) at the matmul rate `measure_peaks` measures for the dtype in the same run; the ratio
 is the best time over the bound (1 at the bound). The times depend a little on the data: the bfloat16
 kernel rescales a row's sums only where a score rises well above the row's running maximum, which
-random scores seldom do. A dtype whose kernel does not run here is recorded as such, with no rows.
-Writes a record with the CPU named where `--out` is given.
+random scores seldom do. Beside each call, alternating with it, the same inputs go through torch's own
+fused causal attention, `F.scaled_dot_product_attention` (SDPA; the sequences as a batch, `is_causal`,
+`enable_gqa`), against the same bound: a row also holds its best time, ratio and largest difference from
+the kernel's output. A dtype whose kernel does not run here is recorded as such, with no rows. Writes a
+record with the CPU named where `--out` is given.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
 from minivllm.benchmarks.env import environment, write_json
@@ -45,9 +49,20 @@ def default_heads() -> dict:
     return dict(num_heads=num_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    """torch's fused causal attention on `q [n, num_heads, D]`, `k`, `v [n, num_kv_heads, D]` laid out as
+    `n // length` sequences of `length` tokens (a batch of views, no copy): the kernel's contract for
+    sequences of one length, its output `[n, num_heads, D]`."""
+    def batch(t):
+        return t.view(-1, length, t.shape[1], t.shape[2]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
 def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: int, repeats: int) -> dict:
-    """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`; its best and median
-    times, the causal pairs and FLOPs of the call (one layer)."""
+    """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`, and through `sdpa`
+    alternating with it; the kernel's best and median times, SDPA's best time and its largest difference from
+    the kernel's output, the causal pairs and FLOPs of the call (one layer)."""
     num_seqs = max(1, tokens // length)
     g = torch.Generator().manual_seed(length)
     n, head_dim = num_seqs * length, heads["head_dim"]
@@ -55,11 +70,16 @@ def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: in
     k, v = (torch.randn(n, heads["num_kv_heads"], head_dim, generator=g).to(dtype) for _ in range(2))
     cu = torch.arange(0, n + 1, length, dtype=torch.int64)
     scale = head_dim ** -0.5
-    kernel(q, k, v, cu, cu, scale)  # untimed: first-touch of the output, caches
-    times = [timed(kernel, q, k, v, cu, cu, scale)[1] for _ in range(repeats)]
+    # untimed: first-touch of the outputs, caches
+    diff = (kernel(q, k, v, cu, cu, scale).float() - sdpa(q, k, v, length, scale).float()).abs().max().item()
+    times, sdpa_times = [], []
+    for _ in range(repeats):
+        times.append(timed(kernel, q, k, v, cu, cu, scale)[1])
+        sdpa_times.append(timed(sdpa, q, k, v, length, scale)[1])
     pairs = num_seqs * length * (length + 1) // 2
     return dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * heads["num_heads"] * head_dim * pairs,
-                seconds=min(times), median_seconds=statistics.median(times))
+                seconds=min(times), median_seconds=statistics.median(times), sdpa_seconds=min(sdpa_times),
+                sdpa_max_diff=diff)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         peaks = measure_peaks("cpu", dtype)
         rows = [time_length(kernel, dtype, heads, length, args.tokens, args.repeats) for length in args.lengths]
         print(f"{name}: matmul rate {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
-        print(f"{'length':>8} {'seqs':>5} {'best ms':>8} {'median ms':>9} {'GFLOP/s':>8} {'x bound':>8}")
+        print(f"{'length':>8} {'seqs':>5} {'best ms':>8} {'median ms':>9} {'GFLOP/s':>8} {'x bound':>8} "
+              f"{'SDPA ms':>8} {'SDPA x bound':>12} {'max diff':>9}")
         for row in rows:
             row["gflop_per_s"] = row["flops"] / row["seconds"] / 1e9
             row["ratio"] = row["seconds"] * peaks.matmul_flops_per_s / row["flops"]
+            row["sdpa_ratio"] = row["sdpa_seconds"] * peaks.matmul_flops_per_s / row["flops"]
             print(f"{row['length']:8d} {row['num_seqs']:5d} {1e3 * row['seconds']:8.2f} "
-                  f"{1e3 * row['median_seconds']:9.2f} {row['gflop_per_s']:8.0f} {row['ratio']:8.2f}")
+                  f"{1e3 * row['median_seconds']:9.2f} {row['gflop_per_s']:8.0f} {row['ratio']:8.2f} "
+                  f"{1e3 * row['sdpa_seconds']:8.2f} {row['sdpa_ratio']:12.2f} {row['sdpa_max_diff']:9.2g}")
         results[name] = dict(kernel=True, matmul_flops_per_s=peaks.matmul_flops_per_s, rows=rows)
     if args.out:
         command = "python scripts/prefill_attention_lengths.py " + shlex.join(sys.argv[1:] if argv is None else argv)

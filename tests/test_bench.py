@@ -940,7 +940,7 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
         def kernel(q, k, v, cu_q, cu_k, scale):
             calls.append((dtype, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), cu_q.tolist(),
                           cu_k.tolist(), scale))
-            return torch.empty_like(q)
+            return torch.zeros_like(q)
         return kernel
 
     monkeypatch.setattr(script, "cpu_prefill_varlen_kernel", fake_kernel)
@@ -959,10 +959,30 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
             assert calls.count((dtype, dtype, (n, 9, 64), (n, 3, 64), (n, 3, 64), cu, cu, 64 ** -0.5)) == 3  # + warm-up
             pairs = row["num_seqs"] * sum(range(1, row["length"] + 1))  # query i of a sequence sees keys 0..i
             assert row["pairs"] == pairs and row["flops"] == 4 * 9 * 64 * pairs
-            assert 0 < row["seconds"] <= row["median_seconds"]
+            assert 0 < row["seconds"] <= row["median_seconds"] and row["sdpa_seconds"] > 0
             assert row["ratio"] == pytest.approx(row["seconds"] * rates[dtype] / row["flops"])
+            assert row["sdpa_ratio"] == pytest.approx(row["sdpa_seconds"] * rates[dtype] / row["flops"])
+            assert 0 < row["sdpa_max_diff"] < float("inf")  # SDPA's output against the stand-in's zeros
     with pytest.raises(SystemExit):
         script.main(["--lengths", "0"])
+
+
+def test_prefill_attention_lengths_sdpa_is_causal_attention_per_sequence():
+    """The script's SDPA contender on sequences laid end to end equals causal attention computed sequence by
+    sequence, each query head on its K/V head (query head h on K/V head h // (num_heads / num_kv_heads)), in
+    float64: the batch view must not mix sequences, tokens or heads."""
+    script = _load_script("prefill_attention_lengths")
+    g = torch.Generator().manual_seed(0)
+    length, num_seqs, scale = 5, 3, 0.3
+    q = torch.randn(num_seqs * length, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(num_seqs * length, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out = script.sdpa(q, k, v, length, scale)
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    for s in range(num_seqs):
+        rows = slice(s * length, (s + 1) * length)
+        for h in range(6):
+            scores = (q[rows, h] @ k[rows, h // 3].T * scale).masked_fill(~mask, float("-inf"))
+            torch.testing.assert_close(out[rows, h], scores.softmax(-1) @ v[rows, h // 3], rtol=0, atol=1e-12)
 
 
 def test_prefill_attention_lengths_with_the_kernels_of_this_cpu(tmp_path, monkeypatch):
@@ -980,4 +1000,8 @@ def test_prefill_attention_lengths_with_the_kernels_of_this_cpu(tmp_path, monkey
         run = r["dtypes"][name]
         assert run["kernel"] == (cpu_prefill_varlen_kernel(dtype) is not None)
         assert [row["length"] for row in run["rows"]] == ([16, 48] if run["kernel"] else [])
-        assert all(row["seconds"] > 0 for row in run["rows"])
+        assert all(row["seconds"] > 0 and row["sdpa_seconds"] > 0 for row in run["rows"])
+        # the kernel and SDPA agree: float32 to rounding; bfloat16 outputs (|o| up to about 4 on these random
+        # inputs) to a few units of their last place, since the two round the probabilities P differently
+        tolerance = 1e-5 if dtype == torch.float32 else 0.05
+        assert all(row["sdpa_max_diff"] < tolerance for row in run["rows"])
