@@ -582,6 +582,37 @@ def test_the_batch_form_gives_the_one_sequence_kernels_bits(one_and_batch, head_
     assert not torch.equal(batch(q, k, v, shifted, cu_k, 0.125), expected)
 
 
+@pytest.mark.parametrize("lens,cached,heads,kv_heads", [((64, 64), 0, 9, 3), ((64,), 0, 4, 2), ((60, 20, 30), 10, 9, 3),
+                                                         ((64,), 10, 9, 3)])
+def test_the_batch_form_gives_the_same_bits_however_its_work_is_dealt(one_and_batch, lens, cached, heads, kv_heads):
+    """On two threads the batch form deals its work one of three ways (chapter 05): whole sequences to the
+    threads (two equal sequences), a sequence's K/V heads one by one (one sequence with two K/V heads; three
+    sequences of 60, 20 and 30 new tokens, the last over `cached` keys before them), or, where neither splits
+    evenly, the keys packed in a pass of their own and the tiles dealt one by one (one sequence with three K/V
+    heads). Every way, the end-to-end and the paged form give the one-sequence kernel's bits."""
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL
+    from minivllm.model_executor.cpp_extension import load_extension
+
+    dtype, one, batch = one_and_batch
+    module = load_extension(DECODE_KERNEL)
+    paged = module.prefill_attention_paged if dtype == torch.float32 else module.prefill_attention_amx_paged
+    g = torch.Generator().manual_seed(5)
+    keys = [*lens[:-1], lens[-1] + cached]
+    cu_q, cu_k = (torch.tensor([0, *lengths]).cumsum(0) for lengths in (lens, keys))
+    q = torch.randn(int(cu_q[-1]), heads, 64, generator=g).to(dtype)
+    k, v = (torch.randn(int(cu_k[-1]), kv_heads, 64, generator=g).to(dtype) for _ in range(2))
+    a, b = cu_q.tolist(), cu_k.tolist()
+    expected = torch.cat([one(q[a[i]:a[i + 1]], k[b[i]:b[i + 1]], v[b[i]:b[i + 1]], 0.125) for i in range(len(lens))])
+    k_cache, v_cache, context_lens, tables = paged_copy(k, v, cu_k, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(batch(q, k, v, cu_q, cu_k, 0.125), expected)
+        assert torch.equal(paged(q, k_cache, v_cache, cu_q, context_lens, tables, 0.125), expected)
+    finally:
+        torch.set_num_threads(before)
+
+
 def paged_copy(k, v, cu_k, block_size, seed=3):
     """k, v (sequences end to end at `cu_k`) stored in a paged cache the way the engine stores them: each
     sequence's tokens in its own blocks, taken in a shuffled order from a pool with room to spare. Returns

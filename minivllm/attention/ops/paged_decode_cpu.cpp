@@ -857,15 +857,89 @@ struct BatchLayout {
   }
 };
 
+// Who does what in a batch. The work comes in units: a sequence, packing its keys and computing its tiles,
+// or, where sequences are too few or too unequal to share out, a sequence's K/V head. Where the units, dealt
+// out whole by Graham's rule (the costliest first, each to the thread with the least work so far; a tile
+// costs the blocks of keys its last row sees, plus one, and packing a block one), leave no thread more than
+// kSlack above an equal share, each thread packs its own units' keys, then computes their tiles: the keys
+// its tiles read are those it packed, and the rows of q and of the output it reads and writes lie apart
+// from the other threads' (dealt tile by tile, neighbouring tiles go to different cores, which then pass
+// the cache lines they share, and the lines next to them, back and forth: a cost that weighs most for short
+// prompts). Otherwise (a few long sequences) the keys are packed in a parallel pass of their own and
+// TileOrder deals the tiles, so that the threads share each sequence.
+class WorkPlan {
+ public:
+  static constexpr double kSlack = 0.05;
+  WorkPlan(const VarlenBatch& batch, const BatchLayout& layout, int64_t num_kv_heads, int64_t group, int64_t keys,
+           int64_t rows)
+      : layout_(layout), order_(layout.tiles, batch), num_kv_heads_(num_kv_heads) {
+    std::vector<double> head_cost(batch.num_seqs);  // one K/V head's: packing, then its tiles
+    for (int64_t s = 0; s < batch.num_seqs; ++s) {
+      double c = double(layout.blocks[s]);
+      const int64_t tiles_per_head = layout.tiles[s] / num_kv_heads, head_rows = batch.tq(s) * group;
+      for (int64_t i = 0; i < tiles_per_head; ++i) {
+        const int64_t t = (std::min(head_rows, (i + 1) * rows) - 1) / group;  // the tile's last row's token
+        c += double((batch.tk(s) - batch.tq(s) + t + keys) / keys) + 1.0;
+      }
+      head_cost[s] = c;
+    }
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    for (int64_t heads : {num_kv_heads, int64_t(1)}) {  // K/V heads a unit: all of a sequence's, then one
+      const int64_t per_seq = num_kv_heads / heads, units = batch.num_seqs * per_seq;
+      std::vector<int64_t> by_cost(units);
+      std::iota(by_cost.begin(), by_cost.end(), int64_t(0));
+      const auto cost = [&](int64_t u) { return head_cost[u / per_seq] * double(heads); };
+      std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+      std::vector<double> load(threads, 0.0);
+      units_.assign(threads, {});
+      for (int64_t u : by_cost) {
+        const int64_t th = std::min_element(load.begin(), load.end()) - load.begin();
+        load[th] += cost(u);
+        units_[th].push_back(u);
+      }
+      const double total = std::accumulate(load.begin(), load.end(), 0.0);
+      if (total > 0 && *std::max_element(load.begin(), load.end()) <= (1.0 + kSlack) * total / double(threads)) {
+        heads_ = heads, threads_ = threads;
+        return;
+      }
+    }
+    units_.clear();
+    threads_ = std::max<int64_t>(1, std::min<int64_t>(threads, order_.size()));
+  }
+  bool owned() const { return heads_ > 0; }  // each thread packs its own units (else: a packing pass first)
+  int64_t threads() const { return threads_; }
+  // Thread th's work: where owned, pack(s, item) for each packing item of its units (BatchLayout's items: K/V
+  // head h's block b is item h * blocks[s] + b), then tile(s, i) for each of their tiles; else its tiles.
+  template <typename Pack, typename Tile>
+  void for_thread(int64_t th, Pack&& pack, Tile&& tile) const {
+    if (!owned()) return order_.for_thread(th, threads_, tile);
+    const int64_t per_seq = num_kv_heads_ / heads_;
+    for (int64_t u : units_[th]) {
+      const int64_t s = u / per_seq, h0 = u % per_seq * heads_;
+      for (int64_t item = h0 * layout_.blocks[s]; item < (h0 + heads_) * layout_.blocks[s]; ++item) pack(s, item);
+    }
+    for (int64_t u : units_[th]) {
+      const int64_t s = u / per_seq, h0 = u % per_seq * heads_, tiles_per_head = layout_.tiles[s] / num_kv_heads_;
+      for (int64_t i = h0 * tiles_per_head; i < (h0 + heads_) * tiles_per_head; ++i) tile(s, i);
+    }
+  }
+
+ private:
+  const BatchLayout& layout_;
+  TileOrder order_;
+  int64_t num_kv_heads_, heads_ = 0, threads_ = 1;  // heads_: K/V heads a unit, 0 where not owned
+  std::vector<std::vector<int64_t>> units_;  // per thread, its units: sequence s's K/V heads from h0, s * (num_kv_heads / heads_) + h0 / heads_
+};
+
 template <int64_t D>
 static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
                           const VarlenBatch& batch, double scale) {
   const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), group = num_heads / num_kv_heads;
   // K^T per sequence, K/V head and block of keys, kt[h][b][d][i] = K[kKeys b + i][h][d]: [num_kv_heads,
-  // blocks, D, kKeys] for each sequence, one after the other (from kt_start[s]), split among the threads by
-  // sequence, head and block (at least 4 blocks a thread); the padding keys of a last block: zero scores,
-  // masked anyway
+  // blocks, D, kKeys] for each sequence, one after the other (from kt_start[s]), packed as WorkPlan deals the
+  // work; the padding keys of a last block: zero scores, masked anyway
   const BatchLayout layout(batch, num_kv_heads, group, D, kKeys, kRows);
+  const WorkPlan plan(batch, layout, num_kv_heads, group, kKeys, kRows);
   const auto& blocks = layout.blocks;
   const auto& tiles = layout.tiles;
   const auto& kt_start = layout.start;
@@ -878,7 +952,7 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   torch::Tensor v_copy;  // a paged batch's V, [keys of all sequences, num_kv_heads, D]
   if (batch.block_tables != nullptr) v_copy = torch::empty({batch.cu_k[batch.num_seqs], num_kv_heads, D}, v.options());
   float* v_rows = v_copy.defined() ? v_copy.data_ptr<float>() : nullptr;
-  for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
+  const auto pack_item = [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], t0 = item % blocks[s] * kKeys, tk = batch.tk(s);
     float* dst = kt_w + kt_start[s] + item * D * kKeys;
 #if defined(__AVX512F__)
@@ -902,7 +976,8 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
       for (int64_t t = t0; t < std::min(t0 + kKeys, tk); ++t)
         std::memcpy(v_rows + ((batch.cu_k[s] + t) * num_kv_heads + h) * D, vp + batch.key_row(s, t) * v_stride + h * D,
                     D * sizeof(float));
-  });
+  };
+  if (!plan.owned()) for_each_item(layout.items, 4, pack_item);  // a pass of its own, at least 4 blocks a thread
   const float* kt = kt_blocks.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   // where the tiles read V: sequence s's rows from row cu_k[s], ldv apart
@@ -911,11 +986,9 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0);
   const float q_scale = float(scale * 1.4426950408889634);  // scores in base 2: scale * log2(e)
-  const TileOrder order(tiles, batch);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[kRows * D];
-    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {
+    for (int64_t th = begin; th < end; ++th) plan.for_thread(th, pack_item, [&](int64_t s, int64_t i) {
       // a K/V head's rows are (token, query head of its group), token-major: tile i covers rows kRows * i..
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
@@ -1209,6 +1282,7 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   // rows of 16 words transposed), vb[h][b][j][p][col][e] = V[32b + 2p + e][h][16j + col] (two keys' rows interleaved);
   // zeros past the last key. Sequence s's start in both: pack_start[s].
   const BatchLayout layout(batch, num_kv_heads, group, D, kAmxKeys, kAmxRows);
+  const WorkPlan plan(batch, layout, num_kv_heads, group, kAmxKeys, kAmxRows);
   const auto& blocks = layout.blocks;
   const auto& tiles = layout.tiles;
   const auto& pack_start = layout.start;
@@ -1222,9 +1296,8 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
   alignas(64) int16_t idx[32];
   for (int i = 0; i < 16; ++i) idx[2 * i] = int16_t(i), idx[2 * i + 1] = int16_t(32 + i);
   interleave = _mm512_load_si512(idx);
-  // split among the threads by sequence, K/V head and block of 32 keys (two K tiles of 16 keys, one V tile
-  // of 32), at least 4 blocks a thread
-  for_each_item(layout.items, 4, [&](int64_t s, int64_t item) {
+  // an item: a sequence's K/V head's block of 32 keys (two K tiles of 16 keys, one V tile of 32)
+  const auto pack_item = [&](int64_t s, int64_t item) {
     const int64_t h = item / blocks[s], b = item % blocks[s], tk = batch.tk(s), n16 = 2 * blocks[s];
     int32_t* kb_s = kb_w + pack_start[s] / 2;
     uint16_t* vb_s = vb + pack_start[s];
@@ -1251,18 +1324,17 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
                             _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave, _mm512_castsi256_si512(c)));
       }
     }
-  });
+  };
+  if (!plan.owned()) for_each_item(layout.items, 4, pack_item);  // a pass of its own, at least 4 blocks a thread
   const auto* kb = reinterpret_cast<const uint16_t*>(kb_w);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t q_stride = q.stride(0);
-  const TileOrder order(tiles, batch);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) uint16_t qt[kAmxRows * D];
-    // each thread its share of the tiles, as in prefill_heads
-    for (int64_t th = begin; th < end; ++th) order.for_thread(th, threads, [&](int64_t s, int64_t i) {
+    // each thread its share of the work, as in prefill_heads
+    for (int64_t th = begin; th < end; ++th) plan.for_thread(th, pack_item, [&](int64_t s, int64_t i) {
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
       const int64_t head_elems = blocks[s] * kAmxKeys * D;
