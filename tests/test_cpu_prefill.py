@@ -602,10 +602,13 @@ def test_the_batch_form_gives_the_same_bits_however_its_work_is_dealt(one_and_ba
     q = torch.randn(int(cu_q[-1]), heads, 64, generator=g).to(dtype)
     k, v = (torch.randn(int(cu_k[-1]), kv_heads, 64, generator=g).to(dtype) for _ in range(2))
     a, b = cu_q.tolist(), cu_k.tolist()
-    expected = torch.cat([one(q[a[i]:a[i + 1]], k[b[i]:b[i + 1]], v[b[i]:b[i + 1]], 0.125) for i in range(len(lens))])
     k_cache, v_cache, context_lens, tables = paged_copy(k, v, cu_k, 16)
     before = torch.get_num_threads()
     try:
+        # the reference: one sequence at a time on more threads than its K/V heads, so always the third way
+        torch.set_num_threads(kv_heads + 1)
+        expected = torch.cat([one(q[a[i]:a[i + 1]], k[b[i]:b[i + 1]], v[b[i]:b[i + 1]], 0.125)
+                              for i in range(len(lens))])
         torch.set_num_threads(2)
         assert torch.equal(batch(q, k, v, cu_q, cu_k, 0.125), expected)
         assert torch.equal(paged(q, k_cache, v_cache, cu_q, context_lens, tables, 0.125), expected)

@@ -861,11 +861,11 @@ struct BatchLayout {
 // or, where sequences are too few or too unequal to share out, a sequence's K/V head. Where the units, dealt
 // out whole by Graham's rule (the costliest first, each to the thread with the least work so far; a tile
 // costs the blocks of keys its last row sees, plus one, and packing a block one), leave no thread more than
-// kSlack above an equal share, each thread packs its own units' keys, then computes their tiles: the keys
-// its tiles read are those it packed, and the rows of q and of the output it reads and writes lie apart
-// from the other threads' (dealt tile by tile, neighbouring tiles go to different cores, which then pass
-// the cache lines they share, and the lines next to them, back and forth: a cost that weighs most for short
-// prompts). Otherwise (a few long sequences) the keys are packed in a parallel pass of their own and
+// kSlack above an equal share, each thread packs its own units' keys, then computes their tiles, in one
+// parallel region: its tiles' keys were packed on its own core, no join parts packing from tiles, and a core's
+// rows of q and of the output lie together (K/V heads dealt apart interleave them). Tile by tile, short prompts
+// ran slower on an Intel Xeon, and so did K/V heads dealt apart in bfloat16 (which difference counts, that A/B
+// does not say). Otherwise (a few long sequences) the keys are packed in a parallel pass of their own and
 // TileOrder deals the tiles, so that the threads share each sequence.
 class WorkPlan {
  public:
