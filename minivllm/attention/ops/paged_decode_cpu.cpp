@@ -884,7 +884,7 @@ class WorkPlan {
       head_cost[s] = c;
     }
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-    for (int64_t heads : {num_kv_heads, int64_t(1)}) {  // K/V heads a unit: all of a sequence's, then one
+    for (int64_t heads = num_kv_heads; heads > 0; heads = heads > 1 ? 1 : 0) {  // K/V heads a unit: all, then one
       const int64_t per_seq = num_kv_heads / heads, units = batch.num_seqs * per_seq;
       std::vector<int64_t> by_cost(units);
       std::iota(by_cost.begin(), by_cost.end(), int64_t(0));
@@ -928,7 +928,7 @@ class WorkPlan {
   const BatchLayout& layout_;
   TileOrder order_;
   int64_t num_kv_heads_, heads_ = 0, threads_ = 1;  // heads_: K/V heads a unit, 0 where not owned
-  std::vector<std::vector<int64_t>> units_;  // per thread, its units: sequence s's K/V heads from h0, s * (num_kv_heads / heads_) + h0 / heads_
+  std::vector<std::vector<int64_t>> units_;  // per thread, its units, as for_thread reads them
 };
 
 template <int64_t D>
