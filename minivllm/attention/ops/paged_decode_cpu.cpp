@@ -652,20 +652,12 @@ static inline Vec16 horner(Vec16 f, const float (&c)[N]) {  // c[0] + c[1] f + .
 // first: least squares of the relative error on Chebyshev points of [-1/2, 1/2]), times 2**n (AVX-512's
 // vscalefps, or the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
 // through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
-// exp2_poly_where: the same in the lanes of `keep`, 0 in the others (the scaling by 2**n masked: no extra
-// instruction). With AVX-512 only.
-#if defined(__AVX512F__)
-template <size_t N>
-static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
-  x = (Vec16)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
-  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return (Vec16)_mm512_maskz_scalef_ps(keep, (__m512)horner(x - n, c), (__m512)n);
-}
-#endif
 template <size_t N>
 static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
 #if defined(__AVX512F__)
-  return exp2_poly_where(x, 0xFFFF, c);
+  x = (Vec16)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
+  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (Vec16)_mm512_scalef_ps((__m512)horner(x - n, c), (__m512)n);
 #else
   x = x < Vec16{} - 127.0f ? Vec16{} - 127.0f : x;  // a NaN lane stays NaN
   const Vec16 n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
@@ -1084,8 +1076,7 @@ static bool request_amx() {
 constexpr int64_t kAmxRows = 16, kAmxKeys = 32;  // query rows per tile, keys per block
 
 // 2**x for the AMX tile's probabilities: a cubic, within 7.8e-5 relative (P is rounded to bfloat16 right
-// after, up to 2**-8 = 3.9e-3; Taylor's cubic would be off by 8e-4), at exp2_poly's clamp: -inf gives
-// 2**-127 (subnormal, or 0), not NaN.
+// after, up to 2**-8 = 3.9e-3; Taylor's cubic would be off by 8e-4).
 constexpr float kExp2Cubic[] = {0.99992895126f, 0.69327622652f, 0.24260404706f, 0.05508868396f};
 
 // Every tile 16 rows x 64 bytes. Prefill: 0-3 O (head_dim 64; 0 a P V scratch for 128), 4-5 S, 6 Q or P, 7 K
@@ -1105,6 +1096,16 @@ static void configure_tiles() {
 // already a float32's bits, its low half becomes one shifted up.
 static inline Vec16 pair_sums(__m512i pr) {
   return (Vec16)_mm512_slli_epi32(pr, 16) + (Vec16)_mm512_and_si512(pr, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+}
+
+// exp2_poly_where: exp2_poly in the lanes of `keep`, 0 in the others (the scaling masked: no extra instruction),
+// for the AMX tile's probabilities, in two instructions fewer: f = x - n in one (AVX-512DQ's vreduceps), which
+// gives f = 0 at x = -inf, so that 2**n is 0 there with no clamp at -127. Below -127 the two differ only in
+// subnormal values, which the rounding of P to bfloat16 flushes to 0 either way: the same P.
+template <size_t N>
+static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
+  const Vec16 f = (Vec16)_mm512_reduce_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // NaN stays NaN
+  return (Vec16)_mm512_maskz_scalef_ps(keep, (__m512)horner(f, c), (__m512)(x - f));
 }
 
 // How far (in base 2) a block's score may rise above a row's reference max before the reference moves: the
@@ -1210,7 +1211,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
       }
       m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
-      // from 0 then (2**-inf ~ 2**-127, 0 in bfloat16), not 2**(-inf + inf) = NaN; the next block's alpha is 0
+      // from 0 then (2**-inf = 0), not 2**(-inf + inf) = NaN; the next block's alpha is 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
       for (int64_t h = 0; h < 2; ++h) e[h] = exp2_poly_where(x[h] - m_ref, k[h], kExp2Cubic);
       emit(r, e);
@@ -1265,7 +1266,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     _tile_stored(3, &o[0][48], D * 4);
   }
   float inv[kAmxRows];  // 1 / the row's sum: one division a row, not one a value (vdivps is slow)
-  // a sum of 0: every score the row saw was -inf (or 2**-127 flushed to 0), its P all 0 and o 0: output 0, as
+  // a sum of 0: every score the row saw was -inf (or a subnormal flushed to 0), its P all 0 and o 0: output 0, as
   // torch's fused path, whichever rows share the tile (a block hidden from this row sets alpha 0 and the sum 0)
   for (int64_t r = 0; r < n; ++r) inv[r] = add_lanes(lsum[r]), inv[r] = inv[r] == 0.0f ? 1.0f : 1.0f / inv[r];
   for (int64_t r = 0; r < n; ++r)
