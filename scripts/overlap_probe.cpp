@@ -10,6 +10,7 @@
 // whichever -march=native gives.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -71,7 +72,88 @@ std::tuple<double, int64_t> stream(torch::Tensor buffer, int64_t work, int64_t a
   return {total, lines};
 }
 
+// The probe of `python scripts/overlap_probe.py --tiles`: do AMX's tile products and AVX-512 arithmetic run side by
+// side? Each thread repeats `groups` times: (if `tiles`) four tdpbf16ps, each adding a 16 x 32 bfloat16 tile of ones
+// times a 32 x 16 one of 1/32 to its own float32 accumulator tile (1 more in each of its 16 x 16 sums), then `rounds`
+// rounds of 12 independent 16-lane multiply-add chains, x -> 0.999999 x + 1e-7 from 1 + i / 1000 (i = 0..11). The two
+// kinds of work share nothing, so a core that runs them side by side takes the longer of the two, one that takes them
+// in turn their sum. Returns (the sum of the four accumulators over the threads: threads x 4 x 256 x groups where
+// `tiles`, else 0; the sum of the chains' lanes over the threads). Built where the compiler and CPU have AMX (see
+// tiles_available).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+bool tiles_available() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }  // Linux: ARCH_REQ_XCOMP_PERM
+
+std::tuple<double, double> tiles_and_vectors(int64_t groups, bool tiles, int64_t rounds) {
+  TORCH_CHECK_VALUE(groups >= 0 && rounds >= 0, "tiles_and_vectors: groups and rounds >= 0");
+  TORCH_CHECK(tiles_available(), "tiles_and_vectors: Linux does not grant this process AMX's tile state");
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> tile_sum(threads, 0.0), chain_sum(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    static const TileConfig cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
+    alignas(64) uint16_t a[16 * 32], b[16 * 32];
+    alignas(64) float c[16 * 16];
+    std::fill(a, a + 16 * 32, uint16_t(0x3F80));  // bfloat16 1
+    std::fill(b, b + 16 * 32, uint16_t(0x3D00));  // bfloat16 1/32: each product adds 32 / 32 = 1
+    for (int64_t t = begin; t < end; ++t) {
+      _tile_loadconfig(&cfg);
+      _tile_loadd(4, a, 64);
+      _tile_loadd(5, b, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      __m512 chain[12];
+      for (int i = 0; i < 12; ++i) chain[i] = _mm512_set1_ps(1.0f + 0.001f * i);
+      const __m512 m = _mm512_set1_ps(0.999999f), k = _mm512_set1_ps(1e-7f);
+      for (int64_t g = 0; g < groups; ++g) {
+        if (tiles) {
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_dpbf16ps(1, 4, 5);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        for (int64_t r = 0; r < rounds; ++r)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) chain[i] = _mm512_fmadd_ps(chain[i], m, k);
+      }
+      const auto add = [&] { for (float x : c) tile_sum[t] += x; };  // after each accumulator's store into c
+      _tile_stored(0, c, 64);
+      add();
+      _tile_stored(1, c, 64);
+      add();
+      _tile_stored(2, c, 64);
+      add();
+      _tile_stored(3, c, 64);
+      add();
+      _tile_release();
+      for (int i = 0; i < 12; ++i) chain_sum[t] += _mm512_reduce_add_ps(chain[i]);
+    }
+  });
+  double tile_total = 0, chain_total = 0;
+  for (int64_t t = 0; t < threads; ++t) tile_total += tile_sum[t], chain_total += chain_sum[t];
+  return {tile_total, chain_total};
+}
+#else
+bool tiles_available() { return false; }
+std::tuple<double, double> tiles_and_vectors(int64_t, bool, int64_t) {
+  TORCH_CHECK(false, "tiles_and_vectors: this build has no AMX (the compiler's -march=native on this CPU)");
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream", &stream,
         "read a buffer chunk by chunk (if `read`) with `work` rounds of register arithmetic per chunk");
+  m.def("tiles_available", &tiles_available, "whether this build and CPU run tiles_and_vectors");
+  m.def("tiles_and_vectors", &tiles_and_vectors,
+        "`groups` times: four AMX tile products (if `tiles`), then `rounds` rounds of 12 AVX-512 multiply-add chains");
 }

@@ -43,11 +43,27 @@ SMALL_MIB = 4  # the compute part's prefetch targets: cached, so that those pref
 L3_SIZE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # Linux: e.g. "32768K"
 
 
+def overlap(a: float, b: float, both: float) -> dict:
+    """How much of the shorter of two parts (a and b seconds alone) a loop doing both in `both` seconds hid."""
+    return dict(hidden=(a + b - both) / min(a, b), both_over_longer=both / max(a, b), both_over_sum=both / (a + b))
+
+
 def summarize(ahead: int, work: int, memory: float, compute: float, both: float) -> dict:
     """One row of the record from the three best times (seconds)."""
     return dict(ahead=ahead, work=work, memory_s=memory, compute_s=compute, both_s=both,
-                hidden=(memory + compute - both) / min(memory, compute),
-                both_over_longer=both / max(memory, compute), both_over_sum=both / (memory + compute))
+                **overlap(memory, compute, both))
+
+
+def best_times(runs: dict, repeats: int) -> dict:
+    """The best of `repeats` timed rounds of each of `runs` (name -> function), taken in turn (a machine that
+    drifts slows them alike), after one untimed round (first touch, caches)."""
+    for fn in runs.values():
+        fn()
+    best = {name: timed(fn)[1] for name, fn in runs.items()}
+    for _ in range(repeats - 1):
+        for name, fn in runs.items():
+            best[name] = min(best[name], timed(fn)[1])
+    return best
 
 
 def probe(module, mib: int, works: list[int], aheads: list[int], repeats: int) -> list[dict]:
@@ -59,20 +75,31 @@ def probe(module, mib: int, works: list[int], aheads: list[int], repeats: int) -
     rows = []
     for ahead in aheads:
         for work in works:
-            runs = dict(memory=lambda: module.stream(big, 0, ahead, 1, True),
-                        compute=lambda: module.stream(small, work, ahead, reps, False),
-                        both=lambda: module.stream(big, work, ahead, 1, True))
-            for fn in runs.values():
-                fn()  # untimed: first touch, caches
-            best = {name: timed(fn)[1] for name, fn in runs.items()}
-            for _ in range(repeats - 1):
-                for name, fn in runs.items():
-                    best[name] = min(best[name], timed(fn)[1])
+            best = best_times(dict(memory=lambda: module.stream(big, 0, ahead, 1, True),
+                                   compute=lambda: module.stream(small, work, ahead, reps, False),
+                                   both=lambda: module.stream(big, work, ahead, 1, True)), repeats)
             row = summarize(ahead, work, best["memory"], best["compute"], best["both"])
             rows.append(row)
             print(f"ahead {ahead:2d}  work {work:4d}: memory {1e3 * row['memory_s']:7.1f} ms  compute "
                   f"{1e3 * row['compute_s']:7.1f} ms  both {1e3 * row['both_s']:7.1f} ms  -> both / longer "
                   f"{row['both_over_longer']:.2f}, both / sum {row['both_over_sum']:.2f}", flush=True)
+    return rows
+
+
+def tile_probe(module, groups: int, rounds: list[int], repeats: int) -> list[dict]:
+    """`--tiles`: for each number of rounds of vector work per group of four tile products, the best times of
+    the products alone, the vector work alone and both in one loop (`best_times`); one row each."""
+    rows = []
+    for r in rounds:
+        best = best_times(dict(tiles=lambda: module.tiles_and_vectors(groups, True, 0),
+                               vectors=lambda: module.tiles_and_vectors(groups, False, r),
+                               both=lambda: module.tiles_and_vectors(groups, True, r)), repeats)
+        row = dict(rounds=r, tiles_s=best["tiles"], vectors_s=best["vectors"], both_s=best["both"],
+                   **overlap(best["tiles"], best["vectors"], best["both"]))
+        rows.append(row)
+        print(f"rounds {r:3d}: tiles {1e3 * row['tiles_s']:7.2f} ms  vectors {1e3 * row['vectors_s']:7.2f} ms  both "
+              f"{1e3 * row['both_s']:7.2f} ms  -> both / longer {row['both_over_longer']:.2f}, both / sum "
+              f"{row['both_over_sum']:.2f}", flush=True)
     return rows
 
 
@@ -93,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of 8 register multiply-adds per 4 KiB chunk")
     ap.add_argument("--ahead", type=int, nargs="+", default=[0, 2, 8, 32],
                     help="software prefetch distance in chunks (0: none)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="probe AMX's tile products against AVX-512 arithmetic instead of memory against arithmetic")
+    ap.add_argument("--groups", type=int, default=200_000, help="--tiles: groups of four tile products per thread")
+    ap.add_argument("--rounds", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                    help="--tiles: rounds of 12 vector multiply-adds per group")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="write a JSON record here")
@@ -100,21 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     threads_ok = args.threads is None or args.threads >= 1
     if args.mib < 1 or min(args.work) < 1 or min(args.ahead) < 0 or args.repeats < 1 or not threads_ok:
         ap.error("--mib, --work, --repeats and --threads must be at least 1, --ahead at least 0")
+    if args.groups < 1 or min(args.rounds) < 1:
+        ap.error("--groups and --rounds must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (l3 := l3_bytes()) and 4 * l3 > args.mib * 2**20:
+    if not args.tiles and (l3 := l3_bytes()) and 4 * l3 > args.mib * 2**20:
         print(f"warning: Linux reports an L3 cache of {l3 / 2**20:.0f} MiB; a buffer of {args.mib} MiB is less than "
               "four times that, so some reads may come from it", file=sys.stderr)
     module = load_extension(PROBE)
     if module is None:
         raise SystemExit("overlap_probe: the C++ probe could not be built (see the warning above)")
+    if args.tiles and not module.tiles_available():
+        raise SystemExit("overlap_probe --tiles: this build or CPU has no AMX (or Linux does not grant its tile state)")
     env = environment()
-    print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads, {args.mib} MiB streamed")
-    rows = probe(module, args.mib, args.work, args.ahead, args.repeats)
+    if args.tiles:
+        print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads, {args.groups} groups of 4 tile products")
+        record = dict(groups=args.groups, rows=tile_probe(module, args.groups, args.rounds, args.repeats))
+    else:
+        print(f"{env['hardware']['cpu']}, {torch.get_num_threads()} threads, {args.mib} MiB streamed")
+        record = dict(mib=args.mib, small_mib=SMALL_MIB, rows=probe(module, args.mib, args.work, args.ahead,
+                                                                    args.repeats))
     if args.out:
         command = "python scripts/overlap_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_json(dict(script="scripts/overlap_probe.py", command=command, mib=args.mib, small_mib=SMALL_MIB,
-                        rows=rows, **env), args.out)
+        write_json(dict(script="scripts/overlap_probe.py", command=command, **record, **env), args.out)
         print(f"wrote {args.out}")
     return 0
 

@@ -845,13 +845,13 @@ def test_small_ops_probe_compares_equal_numbers(capsys):
     assert probe.same(rot(pos, q, k), swapped, torch.float64) == "NO"
 
 
-def _chains_after(rounds: int) -> float:
-    """The sum of scripts/overlap_probe.cpp's 8 x 16 multiply-add lanes after `rounds` rounds, in float64 with
-    its float32 constants (the kernel rounds each step to float32, or fuses it: within 1e-3 here)."""
+def _chains_after(rounds: int, chains: int = 8) -> float:
+    """The sum of scripts/overlap_probe.cpp's `chains` x 16 multiply-add lanes after `rounds` rounds, in float64
+    with its float32 constants (the kernel rounds each step to float32, or fuses it: within 1e-3 here)."""
     import numpy as np
 
     m, c = float(np.float32(0.999999)), float(np.float32(1e-7))
-    x = np.array([float(np.float32(1 + 0.001 * i)) for i in range(8)])
+    x = np.array([float(np.float32(1 + 0.001 * i)) for i in range(chains)])
     x = c / (1 - m) + (x - c / (1 - m)) * m ** rounds  # the affine recurrence, closed form
     return 16 * float(x.sum())
 
@@ -884,6 +884,75 @@ def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
     assert _chains_after(3 * 8 * 450) - _chains_after(3 * 8 * 500) > 0.1  # 10 % fewer rounds would fail
     with pytest.raises(ValueError, match="4 KiB"):
         module.stream(torch.ones(100), 0, 0, 1, True)
+
+
+def test_overlap_probe_tile_kernel_counts_every_product_and_round():
+    """`overlap_probe.py --tiles`'s kernel (chapter 09), where this CPU has AMX: each of a group's four tile
+    products adds exactly 1 to each of its accumulator's 256 sums (ones times 1/32, 32 products), so the
+    accumulators hold threads x 4 x 256 x groups, none without `tiles`; each of its 12 chains steps once per
+    round of each group. Checked on 1 and 2 threads."""
+    from minivllm.model_executor.cpp_extension import load_extension
+    from engine_helpers import require_built
+
+    module = require_built(load_extension(_load_script("overlap_probe").PROBE), "the overlap probe's kernel")
+    if not module.tiles_available():
+        pytest.skip("this build or CPU has no AMX (the AMX-free path is checked by the record test)")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for groups, tiles, rounds in ((0, True, 5), (7, True, 0), (7, False, 3), (2000, True, 4), (11, True, 9)):
+                tile_sum, chain_sum = module.tiles_and_vectors(groups, tiles, rounds)
+                assert tile_sum == threads * 4 * 256 * groups * tiles, (threads, groups, tiles, rounds)
+                expected = threads * _chains_after(groups * rounds, chains=12)
+                tolerance = 0.05 * threads  # the chains' float32 steps: 0.03 a thread after 8,000 of them
+                assert chain_sum == pytest.approx(expected, abs=tolerance), (threads, groups, tiles, rounds)
+    finally:
+        torch.set_num_threads(before)
+    assert abs(_chains_after(2000 * 4, 12) - _chains_after(2000 * 3, 12)) > 0.3  # a round too few a group fails
+    with pytest.raises(ValueError, match="groups and rounds"):
+        module.tiles_and_vectors(-1, True, 0)
+
+
+def test_overlap_probe_tile_rows_and_record(tmp_path, monkeypatch, capsys):
+    """`overlap_probe.py --tiles` on any CPU, with a stand-in kernel and clock: per number of rounds, the
+    products alone (`tiles`, no rounds), the rounds alone (no `tiles`) and both, each its own call of `groups`
+    groups, and a row whose arithmetic is `overlap`'s (a clock that adds the two parts: nothing hidden); the
+    record, its command and CPU. A CPU without AMX stops with a clear message."""
+    probe = _load_script("overlap_probe")
+    calls = []
+
+    class Stand_in:
+        available = True
+
+        def tiles_available(self):
+            return self.available
+
+        def tiles_and_vectors(self, groups, tiles, rounds):
+            calls.append((groups, tiles, rounds))
+            return 4.0 * tiles + 1.0 * rounds  # the clock below reads it as seconds
+
+    module = Stand_in()
+    monkeypatch.setattr(probe, "load_extension", lambda spec: module)
+    monkeypatch.setattr(probe, "timed", lambda fn: (None, fn()))
+    out = tmp_path / "tiles.json"
+    args = ["--tiles", "--groups", "5", "--rounds", "2", "8", "--repeats", "2", "--threads", "1", "--out", str(out)]
+    r = _script_record(probe, "overlap_probe", args, out)
+    assert r["groups"] == 5 and r["threads"] == 1 and "mib" not in r
+    assert set(calls) == {(5, True, 0), (5, False, 2), (5, True, 2), (5, False, 8), (5, True, 8)}
+    assert len(calls) == 2 * 3 * 3  # per rounds: an untimed call and 2 timed ones of each of the three
+    assert [row["rounds"] for row in r["rows"]] == [2, 8]
+    for row in r["rows"]:
+        assert (row["tiles_s"], row["vectors_s"], row["both_s"]) == (4.0, row["rounds"], 4.0 + row["rounds"])
+        assert (row["hidden"], row["both_over_sum"]) == (0.0, 1.0)
+        assert row["both_over_longer"] == (4.0 + row["rounds"]) / max(4.0, row["rounds"])
+    assert r["hardware"]["cpu"] == benchmarks.env.cpu_model() and "wrote" in capsys.readouterr().out
+    module.available = False
+    with pytest.raises(SystemExit, match="no AMX"):
+        probe.main(["--tiles", "--groups", "5", "--rounds", "2"])
+    for bad in (["--tiles", "--groups", "0"], ["--tiles", "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            probe.main(bad)
 
 
 def _script_record(script, name: str, args: list[str], out: Path) -> dict:
