@@ -77,9 +77,9 @@ std::tuple<double, int64_t> stream(torch::Tensor buffer, int64_t work, int64_t a
 // times a 32 x 16 one of 1/32 to its own float32 accumulator tile (1 more in each of its 16 x 16 sums), then `rounds`
 // rounds of 12 independent 16-lane multiply-add chains, x -> 0.999999 x + 1e-7 from 1 + i / 1000 (i = 0..11). The two
 // kinds of work share nothing, so a core that runs them side by side takes the longer of the two, one that takes them
-// in turn their sum. Returns (the sum of the four accumulators over the threads: threads x 4 x 256 x groups where
-// `tiles`, else 0; the sum of the chains' lanes over the threads). Built where the compiler and CPU have AMX (see
-// tiles_available).
+// in turn their sum. Returns (each accumulator's sum over the threads: threads x 256 x groups where `tiles`, else 0,
+// exact up to 2**24 groups, the most it takes; the sum of the chains' lanes over the threads). Built where the
+// compiler and CPU have AMX (see tiles_available).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -93,11 +93,12 @@ struct alignas(64) TileConfig {
 
 bool tiles_available() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }  // Linux: ARCH_REQ_XCOMP_PERM
 
-std::tuple<double, double> tiles_and_vectors(int64_t groups, bool tiles, int64_t rounds) {
-  TORCH_CHECK_VALUE(groups >= 0 && rounds >= 0, "tiles_and_vectors: groups and rounds >= 0");
+std::tuple<std::vector<double>, double> tiles_and_vectors(int64_t groups, bool tiles, int64_t rounds) {
+  TORCH_CHECK_VALUE(groups >= 0 && groups <= (1 << 24) && rounds >= 0,
+                    "tiles_and_vectors: groups in [0, 2**24] (float32 sums count exactly that far) and rounds >= 0");
   TORCH_CHECK(tiles_available(), "tiles_and_vectors: Linux does not grant this process AMX's tile state");
   const int64_t threads = at::get_num_threads();
-  std::vector<double> tile_sum(threads, 0.0), chain_sum(threads, 0.0);
+  std::vector<double> tile_sum(threads * 4, 0.0), chain_sum(threads, 0.0);  // tile_sum[4 t + j]: accumulator j
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     static const TileConfig cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
     alignas(64) uint16_t a[16 * 32], b[16 * 32];
@@ -126,26 +127,30 @@ std::tuple<double, double> tiles_and_vectors(int64_t groups, bool tiles, int64_t
 #pragma GCC unroll 12
           for (int i = 0; i < 12; ++i) chain[i] = _mm512_fmadd_ps(chain[i], m, k);
       }
-      const auto add = [&] { for (float x : c) tile_sum[t] += x; };  // after each accumulator's store into c
+      const auto add = [&](int j) { for (float x : c) tile_sum[4 * t + j] += x; };  // accumulator j, stored into c
       _tile_stored(0, c, 64);
-      add();
+      add(0);
       _tile_stored(1, c, 64);
-      add();
+      add(1);
       _tile_stored(2, c, 64);
-      add();
+      add(2);
       _tile_stored(3, c, 64);
-      add();
+      add(3);
       _tile_release();
       for (int i = 0; i < 12; ++i) chain_sum[t] += _mm512_reduce_add_ps(chain[i]);
     }
   });
-  double tile_total = 0, chain_total = 0;
-  for (int64_t t = 0; t < threads; ++t) tile_total += tile_sum[t], chain_total += chain_sum[t];
+  std::vector<double> tile_total(4, 0.0);
+  double chain_total = 0;
+  for (int64_t t = 0; t < threads; ++t) {
+    for (int j = 0; j < 4; ++j) tile_total[j] += tile_sum[4 * t + j];
+    chain_total += chain_sum[t];
+  }
   return {tile_total, chain_total};
 }
 #else
 bool tiles_available() { return false; }
-std::tuple<double, double> tiles_and_vectors(int64_t, bool, int64_t) {
+std::tuple<std::vector<double>, double> tiles_and_vectors(int64_t, bool, int64_t) {
   TORCH_CHECK(false, "tiles_and_vectors: this build has no AMX (the compiler's -march=native on this CPU)");
 }
 #endif

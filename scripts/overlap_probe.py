@@ -28,6 +28,7 @@ than a quarter of `--mib`. Writes a record with the CPU named where `--out` is g
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -87,15 +88,18 @@ def probe(module, mib: int, works: list[int], aheads: list[int], repeats: int) -
 
 
 def tile_probe(module, groups: int, rounds: list[int], repeats: int) -> list[dict]:
-    """`--tiles`: for each number of rounds of vector work per group of four tile products, the best times of
-    the products alone, the vector work alone and both in one loop (`best_times`); one row each."""
+    """`--tiles`: the best times of the tile products alone and, for each number of rounds of vector work per
+    group of four products, of the rounds alone and of both in one loop, all taken in turn (`best_times`), so that
+    a machine that drifts slows every row alike; one row each, all with the same products-alone time."""
+    runs = {"tiles": functools.partial(module.tiles_and_vectors, groups, True, 0)}
+    for r in rounds:
+        runs["vectors", r] = functools.partial(module.tiles_and_vectors, groups, False, r)
+        runs["both", r] = functools.partial(module.tiles_and_vectors, groups, True, r)
+    best = best_times(runs, repeats)
     rows = []
     for r in rounds:
-        best = best_times(dict(tiles=lambda: module.tiles_and_vectors(groups, True, 0),
-                               vectors=lambda: module.tiles_and_vectors(groups, False, r),
-                               both=lambda: module.tiles_and_vectors(groups, True, r)), repeats)
-        row = dict(rounds=r, tiles_s=best["tiles"], vectors_s=best["vectors"], both_s=best["both"],
-                   **overlap(best["tiles"], best["vectors"], best["both"]))
+        row = dict(rounds=r, tiles_s=best["tiles"], vectors_s=best["vectors", r], both_s=best["both", r],
+                   **overlap(best["tiles"], best["vectors", r], best["both", r]))
         rows.append(row)
         print(f"rounds {r:3d}: tiles {1e3 * row['tiles_s']:7.2f} ms  vectors {1e3 * row['vectors_s']:7.2f} ms  both "
               f"{1e3 * row['both_s']:7.2f} ms  -> both / longer {row['both_over_longer']:.2f}, both / sum "

@@ -888,37 +888,39 @@ def test_overlap_probe_kernel_reads_every_float_and_runs_every_round():
 
 def test_overlap_probe_tile_kernel_counts_every_product_and_round():
     """`overlap_probe.py --tiles`'s kernel (chapter 09), where this CPU has AMX: each of a group's four tile
-    products adds exactly 1 to each of its accumulator's 256 sums (ones times 1/32, 32 products), so the
-    accumulators hold threads x 4 x 256 x groups, none without `tiles`; each of its 12 chains steps once per
-    round of each group. Checked on 1 and 2 threads."""
+    products adds exactly 1 to each of its own accumulator's 256 sums (ones times 1/32, 32 products), so each
+    accumulator holds threads x 256 x groups (four independent products, not one chain), none without `tiles`;
+    each of its 12 chains steps once per round of each group. Checked on 1 and 2 threads."""
     from minivllm.model_executor.cpp_extension import load_extension
     from engine_helpers import require_built
 
     module = require_built(load_extension(_load_script("overlap_probe").PROBE), "the overlap probe's kernel")
     if not module.tiles_available():
-        pytest.skip("this build or CPU has no AMX (the AMX-free path is checked by the record test)")
+        pytest.skip("this build or CPU has no AMX (the script then stops with a message: the record test checks that)")
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for groups, tiles, rounds in ((0, True, 5), (7, True, 0), (7, False, 3), (2000, True, 4), (11, True, 9)):
-                tile_sum, chain_sum = module.tiles_and_vectors(groups, tiles, rounds)
-                assert tile_sum == threads * 4 * 256 * groups * tiles, (threads, groups, tiles, rounds)
+                tile_sums, chain_sum = module.tiles_and_vectors(groups, tiles, rounds)
+                assert tile_sums == [threads * 256 * groups * tiles] * 4, (threads, groups, tiles, rounds)
                 expected = threads * _chains_after(groups * rounds, chains=12)
                 tolerance = 0.05 * threads  # the chains' float32 steps: 0.03 a thread after 8,000 of them
                 assert chain_sum == pytest.approx(expected, abs=tolerance), (threads, groups, tiles, rounds)
     finally:
         torch.set_num_threads(before)
     assert abs(_chains_after(2000 * 4, 12) - _chains_after(2000 * 3, 12)) > 0.3  # a round too few a group fails
-    with pytest.raises(ValueError, match="groups and rounds"):
-        module.tiles_and_vectors(-1, True, 0)
+    for groups, rounds in ((-1, 0), (2**24 + 1, 0), (1, -1)):
+        with pytest.raises(ValueError, match="groups in"):
+            module.tiles_and_vectors(groups, True, rounds)
 
 
 def test_overlap_probe_tile_rows_and_record(tmp_path, monkeypatch, capsys):
-    """`overlap_probe.py --tiles` on any CPU, with a stand-in kernel and clock: per number of rounds, the
-    products alone (`tiles`, no rounds), the rounds alone (no `tiles`) and both, each its own call of `groups`
-    groups, and a row whose arithmetic is `overlap`'s (a clock that adds the two parts: nothing hidden); the
-    record, its command and CPU. A CPU without AMX stops with a clear message."""
+    """`overlap_probe.py --tiles` on any CPU, with a stand-in kernel and clock: the products alone (`tiles`, no
+    rounds), timed once per round of timings and shared by the rows, and per number of rounds the rounds alone (no
+    `tiles`) and both, each its own call of `groups` groups; a row whose arithmetic is `overlap`'s (a clock that
+    adds the two parts: nothing hidden); the record, its command and CPU. A CPU without AMX stops with a clear
+    message."""
     probe = _load_script("overlap_probe")
     calls = []
 
@@ -940,7 +942,7 @@ def test_overlap_probe_tile_rows_and_record(tmp_path, monkeypatch, capsys):
     r = _script_record(probe, "overlap_probe", args, out)
     assert r["groups"] == 5 and r["threads"] == 1 and "mib" not in r
     assert set(calls) == {(5, True, 0), (5, False, 2), (5, True, 2), (5, False, 8), (5, True, 8)}
-    assert len(calls) == 2 * 3 * 3  # per rounds: an untimed call and 2 timed ones of each of the three
+    assert len(calls) == (1 + 2 * 2) * 3  # the products alone and two calls per rounds, untimed once, then timed twice
     assert [row["rounds"] for row in r["rows"]] == [2, 8]
     for row in r["rows"]:
         assert (row["tiles_s"], row["vectors_s"], row["both_s"]) == (4.0, row["rounds"], 4.0 + row["rounds"])

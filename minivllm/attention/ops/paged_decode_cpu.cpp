@@ -1062,7 +1062,7 @@ static VarlenBatch varlen_batch(const torch::Tensor& q, const torch::Tensor& k, 
 // Q K^T (16 pairs of head dimensions x 16 keys), V as B tiles of P V (16 pairs of keys x 16 head
 // dimensions). Ideas: FlashAttention-2 (Dao, 2023), FlashAttention-4's conditional rescaling, and the AMX
 // paths of CPU attention kernels (SGLang's and vLLM's CPU backends, which also round P to bfloat16 before P V).
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define MINIVLLM_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1099,9 +1099,9 @@ static inline Vec16 pair_sums(__m512i pr) {
 }
 
 // exp2_poly_where: exp2_poly in the lanes of `keep`, 0 in the others (the scaling masked: no extra instruction),
-// for the AMX tile's probabilities, in two instructions fewer: f = x - n in one (AVX-512DQ's vreduceps), which
-// gives f = 0 at x = -inf, so that 2**n is 0 there with no clamp at -127. Below -127 the two differ only in
-// subnormal values, which the rounding of P to bfloat16 flushes to 0 either way: the same P.
+// for the AMX tile's probabilities, in one instruction fewer: f = x - n from AVX-512DQ's vreduceps, then n = x - f,
+// where exp2_poly clamps, rounds and subtracts; vreduceps gives f = 0 at x = -inf, so 2**n is 0 there with no clamp
+// at -127. Below -127 the two differ only in subnormals, which P's rounding to bfloat16 flushes to 0: the same P.
 template <size_t N>
 static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
   const Vec16 f = (Vec16)_mm512_reduce_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // NaN stays NaN
