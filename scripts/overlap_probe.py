@@ -2,6 +2,8 @@
 
     python scripts/overlap_probe.py [--mib 2048] [--work 32 64 128 256 512] [--ahead 0 2 8 32] [--threads N]
                                     [--out results/cpu_overlap_probe.json]
+    python scripts/overlap_probe.py --tiles [--groups 200000] [--rounds 1 2 4 8 16] [--threads N]
+                                    [--out results/cpu_amx_tile_overlap_probe.json]
 
 The roofline gives each step the longer of its compute time and its memory time, as if a core could
 stream memory and compute at full speed at once. This probe measures how far that holds for one simple
@@ -24,6 +26,13 @@ takes longer than its parts apart). `--ahead N` also prefetches the chunk N chun
 spread over the rounds (0: only the hardware's prefetchers). The buffer should be several times the
 last-level cache, or the reads come partly from it: the script warns where Linux reports an L3 more
 than a quarter of `--mib`. Writes a record with the CPU named where `--out` is given.
+
+`--tiles` asks the same question inside one core, on a CPU with AMX (chapter 09, "Inside one core"): does it
+run AMX's tile products and AVX-512 arithmetic side by side? The C++ loop repeats `--groups` times four tile
+products (bfloat16, each into its own float32 accumulator tile) followed by `rounds` rounds of 12 independent
+16-lane multiply-add chains, and is timed three ways: the products alone (once, shared by the rows), the rounds
+alone and both, for each of `--rounds`, all in turn. The rows report the same three ratios. Without AMX (or
+without Linux's grant of its tile state) the script stops with a message.
 """
 from __future__ import annotations
 
