@@ -54,7 +54,10 @@ L3_SIZE = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # Linux: e.g. 
 
 
 def overlap(a: float, b: float, both: float) -> dict:
-    """How much of the shorter of two parts (a and b seconds alone) a loop doing both in `both` seconds hid."""
+    """How far a loop doing two parts (`a` and `b` seconds alone) in `both` seconds overlapped them: `hidden`, the
+    share of the shorter part hidden ((a + b - both) / min(a, b): 1 at the roofline, 0 one after the other, below 0
+    slower than that), `both_over_longer` and `both_over_sum` (plain ratios). Raises ZeroDivisionError for a part
+    of 0 s."""
     return dict(hidden=(a + b - both) / min(a, b), both_over_longer=both / max(a, b), both_over_sum=both / (a + b))
 
 
@@ -65,8 +68,9 @@ def summarize(ahead: int, work: int, memory: float, compute: float, both: float)
 
 
 def best_times(runs: dict, repeats: int) -> dict:
-    """The best of `repeats` timed rounds of each of `runs` (name -> function), taken in turn (a machine that
-    drifts slows them alike), after one untimed round (first touch, caches)."""
+    """The best time in seconds, per name, of `repeats` timed rounds of each of `runs` (name -> function of no
+    arguments), taken in turn (a machine that drifts slows them alike), after one untimed round (first touch,
+    caches)."""
     for fn in runs.values():
         fn()
     best = {name: timed(fn)[1] for name, fn in runs.items()}
