@@ -290,6 +290,34 @@ def test_reshape_and_cache_equals_the_plain_store(dtype):
     assert torch.equal(cache, expected)
 
 
+# A prefill's rows (256 and more) go with streaming stores where each row is whole 64-byte lines and both
+# caches start on a line, else with plain copies: the same cache as index_copy_ writes either way. Rows of
+# 2 x 32 values are whole lines in every dtype; 3 x 8 are not (float32, bfloat16); a cache one element off
+# its allocation does not start on a line.
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("heads, dim", [(2, 32), (3, 8)])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_reshape_and_cache_of_a_prefills_rows(dtype, heads, dim, offset):
+    store = cpu_reshape_and_cache()
+    g = torch.Generator().manual_seed(4)
+    n, shape = 300, (40, 16, heads, dim)  # 640 slots for 300 rows
+    numel = torch.Size(shape).numel()
+    buffers = [torch.randn(numel + 64, generator=g).to(dtype) for _ in range(2)]
+    caches = [b[offset:offset + numel].view(shape) for b in buffers]
+    assert all((c.data_ptr() % 64 == 0) == (offset == 0) for c in caches)  # torch's allocations start on a line
+    expected = [c.clone() for c in caches]
+    qkv = torch.randn(n, 3 * heads * dim, generator=g).to(dtype)  # strided views, as the fused projection gives
+    k, v = qkv[:, heads * dim:2 * heads * dim].view(n, heads, dim), qkv[:, 2 * heads * dim:].view(n, heads, dim)
+    slots = torch.randperm(40 * 16, generator=g)[:n]
+    slots[::7] = -1  # padded rows: skipped
+    store(k, v, caches[0], caches[1], slots)
+    kept = slots >= 0
+    for cache, new in zip(expected, (k, v)):
+        cache.view(-1, heads, dim).index_copy_(0, slots[kept], new[kept])
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 @needs_kernel
 def test_reshape_and_cache_refuses_bad_input_and_writes_nothing():
     store = cpu_reshape_and_cache()

@@ -516,10 +516,22 @@ torch::Tensor paged_decode_attention_amx(torch::Tensor q, torch::Tensor k_cache,
   return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, true);
 }
 
+#if defined(__AVX512F__)
+// Copies `bytes` (whole 64-byte lines) to a 64-byte aligned dst with streaming stores: the lines go to memory
+// without being read into the caches first (a plain store reads each line it will overwrite: a read for
+// ownership), and without pushing other data out of the caches. Callers fence (_mm_sfence) before the data is
+// read elsewhere.
+static inline void copy_streaming(char* dst, const char* src, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + o), _mm512_loadu_si512(src + o));
+}
+#endif
+
 // vLLM's reshape_and_cache for one layer: this step's k, v [N, num_kv_heads, head_dim] copied into their
 // slots (slot = block id * block_size + offset in the block) of k_cache, v_cache [num_blocks, block_size,
 // num_kv_heads, head_dim]; slot -1 marks a padded row, skipped. One row copy per token and cache, in one
 // call (a pair of index_copy_ calls costs several times as much at decode sizes: chapter 05 times both).
+constexpr int64_t kStreamRows = 256;  // rows from which reshape_and_cache streams its stores (a prefill's)
 void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor slot_mapping) {
   TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(),
@@ -553,13 +565,33 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
+  // A prefill's many rows with streaming stores where the rows are whole lines (copy_streaming): the cache's
+  // side moves half the bytes of plain copies (no read for ownership), and the caches keep this step's
+  // activations. The rows are read next from memory anyway: by later steps' attention, or by this step's
+  // paged prefill, which reads mostly cached keys. A decode step's few rows go with plain copies, since its
+  // attention reads them right after.
+  bool stream = false;
+#if defined(__AVX512F__)
+  const auto line_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
+  stream = n >= kStreamRows && bytes % 64 == 0 && line_aligned(kc) && line_aligned(vc);
+#endif
   // split among the threads in runs of at least 256 tokens (a prefill's; a decode step's few rows stay on one)
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (slots[i] < 0) continue;
+#if defined(__AVX512F__)
+      if (stream) {
+        copy_streaming(kc + slots[i] * bytes, kp + i * k_step, bytes);
+        copy_streaming(vc + slots[i] * bytes, vp + i * v_step, bytes);
+        continue;
+      }
+#endif
       std::memcpy(kc + slots[i] * bytes, kp + i * k_step, bytes);
       std::memcpy(vc + slots[i] * bytes, vp + i * v_step, bytes);
     }
+#if defined(__AVX512F__)
+    if (stream) _mm_sfence();  // this thread's streaming stores in order before the join
+#endif
   });
 }
 
@@ -985,6 +1017,16 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
       const float* qs = qp + batch.cu_q[s] * q_stride;
+      // Asks for the next tile's q rows and the V rows of its tokens, the only keys it sees that this tile does
+      // not (the others are in the caches by then): a fresh projection's q, k and v lie in memory, and each tile
+      // would otherwise start by waiting for them. The next tile of the unit this thread computes in turn.
+      if (r0 + kRows < rows) {
+        const int64_t t_first = (r0 + kRows) / group, t_end = (std::min(rows, r0 + 2 * kRows) - 1) / group;
+        for (int64_t t = t_first; t <= t_end; ++t) {
+          prefetch(qs + t * q_stride + kv * group * D, group * D);
+          prefetch(vt + (batch.cu_k[s] + batch.tk(s) - batch.tq(s) + t) * ldv + kv * D, D);
+        }
+      }
       int64_t last[kRows];
       float* out_rows[kRows];
       for (int64_t r = 0; r < kRows; ++r) {
