@@ -290,15 +290,16 @@ def test_reshape_and_cache_equals_the_plain_store(dtype):
     assert torch.equal(cache, expected)
 
 
-# A prefill's rows (256 and more) go with streaming stores where each row is whole 64-byte lines and both
-# caches start on a line, else with plain copies: the same cache as index_copy_ writes either way. Rows of
-# 2 x 32 values are whole lines in every dtype; 3 x 8 are not (float32, bfloat16); a cache one element off
-# its allocation does not start on a line.
+# stream=True writes with streaming stores where each row is whole 64-byte lines and both caches start on a
+# line, else with plain copies: the same cache as index_copy_ writes, asked either way. Rows of 2 x 32 values
+# are whole lines in every dtype; 3 x 8 are not (float32, bfloat16); a cache one element off its allocation
+# does not start on a line. 300 rows: two threads' shares (runs of at least 256), each fenced.
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("heads, dim", [(2, 32), (3, 8)])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_reshape_and_cache_of_a_prefills_rows(dtype, heads, dim, offset):
+@pytest.mark.parametrize("stream", [True, False])
+def test_reshape_and_cache_with_and_without_streaming_stores(dtype, heads, dim, offset, stream):
     store = cpu_reshape_and_cache()
     g = torch.Generator().manual_seed(4)
     n, shape = 300, (40, 16, heads, dim)  # 640 slots for 300 rows
@@ -311,11 +312,42 @@ def test_reshape_and_cache_of_a_prefills_rows(dtype, heads, dim, offset):
     k, v = qkv[:, heads * dim:2 * heads * dim].view(n, heads, dim), qkv[:, 2 * heads * dim:].view(n, heads, dim)
     slots = torch.randperm(40 * 16, generator=g)[:n]
     slots[::7] = -1  # padded rows: skipped
-    store(k, v, caches[0], caches[1], slots)
+    store(k, v, caches[0], caches[1], slots, stream=stream)
     kept = slots >= 0
     for cache, new in zip(expected, (k, v)):
         cache.view(-1, heads, dim).index_copy_(0, slots[kept], new[kept])
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+# The backend asks for streaming stores only where the step's attention reads none of the stored rows: a
+# prefill with nothing cached (it reads k, v as they are); not a prefill over cached tokens (the paged form
+# reads the cache) nor a decode. The caches equal the plain backend's after each store.
+@needs_kernel
+def test_backend_streams_the_store_only_where_the_step_reads_no_stored_row(monkeypatch):
+    real, asked = cpu_reshape_and_cache(), []
+    def spy(*args, stream=False):
+        asked.append(stream)
+        return real(*args, stream=stream)
+    monkeypatch.setattr(cd, "cpu_reshape_and_cache", lambda: spy)
+    g = torch.Generator().manual_seed(5)
+    kv_cache = torch.randn(2, 1, 8, 16, 2, 64, generator=g)
+    backend, plain_backend = CPUPagedAttention(kv_cache.clone(), 0.125), PagedAttention(kv_cache.clone(), 0.125)
+    tables = torch.tensor([[0, 1, -1], [2, 3, 4]])
+    steps = {  # (is_prefill, new tokens per sequence, context lengths)
+        "prefill, nothing cached": (True, [3, 2], [3, 2]),
+        "prefill over a cached prefix": (True, [3, 2], [3, 34]),
+        "decode": (False, [1, 1], [20, 40]),
+    }
+    for is_prefill, new, lens in steps.values():
+        cu = torch.tensor([0, *new]).cumsum(0)
+        slots = torch.cat([tables[i, (t := torch.arange(l - n, l)) // 16] * 16 + t % 16
+                           for i, (n, l) in enumerate(zip(new, lens))])
+        k, v = torch.randn(2, int(cu[-1]), 2, 64, generator=g)
+        backend.metadata = plain_backend.metadata = AttentionMetadata(is_prefill, cu, torch.tensor(lens), slots, tables)
+        backend.store_kvcache(0, k, v)
+        plain_backend.store_kvcache(0, k, v)
+        assert torch.equal(backend.kv_cache, plain_backend.kv_cache)
+    assert asked == [True, False, False], dict(zip(steps, asked))
 
 
 @needs_kernel

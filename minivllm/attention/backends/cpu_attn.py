@@ -38,13 +38,15 @@ def cpu_decode_kernel():
 
 @functools.cache
 def cpu_reshape_and_cache():
-    """The same library's K/V store, vLLM's `reshape_and_cache`: `(k, v, k_cache, v_cache, slot_mapping)`
-    writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`, strided views such as a fused q/k/v
-    projection's split allowed) into its slot of one layer's caches (`[num_blocks, block_size,
+    """The same library's K/V store, vLLM's `reshape_and_cache`: `(k, v, k_cache, v_cache, slot_mapping,
+    stream=False)` writes each token's `k`, `v` row (`[N, num_kv_heads, head_dim]`, strided views such as a
+    fused q/k/v projection's split allowed) into its slot of one layer's caches (`[num_blocks, block_size,
     num_kv_heads, head_dim]`, contiguous, one dtype), in place, in one call; `slot_mapping` is `[N]`
-    int64, flat slots `block_id * block_size + offset`, and slot -1 is skipped. Raises ValueError for
-    shapes, dtypes or devices that do not fit, or a slot that is neither -1 nor a slot of the cache.
-    None where `cpu_decode_kernel` is None (the same conditions)."""
+    int64, flat slots `block_id * block_size + offset`, and slot -1 is skipped. `stream=True` writes with
+    streaming stores where the build has AVX-512 and the rows are whole 64-byte lines on 64-byte
+    boundaries (else plain copies): for rows that nothing reads again in the step; the same values either
+    way. Raises ValueError for shapes, dtypes or devices that do not fit, or a slot that is neither -1 nor
+    a slot of the cache. None where `cpu_decode_kernel` is None (the same conditions)."""
     module = load_extension(DECODE_KERNEL)
     return None if module is None else module.reshape_and_cache
 
@@ -268,7 +270,7 @@ class CPUPagedAttention(PagedAttention):
         if not on_kernel or (kernel := cpu_prefill_varlen_kernel(q.dtype)) is None:
             return super().prefill(q, k, v, k_cache, v_cache, md)
         cu_q = md.cu_seqlens_q
-        if torch.equal(cu_q[1:] - cu_q[:-1], md.context_lens):  # nothing cached: this step's k, v hold every key
+        if self.keys_all_new(md):  # nothing cached: this step's k, v hold every key
             return kernel(q, k, v, cu_q, cu_q, self.scale)
         blocks_fit = k_cache.shape[1] % 16 == 0 and k_cache.dtype == q.dtype  # what the paged form takes
         if blocks_fit and k_cache.is_contiguous() and v_cache.is_contiguous():
@@ -278,10 +280,18 @@ class CPUPagedAttention(PagedAttention):
         cu_k = F.pad(md.context_lens.cumsum(0), (1, 0))
         return kernel(q, torch.cat([ki for ki, _ in keys]), torch.cat([vi for _, vi in keys]), cu_q, cu_k, self.scale)
 
+    @staticmethod
+    def keys_all_new(md) -> bool:
+        """Whether `md`'s step is a prefill in which no sequence has cached tokens: its attention then reads
+        this step's `k` and `v` as they are, and none of the rows stored in the cache."""
+        return md.is_prefill and torch.equal(md.cu_seqlens_q[1:] - md.cu_seqlens_q[:-1], md.context_lens)
+
     def store_kvcache(self, layer_idx, k, v):
-        """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies."""
+        """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies,
+        with streaming stores where the step's attention does not read the rows back (`keys_all_new`)."""
         if (k.is_cpu and k.dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
                 and (store := cpu_reshape_and_cache()) is not None):
-            store(k, v, *self.layer_kv_cache(layer_idx), self.metadata.slot_mapping)
+            md = self.metadata
+            store(k, v, *self.layer_kv_cache(layer_idx), md.slot_mapping, stream=self.keys_all_new(md))
         else:
             super().store_kvcache(layer_idx, k, v)

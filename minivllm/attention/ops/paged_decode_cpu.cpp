@@ -518,9 +518,9 @@ torch::Tensor paged_decode_attention_amx(torch::Tensor q, torch::Tensor k_cache,
 
 #if defined(__AVX512F__)
 // Copies `bytes` (whole 64-byte lines) to a 64-byte aligned dst with streaming stores: the lines go to memory
-// without being read into the caches first (a plain store reads each line it will overwrite: a read for
-// ownership), and without pushing other data out of the caches. Callers fence (_mm_sfence) before the data is
-// read elsewhere.
+// without being read into the CPU's caches first (a plain store reads each line it will overwrite: a read for
+// ownership), and without pushing other data out of those caches. Callers fence (_mm_sfence) before the data
+// is read elsewhere.
 static inline void copy_streaming(char* dst, const char* src, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64)
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + o), _mm512_loadu_si512(src + o));
@@ -531,9 +531,11 @@ static inline void copy_streaming(char* dst, const char* src, int64_t bytes) {
 // slots (slot = block id * block_size + offset in the block) of k_cache, v_cache [num_blocks, block_size,
 // num_kv_heads, head_dim]; slot -1 marks a padded row, skipped. One row copy per token and cache, in one
 // call (a pair of index_copy_ calls costs several times as much at decode sizes: chapter 05 times both).
-constexpr int64_t kStreamRows = 256;  // rows from which reshape_and_cache streams its stores (a prefill's)
+// `stream`: where the build has AVX-512, the rows are whole 64-byte lines and both caches start on a line, write
+// with streaming stores (copy_streaming), for rows that nothing reads again in this step: the CPU then moves
+// half the bytes on the KV cache's side and keeps its own caches for other data. The same values either way.
 void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor slot_mapping) {
+                       torch::Tensor slot_mapping, bool stream) {
   TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(),
                     "k and v must both be [num_tokens, num_kv_heads, head_dim]");
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == k.size(1) &&
@@ -565,15 +567,11 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
-  // A prefill's many rows with streaming stores where the rows are whole lines (copy_streaming): the cache's
-  // side moves half the bytes of plain copies (no read for ownership), and the caches keep this step's
-  // activations. The rows are read next from memory anyway: by later steps' attention, or by this step's
-  // paged prefill, which reads mostly cached keys. A decode step's few rows go with plain copies, since its
-  // attention reads them right after.
-  bool stream = false;
 #if defined(__AVX512F__)
   const auto line_aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; };
-  stream = n >= kStreamRows && bytes % 64 == 0 && line_aligned(kc) && line_aligned(vc);
+  stream = stream && bytes % 64 == 0 && line_aligned(kc) && line_aligned(vc);
+#else
+  stream = false;
 #endif
   // split among the threads in runs of at least 256 tokens (a prefill's; a decode step's few rows stay on one)
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
@@ -1017,9 +1015,11 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kRows, n = std::min(kRows, rows - r0);
       const float* qs = qp + batch.cu_q[s] * q_stride;
-      // Asks for the next tile's q rows and the V rows of its tokens, the only keys it sees that this tile does
-      // not (the others are in the caches by then): a fresh projection's q, k and v lie in memory, and each tile
-      // would otherwise start by waiting for them. The next tile of the unit this thread computes in turn.
+      // Asks for the next tile's q rows and its tokens' V rows, the keys it sees that this tile mostly has not
+      // (the others are in the core's caches by then), so that it does not start by waiting for them: a fresh
+      // projection's q, k and v are several MiB, more than a core's own caches hold. Where each thread computes
+      // whole units (WorkPlan), the next tile is this thread's next; where tiles are dealt round-robin, another
+      // core's, and the lines come into this core's caches for nothing.
       if (r0 + kRows < rows) {
         const int64_t t_first = (r0 + kRows) / group, t_end = (std::min(rows, r0 + 2 * kRows) - 1) / group;
         for (int64_t t = t_first; t <= t_end; ++t) {
@@ -1683,7 +1683,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_amx", &paged_decode_attention_amx,
         "paged_decode_attention; bfloat16 on AMX tiles where the build, the CPU and the shapes allow");
   m.def("reshape_and_cache", &reshape_and_cache,
-        "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping); slot -1 is skipped");
+        "this step's k, v into their cache slots (k, v, k_cache, v_cache, slot_mapping, stream=False); slot -1 is "
+        "skipped; stream: streaming stores, for rows this step does not read again",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("stream") = false);
   m.def("prefill_attention", &prefill_attention, "one sequence's causal attention in float32 (q, k, v, scale)");
   m.def("prefill_attention_varlen", &prefill_attention_varlen,
         "a batch of causal attentions in float32, laid end to end (q, k, v, cu_seqlens_q, cu_seqlens_k, scale)");
