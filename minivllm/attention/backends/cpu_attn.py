@@ -14,6 +14,7 @@ import torch
 
 import minivllm.attention.ops
 from ...model_executor.cpp_extension import CppExtension, load_extension
+from ..backend import AttentionMetadata
 from ..paged_attention import PagedAttention
 
 DECODE_KERNEL = CppExtension(
@@ -245,6 +246,7 @@ class CPUPagedAttention(PagedAttention):
     through `prefill_attention_cpu`. Args: as `PagedAttention`."""
 
     prefill_sequence = staticmethod(prefill_attention_cpu)
+    _all_new_for: AttentionMetadata | None = None  # the step whose `keys_all_new` answer `_all_new` holds
 
     @staticmethod
     def is_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -280,18 +282,18 @@ class CPUPagedAttention(PagedAttention):
         cu_k = F.pad(md.context_lens.cumsum(0), (1, 0))
         return kernel(q, torch.cat([ki for ki, _ in keys]), torch.cat([vi for _, vi in keys]), cu_q, cu_k, self.scale)
 
-    @staticmethod
-    def keys_all_new(md) -> bool:
-        """Whether `md`'s step is a prefill in which no sequence has cached tokens: its attention then reads
-        this step's `k` and `v` as they are, and none of the rows stored in the cache."""
-        return md.is_prefill and torch.equal(md.cu_seqlens_q[1:] - md.cu_seqlens_q[:-1], md.context_lens)
+    def keys_all_new(self, md: AttentionMetadata) -> bool:
+        """Whether `md`'s step is a prefill with no cached tokens (its attention then reads this step's `k`, `v`
+        as they are, none of the stored rows); worked out at the first layer and reused, as `decode_plan` is."""
+        if self._all_new_for is not md:
+            self._all_new_for, self._all_new = md, md.is_prefill and torch.equal(md.cu_seqlens_q.diff(), md.context_lens)
+        return self._all_new
 
     def store_kvcache(self, layer_idx, k, v):
         """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies,
         with streaming stores where the step's attention does not read the rows back (`keys_all_new`)."""
         if (k.is_cpu and k.dtype in CPU_KERNEL_DTYPES and cpu_decode_kernel() is not None
                 and (store := cpu_reshape_and_cache()) is not None):
-            md = self.metadata
-            store(k, v, *self.layer_kv_cache(layer_idx), md.slot_mapping, stream=self.keys_all_new(md))
+            store(k, v, *self.layer_kv_cache(layer_idx), self.metadata.slot_mapping, stream=self.keys_all_new(self.metadata))
         else:
             super().store_kvcache(layer_idx, k, v)
