@@ -143,6 +143,33 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
             f"max error {err:.3g}"
 
 
+
+def test_backend_through_steps_in_turn_equals_plain_torch():
+    """One backend through a run's kinds of steps in turn, as the model runner drives it (two layers; each
+    step's metadata a new object, the last one dropped first): a prefill with nothing cached, a prefill over
+    the prefix it stored, a decode, then new sequences' prefill. Every layer's output equals plain torch's
+    (float32, 1e-5: the same sums in another order) and so do the caches: what the backend keeps from one
+    step to the next layer (`keys_all_new`'s answer, the decode plan) must not leak into the next step. A
+    kept answer of "nothing cached" would make the second step's attention skip its prefix."""
+    block_size, num_blocks, layers = 16, 16, 2
+    old, new = torch.tensor([[3, 7, 1, 9], [10, 2, 5, 12]]), torch.tensor([[0, 4, 6, 8], [11, 13, 14, 15]])
+    steps = [(True, [6, 33], [6, 33], old), (True, [4, 17], [10, 50], old), (False, [1, 1], [11, 51], old),
+             (True, [20, 3], [20, 3], new)]  # (is_prefill, new tokens, context lengths, block tables)
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(2, layers, num_blocks, block_size, 3, 64, generator=g)
+    backend, plain = CPUPagedAttention(cache.clone(), 0.125), PagedAttention(cache.clone(), 0.125)
+    for is_prefill, lens_q, lens, tables in steps:
+        cu = torch.tensor([0, *lens_q]).cumsum(0)
+        slots = torch.cat([tables[i, (t := torch.arange(n - m, n)) // block_size] * block_size + t % block_size
+                           for i, (m, n) in enumerate(zip(lens_q, lens))])
+        context_lens = torch.tensor(lens)
+        backend.metadata = plain.metadata = None  # the last step's metadata is freed (its memory often reused)
+        backend.metadata = plain.metadata = AttentionMetadata(is_prefill, cu, context_lens, slots, tables)
+        for layer in range(layers):
+            q, k, v = (torch.randn(int(cu[-1]), heads, 64, generator=g) for heads in (9, 3, 3))
+            torch.testing.assert_close(backend(layer, q, k, v), plain(layer, q, k, v), rtol=1e-5, atol=1e-5)
+        assert torch.equal(backend.kv_cache, plain.kv_cache)
+
 # The C++ prefill kernel (chapter 05's appendix): float32, FlashAttention-2's tiles of six query rows
 # (a K/V head's query heads at consecutive tokens) over blocks of 64 keys. It is called here directly
 # from the library, which builds its function on every machine; the backend uses it where the CPU has

@@ -284,10 +284,10 @@ class CPUPagedAttention(PagedAttention):
 
     def keys_all_new(self, md: AttentionMetadata) -> bool:
         """Whether `md`'s step is a prefill with no cached tokens (its attention then reads this step's `k`, `v`
-        as they are, none of the stored rows); worked out at the first layer and reused, as `decode_plan` is."""
-        if self._all_new_for is not md:
-            self._all_new_for, self._all_new = md, md.is_prefill and torch.equal(md.cu_seqlens_q.diff(), md.context_lens)
-        return self._all_new
+        as they are, none of the stored rows); a prefill's answer is worked out once and kept, as `decode_plan` is."""
+        if md.is_prefill and self._all_new_for is not md:  # a decode's is False: it leaves the kept one alone
+            self._all_new_for, self._all_new = md, torch.equal(md.cu_seqlens_q.diff(), md.context_lens)
+        return md.is_prefill and self._all_new
 
     def store_kvcache(self, layer_idx, k, v):
         """As `PagedAttention.store_kvcache`, in one C++ call (`cpu_reshape_and_cache`) where the kernel applies,

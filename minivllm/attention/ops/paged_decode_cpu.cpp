@@ -14,9 +14,9 @@
 // stay in SIMD registers: across a K row for its scores (reduced once per row), across a block's
 // tokens for its weighted sum of V (loaded and stored once per block, not once per token). The
 // softmax's exp is a polynomial computed a register at a time. While one block's K is worked on, the next
-// block's K is prefetched into L1 and its V into L2, so that the V pass finds V in L2 (the pass over K
-// computes the most; its memory reads then overlap the V reads). Where the CPU has AVX-512 and head_dim
-// is a multiple of 64, float32 and bfloat16 take 16-lane registers spelled with intrinsics (a tile's
+// block's K is prefetched into L1 and its V with a hint for a farther level (prefetcht2: not L1), so that
+// the V pass finds V nearer than memory (the pass over K computes the most; its memory reads then overlap
+// the V reads). Where the CPU has AVX-512 and head_dim is 64 or 128, float32 and bfloat16 take 16-lane registers spelled with intrinsics (a tile's
 // sums and query fit its 32 registers), and bfloat16 scores take AVX512-BF16's pairwise dot product.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -67,7 +67,8 @@ static inline Vec<acc_t> load_wide(const scalar_t* p) {
 }
 
 #if defined(__AVX512F__)
-// The 16-lane path: head_dim a multiple of 64, float32 or bfloat16 data (float64 keeps the generic one).
+// The 16-lane path: head_dim 64 or 128 (the sizes with a template instance), float32 or bfloat16 data
+// (float64 keeps the generic one).
 template <typename scalar_t, int64_t kHeadDim>
 constexpr bool kWide = kHeadDim > 0 && kHeadDim % 64 == 0 &&
                        (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
@@ -306,7 +307,8 @@ static inline void sums_in_order(acc_t* a, int64_t heads) {
 
 // Asks for size values of the cache to be brought into the caches while the current block is worked
 // on: blocks lie anywhere in memory, so the hardware's stream prefetcher cannot guess the next one.
-// kLocality: 3 into L1 (and all levels), 1 into L2 (not L1) (GCC's __builtin_prefetch hint).
+// kLocality (GCC's __builtin_prefetch hint): 3 into L1 and all levels (prefetcht0); 1, prefetcht2: not into
+// L1, into a farther level ("level 3 and higher, or an implementation-specific choice", Intel's manual).
 template <int kLocality = 3, typename scalar_t>
 static inline void prefetch(const scalar_t* start, int64_t size) {
   const char* p = reinterpret_cast<const char*>(start);
@@ -393,7 +395,7 @@ static void decode_one_sequence(scalar_t* __restrict out, const scalar_t* __rest
     const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride;
     for (int64_t i = 0; i < n; ++i) {
       prefetch(k_cache + next + i * token_stride, token_stride);     // the next block's K row, into L1
-      prefetch<1>(v_cache + next + i * token_stride, token_stride);  // and its V row, into L2 for step 3
+      prefetch<1>(v_cache + next + i * token_stride, token_stride);  // and its V row, farther out, for step 3
       for_each_tile([&](auto tile, int64_t kv, int64_t h0) {
         tile_scores<decltype(tile)::value, kHeadDim>(s + h0 * len + t0 + i, len, qw + h0 * D, q + h0 * D,
                                                      k_block + i * token_stride + kv * D, D, acc_t(scale));
@@ -1404,7 +1406,7 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
 // against every query head of up to 16 / group K/V heads (a pass) come from tile products, S^T = K Q^T:
 // the A tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head
 // dimensions, a token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once
-// per sequence, each K/V head's with zeros in the other heads' columns. Each K/V head's 16 x 16 product
+// per pass (per sequence where one pass covers its heads), each K/V head's with zeros in the other heads' columns. Each K/V head's 16 x 16 product
 // gives its group's columns of one row per token: row t, column c = K[t, kv0 + c / group] . q[h0 + c],
 // kv0 and h0 the pass's first K/V and query head. No sums across a register's lanes (one per score on the
 // AVX-512 path). The softmax then runs down the columns, one token's 16 scores a register (float32, 2**x
@@ -1442,7 +1444,7 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
         const c10::BFloat16* k_block = k_cache + block_table[b] * block_stride + kv0 * D;
         const int64_t next = block_table[std::min(b + 1, num_blocks - 1)] * block_stride + kv0 * D;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        // the next block's K rows into L1 and its V rows into L2 for step 3, a share of the n rows after each
+        // the next block's K rows into L1 and its V rows farther out for step 3, a share of the n rows after each
         // tile product: the k-th product (counted from 1) asks for rows n (k - 1) / products up to, not
         // including, n k / products. Asked for all at once before the products, they made the products wait
         // (presumably the burst fills the core's queue of misses, and the products queue behind it) rather
