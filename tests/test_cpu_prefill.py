@@ -143,14 +143,13 @@ def test_backend_prefill_over_a_cached_prefix(dtype):
             f"max error {err:.3g}"
 
 
-
 def test_backend_through_steps_in_turn_equals_plain_torch():
     """One backend through a run's kinds of steps in turn, as the model runner drives it (two layers; each
     step's metadata a new object, the last one dropped first): a prefill with nothing cached, a prefill over
     the prefix it stored, a decode, then new sequences' prefill. Every layer's output equals plain torch's
     (float32, 1e-5: the same sums in another order) and so do the caches: what the backend keeps from one
-    step to the next layer (`keys_all_new`'s answer, the decode plan) must not leak into the next step. A
-    kept answer of "nothing cached" would make the second step's attention skip its prefix."""
+    layer to the next (`keys_all_new`'s answer, the decode plan) must not leak into the next step. A kept
+    answer of "nothing cached" would make the second step's attention skip its prefix."""
     block_size, num_blocks, layers = 16, 16, 2
     old, new = torch.tensor([[3, 7, 1, 9], [10, 2, 5, 12]]), torch.tensor([[0, 4, 6, 8], [11, 13, 14, 15]])
     steps = [(True, [6, 33], [6, 33], old), (True, [4, 17], [10, 50], old), (False, [1, 1], [11, 51], old),
