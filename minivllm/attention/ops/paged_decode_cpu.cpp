@@ -8,16 +8,16 @@
 // K/V store (reshape_and_cache), two causal prefill kernels, float32 and bfloat16 on AMX tiles, and a
 // bfloat16 decode whose scores come from AMX tiles.
 //
-// How the work is laid out: the `group` query heads that share a K/V head are done together, in
-// tiles of up to kMaxTile heads (as GQA-aware decode kernels such as FlashInfer's pack a group into
-// one tile), so each cached row is read once per tile rather than once per query head. A tile's sums
-// stay in SIMD registers: across a K row for its scores (reduced once per row), across a block's
-// tokens for its weighted sum of V (loaded and stored once per block, not once per token). The
-// softmax's exp is a polynomial computed a register at a time. While one block's K is worked on, the next
-// block's K is prefetched into L1 and its V with a hint for a farther level (prefetcht2: not L1), so that
-// the V pass finds V nearer than memory (the pass over K computes the most; its memory reads then overlap
-// the V reads). Where the CPU has AVX-512 and head_dim is 64 or 128, float32 and bfloat16 take 16-lane registers spelled with intrinsics (a tile's
-// sums and query fit its 32 registers), and bfloat16 scores take AVX512-BF16's pairwise dot product.
+// How the work is laid out: the `group` query heads that share a K/V head are done together, in tiles of up
+// to kMaxTile heads (as GQA-aware decode kernels such as FlashInfer's pack a group into one tile), so each
+// cached row is read once per tile rather than once per query head. A tile's sums stay in SIMD registers:
+// across a K row for its scores (reduced once per row), across a block's tokens for its weighted sum of V
+// (loaded and stored once per block, not once per token). The softmax's exp is a polynomial computed a
+// register at a time. While one block's K is worked on, the next block's K is prefetched into L1 and its V
+// with a hint for a farther level (prefetcht2: not L1), so that the V pass finds V nearer than memory (the
+// pass over K computes the most; its memory reads then overlap the V reads). Where the CPU has AVX-512 and
+// head_dim is 64 or 128, float32 and bfloat16 take 16-lane registers spelled with intrinsics (a tile's sums
+// and query fit its 32 registers), and bfloat16 scores take AVX512-BF16's pairwise dot product.
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -1403,15 +1403,15 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
 }
 
 // Decode attention in bfloat16 on AMX tiles (paged_decode_attention_amx). The scores of 16 cached tokens
-// against every query head of up to 16 / group K/V heads (a pass) come from tile products, S^T = K Q^T:
-// the A tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head
-// dimensions, a token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once
-// per pass (per sequence where one pass covers its heads), each K/V head's with zeros in the other heads' columns. Each K/V head's 16 x 16 product
-// gives its group's columns of one row per token: row t, column c = K[t, kv0 + c / group] . q[h0 + c],
-// kv0 and h0 the pass's first K/V and query head. No sums across a register's lanes (one per score on the
-// AVX-512 path). The softmax then runs down the columns, one token's 16 scores a register (float32, 2**x
-// by the float32 polynomial); the weighted sum of V is the AVX-512 path's (tile_weighted_sum, float32
-// probabilities).
+// against every query head of up to 16 / group K/V heads (a pass) come from tile products, S^T = K Q^T: the A
+// tiles are the cached K rows themselves, read in place (16 tokens of one K/V head, 32 head dimensions, a
+// token stride apart); the B tiles hold the query heads in pairs of dimensions, packed once per pass (per
+// sequence where one pass covers its heads), each K/V head's with zeros in the other heads' columns. Each K/V
+// head's 16 x 16 product gives its group's columns of one row per token: row t, column c =
+// K[t, kv0 + c / group] . q[h0 + c], kv0 and h0 the pass's first K/V and query head. No sums across a
+// register's lanes (one per score on the AVX-512 path). The softmax then runs down the columns, one token's
+// 16 scores a register (float32, 2**x by the float32 polynomial); the weighted sum of V is the AVX-512 path's
+// (tile_weighted_sum, float32 probabilities).
 template <int64_t D>
 static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BFloat16* __restrict q,
                                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
