@@ -41,6 +41,7 @@ from minivllm.attention.backend import AttentionMetadata
 from minivllm.core.block_manager import BlockManager
 from minivllm.core.chunked_prefix_caching import ChunkedPrefixCachingBlockManager
 from minivllm.core.sched.chunked_prefill import ChunkedPrefillScheduler
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus
@@ -49,6 +50,7 @@ from minivllm.worker.mixed_batch import MixedBatchMetadata
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 MAX_MODEL_LEN = 128  # the engine tests'
 SIM_MAX_MODEL_LEN = 30  # the scheduler-only simulations'
+BUDGET, ORDER, PREEMPTION, PREFIX_HIT, EQUALS = (name for name, _ in GRADED["ch11_ex1"].groups)
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -326,6 +328,7 @@ _settings = settings(max_examples=80, deadline=None, suppress_health_check=[Heal
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(BUDGET)
 @_settings
 @given(ops=OPS, **_sim_args())
 def test_ch11_ex1_never_over_budget_no_chunk_past_num_tokens_or_the_threshold(ops, manager, block_size, num_blocks,
@@ -337,6 +340,7 @@ def test_ch11_ex1_never_over_budget_no_chunk_past_num_tokens_or_the_threshold(op
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(ORDER)
 @_settings
 @given(ops=OPS, **_sim_args())
 def test_ch11_ex1_running_before_waiting_unless_the_budget_ran_out(ops, manager, block_size, num_blocks, max_num_seqs,
@@ -347,6 +351,7 @@ def test_ch11_ex1_running_before_waiting_unless_the_budget_ran_out(ops, manager,
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(ORDER)
 def test_ch11_ex1_running_before_waiting_by_example():
     """Budget 8, threshold 0: a running 20-token prompt takes the whole budget (no newcomer), then its
     last 4 tokens beside the newcomer's first 4."""
@@ -370,6 +375,7 @@ def test_ch11_ex1_running_before_waiting_by_example():
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(PREFIX_HIT)
 @_settings
 @given(ops=OPS, **_sim_args(st.just(ChunkedPrefixCachingBlockManager)))
 def test_ch11_ex1_starts_at_the_prefix_cache_hit(ops, manager, block_size, num_blocks, max_num_seqs, extra_budget,
@@ -429,6 +435,7 @@ def _expect_refs(ex: str, outs, prompts, refs, what: str) -> None:
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(PREFIX_HIT)
 def test_ch11_ex1_starts_at_the_prefix_cache_hit_in_the_engine(oracle):
     """Two 48-token prompts, blocks of 16, budget 48, threshold 16: b arrives beside a's second chunk and
     shares a's blocks 0 and 1 (block 1 is written in that very step): it computes only its last block."""
@@ -458,6 +465,7 @@ def test_ch11_ex1_starts_at_the_prefix_cache_hit_in_the_engine(oracle):
 @given(lens=st.lists(st.integers(1, 20), min_size=2, max_size=6), block_size=st.integers(1, 4),
        spare=st.integers(0, 3), max_tokens=st.integers(2, 9), budget=st.integers(4, 40),
        threshold=st.integers(0, 6), caching=st.booleans())
+@pytest.mark.group(PREEMPTION)
 def test_ch11_ex1_survives_preemption(lens, block_size, spare, max_tokens, budget, threshold, caching):
     """A KV cache that holds the prompts and `spare` blocks more: decodes run out of blocks and the newest
     running sequences are preempted; every request finishes, the invariants hold after every step."""
@@ -474,6 +482,7 @@ def test_ch11_ex1_survives_preemption(lens, block_size, spare, max_tokens, budge
 
 @pytest.mark.ch11
 @pytest.mark.ch11_ex1
+@pytest.mark.group(PREEMPTION)
 @pytest.mark.parametrize("budget, caching", [(7, True), (16, False)])
 def test_ch11_ex1_survives_preemption_in_the_engine(oracle, budget, caching):
     folder, prompts, max_tokens, refs = oracle
@@ -489,6 +498,7 @@ def test_ch11_ex1_survives_preemption_in_the_engine(oracle, budget, caching):
 @pytest.mark.ch11_ex1
 @pytest.mark.parametrize("budget, threshold, chunking", [(1, 0, True), (7, 0, True), (16, 5, True), (64, 5, True),
                                                          (None, 0, True), (MAX_MODEL_LEN, 0, False)])
+@pytest.mark.group(EQUALS)
 def test_ch11_ex1_equals_transformers(oracle, budget, threshold, chunking):
     folder, prompts, max_tokens, refs = oracle
     with graded("ch11_ex1"):

@@ -44,12 +44,13 @@ from hypothesis import strategies as st
 import minivllm.sample.rejection_sampler as rs
 import minivllm.spec_decode.ngram_proposer as ngram
 from engine_helpers import hf_greedy, make_model, one_thread, random_prompts
+from minivllm.course.grade import EXERCISES as GRADED
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
-GREEDY, FOLLOWS_P, UNIFORMS = "greedy is exact", "follows p", "uses each uniform once"
+GREEDY, FOLLOWS_P, UNIFORMS = (name for name, _ in GRADED["ch14_ex1"].groups)
 VOCAB = 16  # the unit tests' vocabulary
 NUM_DRAWS = 20_000  # per chi-square test: a wrong answer's p-value is below 1e-20 at this size
 ALPHA = 1e-4  # a p-value below it fails (the runs are seeded: a right answer's values are fixed, far above)
@@ -172,6 +173,7 @@ def _check_greedy(drafts, argmax, what: str) -> None:
 
 @pytest.mark.ch14
 @pytest.mark.ch14_ex1
+@pytest.mark.group(GREEDY)
 def test_ch14_ex1_greedy_is_exact_by_example():
     with graded("ch14_ex1"):
         for drafts, argmax, want in GREEDY_CASES:
@@ -193,6 +195,7 @@ def _greedy_cases(draw):
 @settings(max_examples=300, deadline=None, report_multiple_bugs=False)
 # fixed cases first (the draws depend on where the test is called from): a rejection at the second draft, a
 # full acceptance (the bonus token)
+@pytest.mark.group(GREEDY)
 @example(case=([0, 1], [0, 2, 1]))
 @example(case=([0], [0, 1]))
 @given(case=_greedy_cases())
@@ -263,6 +266,7 @@ def _run(ex: str, group: str, engine, prompts, params) -> list:
 @pytest.mark.ch14_ex1
 @pytest.mark.parametrize("draft, k", [("a noisy copy (accepts some)", 3), ("the target itself (accepts all)", 2),
                                       ("a noisy copy (accepts some)", 1)])
+@pytest.mark.group(GREEDY)
 def test_ch14_ex1_greedy_is_exact_in_the_engine(oracle, draft, k):
     target, drafts, prompts, max_tokens, refs = oracle
     with graded("ch14_ex1"):
@@ -355,6 +359,7 @@ def _counts(tokens) -> torch.Tensor:
 @pytest.mark.ch14_ex1
 @pytest.mark.parametrize("one_hot, filtered", [(False, False), (True, False), (False, True)],
                          ids=["random q", "one-hot q", "p filtered to 8 tokens"])
+@pytest.mark.group(FOLLOWS_P)
 def test_ch14_ex1_follows_p_with_one_draft(one_hot, filtered):
     """Whatever the draft, the first token returned follows p_0; given the draft accepted, the bonus follows p_1."""
     with graded("ch14_ex1"):
@@ -368,6 +373,7 @@ def test_ch14_ex1_follows_p_with_one_draft(one_hot, filtered):
 
 @pytest.mark.ch14
 @pytest.mark.ch14_ex1
+@pytest.mark.group(FOLLOWS_P)
 @pytest.mark.parametrize("one_hot", [False, True], ids=["random q", "one-hot q"])
 def test_ch14_ex1_follows_p_with_two_drafts(one_hot):
     """Two drafts: given the first accepted, the second token follows p_1; given both, the bonus follows p_2."""
@@ -407,6 +413,7 @@ def _check_grid_freq(tokens: list, want: torch.Tensor, what: str) -> None:
 
 @pytest.mark.ch14
 @pytest.mark.ch14_ex1
+@pytest.mark.group(UNIFORMS)
 def test_ch14_ex1_uses_each_uniform_once_deterministic_and_pure():
     """The same arguments give the same tokens; the arguments are left as they were; the uniforms after the
     one that drew the last token are never read; the accepted drafts come out as they were."""
@@ -449,6 +456,7 @@ def _rejecting_uniform(drafts, p, q, j: int, uniforms: list) -> float | None:
 
 @pytest.mark.ch14
 @pytest.mark.ch14_ex1
+@pytest.mark.group(UNIFORMS)
 @pytest.mark.parametrize("one_hot", [False, True], ids=["random q", "one-hot q"])
 def test_ch14_ex1_uses_each_uniform_once_accept_replace_bonus(one_hot):
     """Over evenly spread values of one uniform, the others fixed: draft j is accepted as often as
@@ -508,6 +516,7 @@ def test_ch14_ex1_uses_each_uniform_once_accept_replace_bonus(one_hot):
 
 @pytest.mark.ch14
 @pytest.mark.ch14_ex1
+@pytest.mark.group(UNIFORMS)
 def test_ch14_ex1_uses_each_uniform_once_in_the_engine(oracle):
     """Seeded sampled requests with drafts from a noisy copy of the target: the same tokens twice, each
     request of max_tokens tokens from the vocabulary."""

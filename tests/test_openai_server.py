@@ -351,6 +351,8 @@ def test_metrics_count_what_was_sent(server, client):
     ({"prompt": "Hi", "logprobs": 1000}, 400),
     ({"prompt": ""}, 400),
     ({"prompt": [10**9]}, 400),
+    ({"prompt": [True, False]}, 400),  # not token ids, as the offline API says too
+    ({"prompt": [1.0, 2.0]}, 400),
     ({"temperature": 0}, 400),
     ({"prompt": "Hi", "model": "gpt-4"}, 404),
     ({"prompt": "Hi", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400),  # without stream (vLLM)
@@ -455,3 +457,57 @@ def test_engine_core_killed(tiny_model, tmp_path):
         code = s.stop()
     assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
     assert not s.orphans()
+
+
+# ------------------------------------------------------------------------------------------- bad start-up
+def _serve_refused(*flags: str) -> subprocess.CompletedProcess:
+    from serving_helpers import SERVER_FLAGS
+
+    return subprocess.run([sys.executable, "-m", "minivllm", "serve", *SERVER_FLAGS, *flags], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def _one_error_line(done: subprocess.CompletedProcess, expected: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr[-3000:]
+
+
+def test_serve_refuses_a_taken_port_before_it_loads_the_model(tiny_model):
+    """A port another socket holds: exit status 2 and one `error:` line naming the address, and no engine
+    core was started for it (the address is bound before the model loads)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve_refused("--model", str(tiny_model), "--port", str(port))
+    _one_error_line(done, f"cannot listen on 127.0.0.1:{port}")
+    assert "engine core" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("extra", [[], ["--in-process"], ["--data-parallel-size", "2"]],
+                         ids=["engine core process", "in process", "two engine cores"])
+def test_serve_refuses_a_missing_model_folder_in_one_line(tmp_path, extra):
+    """A model folder that is not there: the engine core refuses it as it starts, and the server ends with
+    the engine's own message, exit status 2, no traceback, and no engine-core process left behind."""
+    before = _engine_cores()
+    done = _serve_refused("--model", str(tmp_path / "nowhere"), "--port", "0", *extra)
+    _one_error_line(done, "nowhere")
+    assert not _engine_cores() - before, "an engine-core process outlived the refused server"
+
+
+def _engine_cores() -> set[int]:
+    """The pids of the engine-core processes running now (any test's)."""
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if "run_engine_core" in " ".join(p.info["cmdline"] or [])}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--port", "70000"], "cannot listen on 127.0.0.1:70000"),
+    (["--port", "0", "--host", "999.1.1.1"], "cannot listen on 999.1.1.1:0"),
+    (["--port", "0", "--kv-cache-memory-bytes", "10"], "kv_cache_memory_bytes"),
+], ids=["port out of range", "no such address", "a KV cache too small"])
+def test_serve_refuses_bad_flags_in_one_line(tiny_model, flags, expected):
+    _one_error_line(_serve_refused("--model", str(tiny_model), *flags), expected)

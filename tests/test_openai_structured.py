@@ -234,3 +234,21 @@ def test_protocol_mapping():
                 {"structured_outputs": {"regex": "a", "bogus": 1}}, {"structured_outputs": {}}):
         with pytest.raises(ValueError):
             params(**bad)
+
+
+def test_a_grammar_that_fails_while_generating_ends_its_request_only(server, client):
+    """3,000 choices compile, but llguidance refuses the first token (a row of its lexer's table is longer
+    than it allows): the engine core aborts that one request, the front end reports it finished with
+    "abort", and the server goes on serving (the front end once knew only "stop" and "length", and its
+    output handler died on the core's abort, taking every request with it)."""
+    choices = [f"option{i}" for i in range(3000)]
+    r = complete(client, {"choice": choices}, max_tokens=8)
+    assert r.choices[0].finish_reason == "abort" and r.choices[0].text not in choices, r.choices[0]
+    assert httpx_ok(server)
+    ok(client)
+
+
+def httpx_ok(server) -> bool:
+    import httpx
+
+    return httpx.get(f"{server.url}/health").status_code == 200

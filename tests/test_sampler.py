@@ -448,3 +448,17 @@ def test_seeded_request_is_the_same_alone_in_a_crowd_and_when_preempted(tiny, ca
     assert small.scheduler.num_preemptions > 0
     assert crowd[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
     check_invariants(small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("top_p", [1e-50, 1e-30, 1e-9])
+def test_a_top_p_below_the_dtypes_range_keeps_the_likeliest_token(dtype, top_p):
+    """top_p is in (0, 1], but 1e-50 is 0 in float32 (1e-9 in float16): the likeliest token must still be
+    kept, not every token refused until the pivot draw gives up."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 4.0, 4.5]], dtype=dtype)
+    seqs = [Sequence([1], SamplingParams(temperature=1.0, top_p=top_p, seed=i)) for i in range(2)]
+    gens = {s.seq_id: make_generator(i) for i, s in enumerate(seqs)}
+    assert Sampler()(logits, seqs, gens, make_generator(0)) == [1, 3]
+    md = sampling_metadata(seqs, gens, make_generator(0), frozenset(), 4, dtype, "cpu")
+    kept = apply_top_k_top_p(logits.clone(), None, md.top_p).isfinite()
+    assert kept.tolist() == [[False, True, False, False], [False, False, False, True]]

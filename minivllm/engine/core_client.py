@@ -269,7 +269,9 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
                     engine_cls: type = LLMEngine) -> None:
     """The engine core process's busy loop (vLLM V1's `EngineCoreProc.run_busy_loop`): take every message
     waiting on the input socket (wait for one while idle), step when there is work, send the step's
-    `EngineCoreOutputs`. Sends ("ready", `EngineCoreInfo`) first; on any error sends ("error", text) and exits."""
+    `EngineCoreOutputs`. Sends ("ready", `EngineCoreInfo`) first; on any error sends ("error", text) and exits,
+    except for a setting the engine refuses as it starts (ValueError, FileNotFoundError: a model folder that
+    is not there, heads that do not split): ("invalid", its message), which the front end raises as it is."""
     import zmq
 
     die_with_parent()
@@ -280,7 +282,11 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     inputs.connect(input_address)
     outputs.connect(output_address)
     try:
-        proc = build_engine_core(args, engine_cls)
+        try:
+            proc = build_engine_core(args, engine_cls)
+        except (ValueError, FileNotFoundError) as e:
+            outputs.send(pickle.dumps(("invalid", str(e))))
+            return
         outputs.send(pickle.dumps(("ready", proc.info())))
         running = True
         while running and os.getppid() == parent_pid:
@@ -324,7 +330,8 @@ class _EngineCoreProcess:
         self._async_output = None
 
     def _receive(self, timeout: float | None, expect: str = "outputs"):
-        """The next message's payload; EngineDeadError if the process died or sent an error."""
+        """The next message's payload; EngineDeadError if the process died or sent an error, ValueError if
+        it refused a setting as it started (the error an engine in this process would raise)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.output.poll(200):
             if not self.is_alive():
@@ -337,6 +344,8 @@ class _EngineCoreProcess:
         kind, payload = pickle.loads(frame)
         if kind == "error":
             raise EngineDeadError(f"the engine core failed:\n{payload}")
+        if kind == "invalid":
+            raise ValueError(payload)
         assert kind == expect, (kind, expect)
         return payload
 
@@ -376,7 +385,8 @@ class MPClient(_EngineCoreProcess):
     Args: args, an `EngineArgs` with every piece given; startup_timeout (s) for the model to load;
         engine_cls (see `build_engine_core`); env, the child's environment variables (None: this process's).
     Attributes: info (`EngineCoreInfo`), process (the child's `subprocess.Popen`).
-    Raises: EngineDeadError if the engine core fails to start (its traceback in the message).
+    Raises: ValueError for a setting the engine refuses as it starts (a missing model folder, say);
+        EngineDeadError if the engine core fails to start otherwise (its traceback in the message).
     """
 
     def add_request(self, request: EngineCoreRequest) -> None:

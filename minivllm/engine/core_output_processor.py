@@ -15,7 +15,8 @@ from .output_processor import (OutputRequests, ParentRequest, RequestState, adva
 from ..outputs import RequestOutput
 from ..sequence import Sequence, SequenceStatus
 
-CORE_FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH_CAPPED}
+CORE_FINISH = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH_CAPPED,
+               "abort": SequenceStatus.FINISHED_ABORTED}  # the core's own abort: a grammar refused a token
 
 
 @dataclass

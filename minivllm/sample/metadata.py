@@ -83,8 +83,8 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
     def tensor(values, dt=dtype):
         return torch.tensor(values, dtype=dt, device=device)
 
-    def per_row(name: str, used: bool):
-        return tensor([getattr(p, name) for p in params]) if used else None
+    def per_row(name: str, used: bool, least: float = 0.0):
+        return tensor([max(getattr(p, name), least) for p in params]) if used else None
 
     return SamplingMetadata(
         temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
@@ -93,7 +93,8 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
         plain_rows=tensor([i for i, (g, f) in enumerate(zip(greedy, filtered)) if not (g or f)], torch.int64),
         filtered_rows=tensor([i for i, (g, f) in enumerate(zip(greedy, filtered)) if f and not g], torch.int64),
         top_k=tensor(top_k, torch.int64) if min(top_k) < vocab_size else None,
-        top_p=per_row("top_p", any(p.top_p < 1 for p in params)),
+        # a top_p too small for `dtype` (1e-50 is 0 in float32) is its smallest normal: the likeliest token stays
+        top_p=per_row("top_p", any(p.top_p < 1 for p in params), torch.finfo(dtype).tiny),
         min_p=per_row("min_p", any(p.min_p > 0 for p in params)),
         no_penalties=no_penalties,
         prompt_token_ids=None if no_penalties else pad_token_ids([s.prompt_token_ids for s in seqs], vocab_size, device),

@@ -457,7 +457,8 @@ def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineAr
     """The engine-core client the flags ask for: a `DPClient` for `--data-parallel-size` > 1, else an
     `MPClient` (with `--in-process` an `InprocClient`) around `ParallelLLMEngine` (with one rank, chapter
     04's engine). Raises ValueError for `--in-process` with `--data-parallel-size` > 1 (each engine core
-    needs a process of its own); EngineDeadError if an engine core does not start."""
+    needs a process of its own) and for a setting an engine core refuses as it starts; EngineDeadError if
+    an engine core does not start otherwise."""
     from minivllm.distributed.data_parallel import DPClient
     from minivllm.distributed.executor import ParallelLLMEngine
     from minivllm.engine.core_client import InprocClient, MPClient
@@ -472,10 +473,15 @@ def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineAr
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket bound to `(host, port)`; port 0 lets the OS pick a free one (read it
-    back with `getsockname`). Raises OSError when the address is taken."""
+    back with `getsockname`). Raises ValueError naming the address when it cannot be bound (taken by
+    another server, or not an address of this machine)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
     return sock
 
 
@@ -492,24 +498,31 @@ async def serve_until_stopped(server, sock: socket.socket) -> None:
 
 # %% ../../../notebooks/12_serving.ipynb #559cda62
 async def serve_http(args: argparse.Namespace) -> None:
-    """Start the engine (its core in a process of its own unless `--no-multiprocess`), then serve until
-    stopped; the engine is shut down however this ends, so no engine-core process outlives the server."""
+    """Bind the address, start the engine (its core in a process of its own unless `--no-multiprocess`),
+    then serve until stopped. The address comes first, so that a taken port fails at once, not after the
+    model has loaded (vLLM binds first too); the engine is shut down however this ends, so no engine-core
+    process outlives the server. Raises ValueError for a bad flag, address or model."""
     import uvicorn
 
     from minivllm.engine.async_llm import AsyncLLM
 
     engine_args = engine_args_from_cli(args)
-    name = args.served_model_name or str(args.model or "default")
-    registry = CollectorRegistry()
-    engine = AsyncLLM(engine_args, multiprocess=args.multiprocess, stat_loggers=[PrometheusStatLogger(registry, name)],
-                      engine_core=engine_core_from_cli(args, engine_args))
+    sock = bind_socket(args.host, args.port)
     try:
-        app = build_app(engine, name, registry)
-        config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        await serve_until_stopped(uvicorn.Server(config), bind_socket(args.host, args.port))
+        name = args.served_model_name or str(args.model or "default")
+        registry = CollectorRegistry()
+        engine = AsyncLLM(engine_args, multiprocess=args.multiprocess,
+                          stat_loggers=[PrometheusStatLogger(registry, name)],
+                          engine_core=engine_core_from_cli(args, engine_args))
+        try:
+            app = build_app(engine, name, registry)
+            config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            await serve_until_stopped(uvicorn.Server(config), sock)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        sock.close()
 
 
 def run_server(args: argparse.Namespace) -> int:

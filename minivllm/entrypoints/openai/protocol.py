@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -166,7 +166,7 @@ def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids); OpenAI's default `max_tokens` is 16."""
 
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]  # true, 1.0 or "1" is no token id (pydantic would convert it)
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
