@@ -5,7 +5,8 @@
 Readers who open a chapter on GitHub or in Jupyter see what it printed and drew; the test suite
 executes the same notebooks again with nbmake (outputs there are not saved). The widgets' state is
 saved too (so JupyterLab and static viewers draw the controls, not `VBox(children=...)`), and the
-kernelspec is the one JupyterLab writes, so a freshly opened chapter is not marked modified.
+kernelspec is the one JupyterLab writes, so a freshly opened chapter is not marked modified. A tqdm bar
+counts each chapter's code cells and names the one running, so a slow or stuck cell shows which it is.
 """
 import argparse
 import time
@@ -13,6 +14,7 @@ import time
 import nbformat
 import zmq
 from nbclient import NotebookClient
+from tqdm import tqdm
 from traitlets.config import Config
 
 # What JupyterLab writes for ipykernel's python3 kernel; any other display_name it rewrites on
@@ -32,8 +34,16 @@ for path in parser.parse_args().notebooks:
     t0 = time.perf_counter()
     nb = nbformat.read(path, as_version=4)
     nb.metadata.pop("widgets", None)  # the state of this run only, not a stale one from the last
-    NotebookClient(nb, timeout=900, kernel_name=KERNELSPEC["name"], config=config, store_widget_state=True,
-                   resources={"metadata": {"path": "notebooks"}}).execute()
+    with tqdm(total=sum(c.cell_type == "code" for c in nb.cells), desc=path, unit="cell") as bar:
+        def started(cell, cell_index, **_):  # nbclient's hooks, called with keywords
+            bar.set_postfix_str(f"cell {cell_index} ({cell.get('id', '?')})")
+
+        def executed(cell, cell_index, **_):
+            bar.update(1)
+
+        NotebookClient(nb, timeout=900, kernel_name=KERNELSPEC["name"], config=config, store_widget_state=True,
+                       resources={"metadata": {"path": "notebooks"}}, on_cell_start=started,
+                       on_cell_executed=executed).execute()
     nb.metadata.kernelspec = dict(KERNELSPEC)
     nbformat.write(nb, path)
     print(f"{path}: {time.perf_counter() - t0:.1f} s")

@@ -83,7 +83,7 @@ def sampling_metadata(seqs: list[Sequence], generators: dict, default_generator,
     def tensor(values, dt=dtype):
         return torch.tensor(values, dtype=dt, device=device)
 
-    def per_row(name: str, used: bool, least: float = 0.0):
+    def per_row(name: str, used: bool, least: float = float("-inf")):  # penalties may be negative
         return tensor([max(getattr(p, name), least) for p in params]) if used else None
 
     return SamplingMetadata(
