@@ -330,8 +330,7 @@ class _EngineCoreProcess:
         self._async_output = None
 
     def _receive(self, timeout: float | None, expect: str = "outputs"):
-        """The next message's payload; EngineDeadError if the process died or sent an error, ValueError if
-        it refused a setting as it started (the error an engine in this process would raise)."""
+        """The next payload; EngineDeadError if the core died or failed, ValueError if it refused a setting."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.output.poll(200):
             if not self.is_alive():
@@ -342,10 +341,8 @@ class _EngineCoreProcess:
 
     def _payload(self, frame: bytes, expect: str):
         kind, payload = pickle.loads(frame)
-        if kind == "error":
-            raise EngineDeadError(f"the engine core failed:\n{payload}")
-        if kind == "invalid":
-            raise ValueError(payload)
+        if kind in ("error", "invalid"):  # it failed (its traceback), or refused a setting as it started
+            raise EngineDeadError(f"engine core failed:\n{payload}") if kind == "error" else ValueError(payload)
         assert kind == expect, (kind, expect)
         return payload
 
