@@ -460,11 +460,13 @@ def test_engine_core_killed(tiny_model, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- bad start-up
-def _serve_refused(*flags: str) -> subprocess.CompletedProcess:
+def _serve_refused(*flags: str, tag: str = "") -> subprocess.CompletedProcess:
+    """`python -m minivllm serve` with `flags`; `tag` goes into its environment (its engine cores inherit it)."""
     from serving_helpers import SERVER_FLAGS
 
     return subprocess.run([sys.executable, "-m", "minivllm", "serve", *SERVER_FLAGS, *flags], capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, TAG_ENV: tag})
 
 
 def _one_error_line(done: subprocess.CompletedProcess, expected: str) -> None:
@@ -493,15 +495,25 @@ def test_serve_refuses_a_taken_port_before_it_loads_the_model(tiny_model):
 def test_serve_refuses_a_missing_model_folder_in_one_line(tmp_path, extra):
     """A model folder that is not there: the engine core refuses it as it starts, and the server ends with
     the engine's own message, exit status 2, no traceback, and no engine-core process left behind."""
-    before = _engine_cores()
-    done = _serve_refused("--model", str(tmp_path / "nowhere"), "--port", "0", *extra)
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"  # this server's engine cores only, not another test's
+    done = _serve_refused("--model", str(tmp_path / "nowhere"), "--port", "0", *extra, tag=tag)
     _one_error_line(done, "nowhere")
-    assert not _engine_cores() - before, "an engine-core process outlived the refused server"
+    assert not _engine_cores(tag), "an engine-core process outlived the refused server"
 
 
-def _engine_cores() -> set[int]:
-    """The pids of the engine-core processes running now (any test's)."""
-    return {p.pid for p in psutil.process_iter(["cmdline"]) if "run_engine_core" in " ".join(p.info["cmdline"] or [])}
+TAG_ENV = "MINIVLLM_TEST_SERVER_TAG"
+
+
+def _engine_cores(tag: str) -> list[int]:
+    """The pids of the engine-core processes running now whose environment carries `tag`."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "run_engine_core" in " ".join(p.info["cmdline"] or []) and p.environ().get(TAG_ENV) == tag:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
 
 
 @pytest.mark.parametrize("flags, expected", [
