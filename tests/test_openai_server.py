@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -283,6 +284,31 @@ def test_async_clients_concurrently(server, client):
     assert asyncio.run(main()) == [want.choices[0].text] * 8
 
 
+def test_a_long_prompt_does_not_hold_up_other_requests(server):
+    """Tokenizing two megabytes of text takes a second or more; meanwhile the server must go on answering.
+    `/health` is asked again and again while the long request runs: a server that tokenizes on its event
+    loop answers none of them until that request is done (it then fails: the prompt is longer than the
+    context), one that tokenizes on another thread answers them all. The count, not a time, is asserted;
+    the pause lets the long request reach the server first."""
+    text = "hello world, the quick brown fox. " * 60_000  # 2 MB, about 480,000 tokens
+    result: list[httpx.Response] = []
+
+    def send_long():
+        result.append(httpx.post(f"{server.url}/v1/completions", timeout=300,
+                                 json={"model": MODEL_NAME, "prompt": text, "max_tokens": 1}))
+
+    long_request = threading.Thread(target=send_long)
+    long_request.start()
+    time.sleep(0.3)
+    answered_meanwhile = 0
+    while long_request.is_alive():
+        assert httpx.get(f"{server.url}/health", timeout=300).status_code == 200
+        answered_meanwhile += long_request.is_alive()
+    long_request.join()
+    assert result[0].status_code == 400 and "maximum context length" in result[0].text, result[0].text
+    assert answered_meanwhile >= 5, f"/health was answered {answered_meanwhile} times while the long prompt was tokenized"
+
+
 # ------------------------------------------------------------------------------------ stop and logprobs
 def test_stop_string(client):
     base = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0,
@@ -488,6 +514,18 @@ def test_serve_refuses_a_taken_port_before_it_loads_the_model(tiny_model):
         done = _serve_refused("--model", str(tiny_model), "--port", str(port))
     _one_error_line(done, f"cannot listen on 127.0.0.1:{port}")
     assert "engine core" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+def test_a_bound_port_is_not_shared():
+    """Two servers started at once on one port: the second's `bind_socket` fails at once. (With
+    SO_REUSEADDR, Linux lets two sockets bind one port until one of them listens; a socket that only
+    bound would let the second server load its model and fail later, in uvicorn.)"""
+    from minivllm.entrypoints.openai.api_server import bind_socket
+
+    with bind_socket("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_socket("127.0.0.1", port).close()
 
 
 @pytest.mark.parametrize("extra", [[], ["--in-process"], ["--data-parallel-size", "2"]],

@@ -680,6 +680,19 @@ def test_speculative_engine_refuses_structured(smol_tiny, prompts):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_a_grammar_that_fails_while_generating_aborts_its_request_with_the_reason(llm, prompts):
+    """3,000 choices compile, but llguidance refuses the first token (a row of its lexer's table is longer
+    than it allows): that request ends "abort", a warning gives llguidance's reason (the output cannot
+    carry it), and the request beside it in the batch finishes as it would alone."""
+    so = StructuredOutputsParams(choice=[f"option{i}" for i in range(3000)])
+    reason = r"request \S+ is aborted: its grammar refused token \d+: .*max is \d+; consider[^\n]*$"  # one line
+    with pytest.warns(UserWarning, match=reason):
+        outs = run_engine(llm.llm_engine, prompts[:2], [greedy(max_tokens=8, structured_outputs=so), greedy(max_tokens=4)])
+    assert outs[0].outputs[0].finish_reason == "abort", outs[0].outputs[0]
+    alone = run_engine(llm.llm_engine, prompts[1:2], greedy(max_tokens=4))
+    assert outs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
 # --- 9. ignore_eos with a choice -------------------------------------------------------------------------------
 
 def test_ignore_eos_choice_stops_when_complete(llm, prompts, ll_tokenizer):

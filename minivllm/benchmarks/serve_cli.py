@@ -161,15 +161,15 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="benchmark a running OpenAI-compatible server (vllm bench serve)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--base-url", default=None, help="the server's root URL (None: http://HOST:PORT)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--endpoint", default="/v1/completions")
+    s.add_argument("--host", default="127.0.0.1", help="the server's address")
+    s.add_argument("--port", type=int, default=8000, help="the server's port")
+    s.add_argument("--endpoint", default="/v1/completions", help="the route the requests go to")
     s.add_argument("--model", default=None, help="local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--tokenizer", default=None, help="tokenizer folder (None: --model's)")
     s.add_argument("--served-model-name", default=None,
                    help="the requests' model name (None: the server's only model in /v1/models, else --model)")
-    s.add_argument("--dataset-name", choices=["random"], default="random")
-    s.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
+    s.add_argument("--dataset-name", choices=["random"], default="random", help="where prompts come from")
+    s.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="requests sent")
     s.add_argument("--random-input-len", type=int, default=DEFAULT_INPUT_LEN, help="prompt tokens")
     s.add_argument("--random-output-len", type=int, default=DEFAULT_OUTPUT_LEN, help="output tokens (max_tokens)")
     s.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -178,13 +178,13 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps between requests (1: Poisson; < 1 burstier, > 1 more regular)")
     s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (None: no limit)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seeds the prompts and the gaps between requests")
     s.add_argument("--ignore-eos", action="store_true", help="generate all max_tokens tokens, past the end-of-sequence")
     s.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="service-level objectives for goodput, in ms: ttft:500 tpot:50 e2el:10000")
     s.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"metrics in the table: {','.join(METRICS)}")
     s.add_argument("--metric-percentiles", default="99", help="percentiles in the table, e.g. 25,50,99")
-    s.add_argument("--disable-tqdm", action="store_true")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.add_argument("--save-result", action="store_true", help="write the JSON record")
     s.add_argument("--result-dir", default=None, help="the record's folder (None: results/)")
     s.add_argument("--result-filename", default=None, help="the record's file name (implies --save-result)")

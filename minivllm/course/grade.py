@@ -115,8 +115,10 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "notebooks/01_sequences.ipynb", ("tests/test_grading_ch01_regions.py",)),
     Exercise("ch01_ex3", 3, "extend", "stop strings, checked in the new text and a tail (check_stop_strings)",
              "exercises/ch01_sequences.py", ("tests/test_grading_ch01_extend.py",)),
-    Exercise("ch02_ex1", 4, "extend", "a variant of the model's layers", "exercises/ch02_model.py", _T1),
-    Exercise("ch02_ex2", 4, "extend", "a second variant of the model's layers", "exercises/ch02_model.py", _T1),
+    Exercise("ch02_ex1", 4, "extend", "Gemma's RMSNorm and RoPE over adjacent pairs (gemma_rms_norm, "
+             "apply_rope_interleaved)", "exercises/ch02_model.py", _T1),
+    Exercise("ch02_ex2", 4, "extend", "attention with grouped-query heads, the causal rule and a sliding "
+             "window (attention)", "exercises/ch02_model.py", _T1),
     Exercise("ch02_ex3", 15, "rebuild", "build the decoder layer: RMSNorm, rotary embedding, attention with GQA "
              "(Attention.forward, qkv), the SwiGLU MLP, DecoderLayer.forward", "notebooks/02_model.ipynb",
              ("tests/test_grading_ch02_regions.py", "tests/test_grading_default_model.py"),
@@ -126,7 +128,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
                      ("MLP equals transformers'", 2),
                      ("the decoder layer's residuals and norms equal transformers'", 2),
                      ("the decoder equals transformers' logits", 3))),
-    Exercise("ch03_ex1", 4, "extend", "chapter 03's batching exercise", "exercises/ch03_batching.py", _T3),
+    Exercise("ch03_ex1", 4, "extend", "batch without padding: prompts end to end in one flat list (varlen_attention)",
+             "exercises/ch03_batching.py", _T3),
     Exercise("ch03_ex2", 10, "rebuild", "build static batching: left padding and positions (pad_batch), the padded "
              "attention with its mask (padded_attention), the loop over a static batch (static_generate)",
              "notebooks/03_batching.ipynb", ("tests/test_grading_ch03_regions.py",),

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 
@@ -63,7 +64,15 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self.llg = import_llguidance()
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        return all(self.matcher.consume_token(t) for t in tokens)
+        """Also warns with the first line of llguidance's reason (the rest dumps the parser's state) when a
+        token is refused, as vLLM logs it: the aborted request's output can only say "abort"."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                reason = (self.matcher.get_error() or "not allowed here").splitlines()[0]
+                warnings.warn(f"structured_outputs: request {request_id} is aborted: its grammar refused token "
+                              f"{token}: {reason}", stacklevel=2)
+                return False
+        return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         return tokens[:self.matcher.validate_tokens(tokens)]

@@ -16,7 +16,8 @@ import json
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -211,11 +212,12 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], num_top
 @dataclass
 class ServingState:
     """What the routes share (kept in `app.state.serving`): the engine, the name clients must ask for,
-    and the Prometheus registry `/metrics` shows."""
+    the Prometheus registry `/metrics` shows, and the one thread that tokenizes prompts (`encoded`)."""
 
     engine: Any  # an AsyncLLM
     served_model_name: str
     registry: CollectorRegistry
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenizer"))
 
 
 def check_request(state: ServingState, model: str | None) -> None:
@@ -265,11 +267,13 @@ def completion_prompt(tokenizer, prompt: str | list[int]) -> dict:
     return {"prompt_token_ids": list(prompt)}
 
 
-def encoded(make_prompt, *args):
-    """`make_prompt(*args)`; text the tokenizer cannot take (JSON may carry a lone UTF-16 surrogate) is a
-    ValueError (400), not a 500."""
+async def encoded(state: ServingState, make_prompt, *args):
+    """`make_prompt(*args)` on the server's tokenizer thread: a prompt of a few megabytes takes seconds
+    to tokenize, and on the event loop it would hold up every other request meanwhile. One thread, as vLLM's
+    `OpenAIServing` keeps, since a tokenizer is not made to be used by several threads at once. Text the
+    tokenizer cannot take (JSON may carry a lone UTF-16 surrogate) is a ValueError (400), not a 500."""
     try:
-        return make_prompt(*args)
+        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, make_prompt, *args)
     except (TypeError, UnicodeError) as e:
         raise ValueError(f"the prompt is not valid text: {e}") from None
 
@@ -332,7 +336,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request):
     """`POST /v1/completions`. Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = encoded(completion_prompt, state.engine.tokenizer, request.prompt)
+    prompt = await encoded(state, completion_prompt, state.engine.tokenizer, request.prompt)
     return await respond(state, prompt, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
 
 # %% ../../../notebooks/12_serving.ipynb #97d90663
@@ -391,7 +395,8 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = encoded(chat_prompts, state.engine.tokenizer, request.conversation(), request.add_generation_prompt)[0]
+    prompt = (await encoded(state, chat_prompts, state.engine.tokenizer, request.conversation(),
+                            request.add_generation_prompt))[0]
     return await respond(state, prompt, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
 
 # %% ../../../notebooks/12_serving.ipynb #3509404e
@@ -472,13 +477,14 @@ def engine_core_from_cli(args: argparse.Namespace, engine_args: ParallelEngineAr
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket bound to `(host, port)`; port 0 lets the OS pick a free one (read it
-    back with `getsockname`). Raises ValueError naming the address when it cannot be bound (taken by
-    another server, or not an address of this machine)."""
+    """A TCP socket listening on `(host, port)`: until the server accepts, connections wait in its queue.
+    Port 0 lets the OS pick a free one (read it back with `getsockname`). Raises ValueError naming the
+    address when it cannot be bound (taken by another server, or not an address of this machine)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen()  # the port is ours now: two sockets with SO_REUSEADDR may share it until one listens
     except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None

@@ -18,23 +18,28 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)], help="parameter dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="parameter dtype (default auto: bfloat16 on CUDA, float32 elsewhere)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache size in bytes")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per sequence (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step (default 8192)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV-cache size in bytes (default 1 GiB on CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompts' shared prefixes (default on)")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests without a seed of their own")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests without a seed of their own (default 0)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split each layer (chapter 13; default 1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores, each a whole copy of the model in a process of its own (chapter 13; default 1)")
     p.add_argument("--no-multiprocess", "--in-process", dest="multiprocess", action="store_false",
                    help="run the engine core in the server's process (default: a process of its own)")
-    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="what uvicorn logs (default info)")
     p.set_defaults(func=run_server)
     return p
 
