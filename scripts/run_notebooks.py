@@ -17,6 +17,8 @@ from nbclient import NotebookClient
 from tqdm import tqdm
 from traitlets.config import Config
 
+from kernel_polling import poll_in_slices
+
 # What JupyterLab writes for ipykernel's python3 kernel; any other display_name it rewrites on
 # opening, and the chapter shows as modified before the reader has touched it.
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -27,6 +29,8 @@ KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "nam
 config = Config()
 if zmq.has("curve"):
     config.KernelManager.transport_encryption = "auto"
+
+poll_in_slices()  # a cell that shows widgets no longer waits out the cell timeout (see kernel_polling)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("notebooks", nargs="+", help="the chapters to execute, in this order")
