@@ -14,14 +14,9 @@ from queue import Empty
 POLL_S = 1.0  # the longest one poll may sleep before it looks again
 
 
-def poll_in_slices() -> None:
-    """Make every asynchronous kernel channel's `get_msg(timeout)` poll at most `POLL_S` at a time, until
-    a message comes (returned) or `timeout` has passed (`queue.Empty`, as before). Idempotent."""
-    from jupyter_client.channels import AsyncZMQSocketChannel
-
-    get_msg = AsyncZMQSocketChannel.get_msg
-    if getattr(get_msg, "polls_in_slices", False):
-        return
+def in_slices(get_msg):
+    """`get_msg(channel, timeout)` (an asynchronous channel's method) as polls of at most `POLL_S`: the same
+    meaning (a message when one comes, `queue.Empty` once `timeout` has passed; None: no limit)."""
 
     async def get_msg_in_slices(self, timeout: float | None = None):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -34,4 +29,15 @@ def poll_in_slices() -> None:
                     raise
 
     get_msg_in_slices.polls_in_slices = True
-    AsyncZMQSocketChannel.get_msg = get_msg_in_slices
+    return get_msg_in_slices
+
+
+def poll_in_slices() -> None:
+    """Make every asynchronous kernel channel's `get_msg` poll in slices (`in_slices`). Idempotent; a
+    jupyter_client without asynchronous channels (before 7.0) is left as it is."""
+    try:
+        from jupyter_client.channels import AsyncZMQSocketChannel
+    except ImportError:
+        return
+    if not getattr(AsyncZMQSocketChannel.get_msg, "polls_in_slices", False):
+        AsyncZMQSocketChannel.get_msg = in_slices(AsyncZMQSocketChannel.get_msg)

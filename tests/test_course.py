@@ -220,6 +220,16 @@ def test_a_build_scores_by_its_parts(tmp_path):
     assert "PART" in grading.format_report({"exercises": {ex: rep}, "total": rep["points"], "max_total": 10})
 
 
+def test_a_test_process_that_imported_ipykernel_still_grades():
+    """The grader skips only inside a chapter's kernel under nbmake (the suite runs those graders itself).
+    A test process that merely imported ipykernel (jupyter_client does, to find a kernel's spec) once
+    counted as one, and every later grading test in that pytest worker found no exercises graded."""
+    pytest.importorskip("ipykernel.kernelspec")
+    assert os.environ.get("PYTEST_CURRENT_TEST")
+    rep = grading.grade(["ch01_ex2"], ROOT, verbose=False)
+    assert "skipped" not in rep and rep["exercises"]["ch01_ex2"]["points"] == EXERCISES["ch01_ex2"].points, rep
+
+
 def test_a_stopped_run_and_an_unknown_part_score_nothing_loudly(tmp_path):
     """Graded in the book with an instructor's private test: one that ends the grading process
     (`os._exit`, as a crash, the OOM killer or a student's exit would) leaves its part unscored, says

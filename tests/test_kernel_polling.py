@@ -1,6 +1,7 @@
 """`scripts/kernel_polling.py`, the workaround the chapters' runs use for jupyter/nbclient#312: a kernel
-channel's `get_msg(timeout)` polls a second at a time, and still means what it meant (a message when one
-comes, `queue.Empty` once the whole timeout has passed). Tested on a real ipykernel."""
+channel's `get_msg(timeout)` polls at most a second at a time, and still means what it meant (a message
+when one comes, `queue.Empty` once the whole timeout has passed): on a stand-in channel whose polls are
+counted, then on a real ipykernel."""
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,6 @@ from queue import Empty
 
 import pytest
 
-pytest.importorskip("ipykernel")
-channels = pytest.importorskip("jupyter_client.channels")
-
 
 def load_polling():
     path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_polling.py"
@@ -22,14 +20,40 @@ def load_polling():
     return module
 
 
-def test_get_msg_polls_in_slices_and_keeps_its_meaning():
+def test_a_wait_is_cut_into_polls_of_at_most_a_second(monkeypatch):
+    polling = load_polling()
+    monkeypatch.setattr(polling, "POLL_S", 0.05)
+    polls, arrives_at = [], None
+
+    async def poll(channel, timeout):  # a channel's get_msg: a message once it has arrived, else Empty
+        polls.append(timeout)
+        await asyncio.sleep(timeout)
+        if arrives_at is not None and time.monotonic() >= arrives_at:
+            return "the reply"
+        raise Empty
+
+    get_msg = polling.in_slices(poll)
+    start = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(get_msg(None, timeout=0.125))
+    assert time.monotonic() - start >= 0.125 - 0.01  # the whole timeout, not only the first poll
+    assert len(polls) == 3 and max(polls) <= 0.05 and polls[-1] == pytest.approx(0.025, abs=0.01), polls
+
+    polls.clear()
+    arrives_at = time.monotonic() + 0.12
+    assert asyncio.run(get_msg(None, timeout=None)) == "the reply"  # no limit: polls until it comes
+    assert len(polls) >= 3 and max(polls) == 0.05
+
+
+def test_a_real_kernel_channel_still_answers_and_times_out():
+    pytest.importorskip("ipykernel")
+    channels = pytest.importorskip("jupyter_client.channels")
     from jupyter_client import AsyncKernelManager
 
     polling = load_polling()
     polling.poll_in_slices()
     polling.poll_in_slices()  # a second call changes nothing
-    patched = channels.AsyncZMQSocketChannel.get_msg
-    assert patched.polls_in_slices and patched.__closure__ is not None
+    assert channels.AsyncZMQSocketChannel.get_msg.polls_in_slices
 
     async def main():
         km = AsyncKernelManager(kernel_name="python3")
@@ -38,11 +62,10 @@ def test_get_msg_polls_in_slices_and_keeps_its_meaning():
         kc.start_channels()
         try:
             await kc.wait_for_ready(timeout=120)
-            timeout = 2.5 * polling.POLL_S  # three polls
             start = time.monotonic()
             with pytest.raises(Empty):
-                await kc.shell_channel.get_msg(timeout=timeout)
-            assert time.monotonic() - start >= timeout - 0.05  # the whole timeout, not only the first poll
+                await kc.shell_channel.get_msg(timeout=2.5)
+            assert time.monotonic() - start >= 2.5 - 0.05
             msg_id = kc.execute("1 + 1")
             reply = await kc.shell_channel.get_msg(timeout=None)
             assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"

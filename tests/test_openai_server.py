@@ -284,7 +284,7 @@ def test_async_clients_concurrently(server, client):
     assert asyncio.run(main()) == [want.choices[0].text] * 8
 
 
-def test_a_long_prompt_does_not_hold_up_other_requests(server):
+def test_the_server_answers_while_a_long_prompt_is_tokenized(server):
     """Tokenizing two megabytes of text takes a second or more; meanwhile the server must go on answering.
     `/health` is asked again and again while the long request runs: a server that tokenizes on its event
     loop answers none of them until that request is done (it then fails: the prompt is longer than the
@@ -526,6 +526,34 @@ def test_a_bound_port_is_not_shared():
         port = first.getsockname()[1]
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
             bind_socket("127.0.0.1", port).close()
+
+
+def test_the_ready_line_is_a_url_for_an_ipv6_address_too(capsys):
+    """`serve --host ::1` printed `http://::1:PORT`, which no client parses; an IPv6 address in a URL goes
+    in brackets. A real uvicorn server on the IPv6 loopback (skipped where this machine has none)."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from minivllm.entrypoints.openai.api_server import bind_socket, serve_until_stopped
+
+    try:
+        sock = bind_socket("::1", 0)
+    except ValueError:
+        pytest.skip("no IPv6 loopback on this machine")
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(FastAPI(), log_level="warning"))
+
+    async def serve_then_stop():
+        serving = asyncio.create_task(serve_until_stopped(server, sock))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        server.should_exit = True
+        await serving
+
+    with sock:
+        asyncio.run(serve_then_stop())
+    url = capsys.readouterr().out.strip().removeprefix("minivllm serve: listening on ")
+    assert url == f"http://[::1]:{port}" and httpx.URL(url).port == port, url
 
 
 @pytest.mark.parametrize("extra", [[], ["--in-process"], ["--data-parallel-size", "2"]],

@@ -685,7 +685,7 @@ def test_a_grammar_that_fails_while_generating_aborts_its_request_with_the_reaso
     than it allows): that request ends "abort", a warning gives llguidance's reason (the output cannot
     carry it), and the request beside it in the batch finishes as it would alone."""
     so = StructuredOutputsParams(choice=[f"option{i}" for i in range(3000)])
-    reason = r"request \S+ is aborted: its grammar refused token \d+: .*max is \d+; consider[^\n]*$"  # one line
+    reason = r"request \S+ is aborted: its grammar refused token \d+: [^\n]+$"  # llguidance's reason, one line
     with pytest.warns(UserWarning, match=reason):
         outs = run_engine(llm.llm_engine, prompts[:2], [greedy(max_tokens=8, structured_outputs=so), greedy(max_tokens=4)])
     assert outs[0].outputs[0].finish_reason == "abort", outs[0].outputs[0]

@@ -637,6 +637,14 @@ def find_root(start: str | Path = ".") -> Path:
     raise ValueError(f"no minivllm edition (a folder with minivllm/ and tests/) at or above {here}")
 
 
+def in_a_kernel() -> bool:
+    """Whether this process is a Jupyter kernel running a chapter (an IPython shell with a kernel), not
+    only one that imported ipykernel (jupyter_client does, to find the python3 kernel's spec)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
 def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *, json_path: str | Path | None = None,
           junit_path: str | Path | None = None, private_tests: str | Path | None = None,
           export: bool | None = None, verbose: bool = True, timeout_s: float = GRADE_TIMEOUT_S) -> dict:
@@ -672,7 +680,7 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
     if unassigned and verbose:  # e.g. a chapter's grader cell of an exercise this edition did not release
         print(f"{', '.join(unassigned)}: not in this edition's assignment ({EDITION_FILE} lists "
               f"{', '.join(edition['exercises'])}); graded anyway")
-    if edition is None and "ipykernel" in sys.modules and os.environ.get("PYTEST_CURRENT_TEST"):
+    if edition is None and in_a_kernel() and os.environ.get("PYTEST_CURRENT_TEST"):
         # a chapter of the book executed by the test suite (nbmake): the suite runs these graders itself
         if verbose:
             print(f"{', '.join(wanted)}: not run here (this chapter runs inside the test suite, which runs the "

@@ -270,8 +270,9 @@ def completion_prompt(tokenizer, prompt: str | list[int]) -> dict:
 async def encoded(state: ServingState, make_prompt, *args):
     """`make_prompt(*args)` on the server's tokenizer thread: a prompt of a few megabytes takes seconds
     to tokenize, and on the event loop it would hold up every other request meanwhile. One thread, as vLLM's
-    `OpenAIServing` keeps, since a tokenizer is not made to be used by several threads at once. Text the
-    tokenizer cannot take (JSON may carry a lone UTF-16 surrogate) is a ValueError (400), not a 500."""
+    `OpenAIServing` keeps: prompts are encoded one at a time, in the order they came (a long one still
+    delays the prompts behind it, not the running requests). Text the tokenizer cannot take (JSON may
+    carry a lone UTF-16 surrogate) is a ValueError (400), not a 500."""
     try:
         return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, make_prompt, *args)
     except (TypeError, UnicodeError) as e:
@@ -499,6 +500,7 @@ async def serve_until_stopped(server, sock: socket.socket) -> None:
         await asyncio.sleep(READY_POLL_S)
     if server.started:
         host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL goes in brackets
         print(f"minivllm serve: listening on http://{host}:{port}", flush=True)
     await serving
 
@@ -525,6 +527,7 @@ async def serve_http(args: argparse.Namespace) -> None:
             config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
             await serve_until_stopped(uvicorn.Server(config), sock)
+            app.state.serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         finally:
             engine.shutdown()
     finally:
