@@ -264,8 +264,29 @@ def test_profile_script_accounts_for_every_step(tiny_llama, tmp_path, capsys):
     assert a_dec["bound_s"] == pytest.approx(a_dec["kv_gbytes"] * 1e9 / peaks["copy_bytes_per_s"])
     for a, kind in ((a_pre, "prefill"), (a_dec, "decode")):
         assert a["ratio"] == pytest.approx(p[kind]["parts"]["attention"] / a["bound_s"])
+        # the K/V store is timed inside the backend's call: part of it, not all of it
+        assert 0 < a["kv_store_s"] < p[kind]["parts"]["attention"]
+        assert a["without_store_ratio"] == pytest.approx((p[kind]["parts"]["attention"] - a["kv_store_s"]) / a["bound_s"])
     assert "against" in captured.out and "its bound" in captured.out
 
+
+
+def test_profile_timer_counts_a_nested_call_of_one_part_once(monkeypatch):
+    # chapter 11's mixed-step attention calls the backend it wraps: both are timed as "attention"
+    script = _profile_script()
+    now = [0.0]  # a clock that moves only when a timed function says so
+    monkeypatch.setattr(script.time, "perf_counter", lambda: now[0])
+    timer = script.StepTimer(lambda: None)
+
+    def take(seconds):
+        now[0] += seconds
+
+    inner = timer.wrap(lambda: take(1.0), "attention")
+    outer = timer.wrap(lambda: (inner(), take(2.0)), "attention")
+    outer()
+    assert timer.seconds["prefill"]["attention"] == 3.0 and not timer.running
+    inner()  # alone: counted
+    assert timer.seconds["prefill"]["attention"] == 4.0
 
 # ---------------------------------------------------------------------------------------------------
 # The roofline, the speedup ladder, dummy-weight models, the GPU check script (chapter 09, GPU half).
