@@ -11,8 +11,11 @@ sequences of L new tokens each (at least one sequence, so a row holds `--tokens`
 divides it), with the default model's heads (read from its config), random inputs, after one untimed
 call: the best and the median of `--repeats` calls. The bound is the causal pairs' FLOPs
 (`ModelCost.attention_flops_per_pair` for one layer: 4 x query heads x head_dim per pair, each sequence
-L (L + 1) / 2 pairs) at the matmul rate `measure_peaks` measures for the dtype in the same run; the ratio
-is the best time over the bound (1 at the bound). The times depend a little on the data: the bfloat16
+L (L + 1) / 2 pairs) at the dtype's matmul rate, timed beside the row: `measure_peaks` finds the fastest
+matmul path and size for the dtype once, then such a matmul is timed just before and just after each
+row's calls, and the row's rate is the best of those (a CPU shared with other programs, or changing its clock, ran the same
+matmul 15% faster from one minute to the next). The ratio is the best time over the bound (1 at the
+bound). The times depend a little on the data: the bfloat16
 kernel rescales a row's sums only where a score rises well above the row's running maximum, which
 random scores seldom do. Beside each call, alternating with it, the same inputs go through torch's own
 fused causal attention, `F.scaled_dot_product_attention` (SDPA; the sequences as a batch, `is_causal`,
@@ -32,8 +35,10 @@ import torch.nn.functional as F
 
 from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
 from minivllm.benchmarks.env import environment, write_json
-from minivllm.benchmarks.roofline import measure_peaks
+from minivllm.benchmarks.roofline import DevicePeaks, measure_peaks
 from minivllm.benchmarks.runners import timed
+from minivllm.model_executor.layers.cpu_gemm import PanelLinear
+from minivllm.model_executor.layers.linear import PackedLinear
 from minivllm.transformers_utils.model_files import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -59,10 +64,37 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: 
     return out.transpose(1, 2).reshape(q.shape)
 
 
-def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: int, repeats: int) -> dict:
+def reference_matmul(dtype: torch.dtype, peaks: DevicePeaks):
+    """`(fn, flops)`: one call of the matmul that `measure_peaks` found fastest for `dtype` (its path and size
+    from `peaks.detail`; `torch.mm` at n = 2048 where the detail does not say), and its FLOPs (2 n^3)."""
+    n, op = peaks.detail.get("matmul_n", 2048), peaks.detail.get("matmul_op", "torch.mm")
+    a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
+    if op in ("PackedLinear", "PanelLinear"):
+        linear = torch.nn.Linear(n, n, bias=False, dtype=dtype)
+        layer = (PackedLinear if op == "PackedLinear" else PanelLinear)(linear)
+        return (lambda: layer(a)), 2 * n ** 3
+    if op == "F.linear":
+        return (lambda: F.linear(a, b)), 2 * n ** 3
+    c = torch.empty_like(a)
+    return (lambda: torch.mm(a, b, out=c)), 2 * n ** 3
+
+
+def time_reference(reference, repeats: int) -> list[float]:
+    """The wall times of `(repeats + 1) // 2` calls of `reference`'s function after an untimed one (none
+    without a reference)."""
+    if reference is None:
+        return []
+    reference[0]()
+    return [timed(reference[0])[1] for _ in range((repeats + 1) // 2)]
+
+
+def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: int, repeats: int,
+                reference=None) -> dict:
     """One row: `max(1, tokens // length)` sequences of `length` tokens through `kernel`, and through `sdpa`
     alternating with it; the kernel's best and median times, SDPA's best time and its largest difference from
-    the kernel's output, the causal pairs and FLOPs of the call (one layer)."""
+    the kernel's output, the causal pairs and FLOPs of the call (one layer). With `reference`, `(fn, flops)`
+    from `reference_matmul`, `fn()` is also timed just before and just after the row's calls
+    (`time_reference`), and the row holds the best rate of those (`matmul_flops_per_s`)."""
     num_seqs = max(1, tokens // length)
     g = torch.Generator().manual_seed(length)
     n, head_dim = num_seqs * length, heads["head_dim"]
@@ -70,16 +102,23 @@ def time_length(kernel, dtype: torch.dtype, heads: dict, length: int, tokens: in
     k, v = (torch.randn(n, heads["num_kv_heads"], head_dim, generator=g).to(dtype) for _ in range(2))
     cu = torch.arange(0, n + 1, length, dtype=torch.int64)
     scale = head_dim ** -0.5
+    # the reference matmul just before and just after the row's calls (not between them: its operands would
+    # push the row's inputs out of the caches, which the engine's attention finds warm from the projection)
+    reference_times = time_reference(reference, repeats)
     # untimed: first-touch of the outputs, caches
     diff = (kernel(q, k, v, cu, cu, scale).float() - sdpa(q, k, v, length, scale).float()).abs().max().item()
     times, sdpa_times = [], []
     for _ in range(repeats):
         times.append(timed(kernel, q, k, v, cu, cu, scale)[1])
         sdpa_times.append(timed(sdpa, q, k, v, length, scale)[1])
+    reference_times += time_reference(reference, repeats)
     pairs = num_seqs * length * (length + 1) // 2
-    return dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * heads["num_heads"] * head_dim * pairs,
-                seconds=min(times), median_seconds=statistics.median(times), sdpa_seconds=min(sdpa_times),
-                sdpa_max_diff=diff)
+    row = dict(length=length, num_seqs=num_seqs, pairs=pairs, flops=4 * heads["num_heads"] * head_dim * pairs,
+               seconds=min(times), median_seconds=statistics.median(times), sdpa_seconds=min(sdpa_times),
+               sdpa_max_diff=diff)
+    if reference is not None:
+        row["matmul_flops_per_s"] = reference[1] / min(reference_times)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,16 +146,21 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = dict(kernel=False, rows=[])
             continue
         peaks = measure_peaks("cpu", dtype)
-        rows = [time_length(kernel, dtype, heads, length, args.tokens, args.repeats) for length in args.lengths]
-        print(f"{name}: matmul rate {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
-        print(f"{'length':>8} {'seqs':>5} {'best ms':>8} {'median ms':>9} {'GFLOP/s':>8} {'x bound':>8} "
+        reference = reference_matmul(dtype, peaks)
+        rows = [time_length(kernel, dtype, heads, length, args.tokens, args.repeats, reference)
+                for length in args.lengths]
+        print(f"{name}: matmul rate {peaks.matmul_flops_per_s / 1e9:.0f} GFLOP/s before the rows "
+              f"({peaks.detail.get('matmul_op', 'torch.mm')}, n = {peaks.detail.get('matmul_n', 2048)}), then timed "
+              "beside each row")
+        print(f"{'length':>8} {'seqs':>5} {'best ms':>8} {'median ms':>9} {'GFLOP/s':>8} {'matmul':>7} {'x bound':>8} "
               f"{'SDPA ms':>8} {'SDPA x bound':>12} {'max diff':>9}")
         for row in rows:
+            rate = row["matmul_flops_per_s"]
             row["gflop_per_s"] = row["flops"] / row["seconds"] / 1e9
-            row["ratio"] = row["seconds"] * peaks.matmul_flops_per_s / row["flops"]
-            row["sdpa_ratio"] = row["sdpa_seconds"] * peaks.matmul_flops_per_s / row["flops"]
+            row["ratio"] = row["seconds"] * rate / row["flops"]
+            row["sdpa_ratio"] = row["sdpa_seconds"] * rate / row["flops"]
             print(f"{row['length']:8d} {row['num_seqs']:5d} {1e3 * row['seconds']:8.2f} "
-                  f"{1e3 * row['median_seconds']:9.2f} {row['gflop_per_s']:8.0f} {row['ratio']:8.2f} "
+                  f"{1e3 * row['median_seconds']:9.2f} {row['gflop_per_s']:8.0f} {rate / 1e9:7.0f} {row['ratio']:8.2f} "
                   f"{1e3 * row['sdpa_seconds']:8.2f} {row['sdpa_ratio']:12.2f} {row['sdpa_max_diff']:9.2g}")
         results[name] = dict(kernel=True, matmul_flops_per_s=peaks.matmul_flops_per_s, rows=rows)
     if args.out:

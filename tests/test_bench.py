@@ -1016,17 +1016,24 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
     """scripts/prefill_attention_lengths.py (chapter 09), on any CPU: a recording kernel in place of chapter 05's
     gets, per dtype and length, `tokens // length` sequences (at least one) of the default model's heads laid end
     to end in the dtype; each row counts the call's causal pairs and FLOPs as the roofline does, and its ratio
-    is the best time over those FLOPs at the matmul rate measured for that dtype (a stand-in for
-    `measure_peaks`, with a copy rate of its own that must not be used). The thread count is put back."""
+    is the best time over those FLOPs at the matmul rate timed beside the row (a stand-in for `measure_peaks`,
+    with a copy rate of its own that must not be used, picks the reference matmul; a stand-in for that matmul
+    counts its calls). The thread count is put back."""
     from minivllm.benchmarks.roofline import DevicePeaks
 
     script = _load_script("prefill_attention_lengths")
     heads = script.default_heads()
     assert heads == {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
     rates = {torch.float32: 2e9, torch.bfloat16: 7e9}
-    asked, calls = [], []
+    asked, calls, references = [], [], []
     monkeypatch.setattr(script, "measure_peaks",
                         lambda device, dtype: asked.append(dtype) or DevicePeaks(rates[dtype], 1.0))
+
+    def fake_reference(dtype, peaks):
+        assert peaks.matmul_flops_per_s == rates[dtype]  # the dtype's own measurement picks the matmul
+        return (lambda: references.append(dtype)), 1e6
+
+    monkeypatch.setattr(script, "reference_matmul", fake_reference)
 
     def fake_kernel(dtype):
         def kernel(q, k, v, cu_q, cu_k, scale):
@@ -1052,11 +1059,34 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
             pairs = row["num_seqs"] * sum(range(1, row["length"] + 1))  # query i of a sequence sees keys 0..i
             assert row["pairs"] == pairs and row["flops"] == 4 * 9 * 64 * pairs
             assert 0 < row["seconds"] <= row["median_seconds"] and row["sdpa_seconds"] > 0
-            assert row["ratio"] == pytest.approx(row["seconds"] * rates[dtype] / row["flops"])
-            assert row["sdpa_ratio"] == pytest.approx(row["sdpa_seconds"] * rates[dtype] / row["flops"])
+            rate = row["matmul_flops_per_s"]  # 1e6 FLOPs over the best of the stand-in's timed calls
+            assert rate >= 1e6 / 0.1 and rate != rates[dtype]
+            assert row["ratio"] == pytest.approx(row["seconds"] * rate / row["flops"])
+            assert row["sdpa_ratio"] == pytest.approx(row["sdpa_seconds"] * rate / row["flops"])
             assert 0 < row["sdpa_max_diff"] < float("inf")  # SDPA's output against the stand-in's zeros
+        # per row, before and after its calls: an untimed call and (repeats + 1) // 2 timed ones
+        assert references.count(dtype) == 2 * 2 * len(run["rows"])
     with pytest.raises(SystemExit):
         script.main(["--lengths", "0"])
+
+
+def test_prefill_attention_lengths_reference_matmul_is_the_peak_path():
+    """The matmul timed beside each row is the path and size `measure_peaks` found fastest: an n x n product
+    in the dtype, 2 n^3 FLOPs."""
+    from minivllm.benchmarks.roofline import DevicePeaks
+    from minivllm.model_executor.layers.cpu_gemm import PanelLinear
+    from minivllm.model_executor.layers.linear import PackedLinear
+
+    script = _load_script("prefill_attention_lengths")
+    ops = ["torch.mm", "F.linear"]
+    probe = torch.nn.Linear(32, 32, bias=False)
+    ops += [name for name, cls in (("PackedLinear", PackedLinear), ("PanelLinear", PanelLinear)) if cls.can_pack(probe)]
+    for op in ops:
+        fn, flops = script.reference_matmul(torch.float32, DevicePeaks(1.0, 1.0, dict(matmul_n=32, matmul_op=op)))
+        out = fn()
+        assert flops == 2 * 32 ** 3 and out.shape == (32, 32) and out.dtype == torch.float32, op
+    fn, flops = script.reference_matmul(torch.bfloat16, DevicePeaks(1.0, 1.0))  # no detail: torch.mm, n = 2048
+    assert flops == 2 * 2048 ** 3 and fn().dtype == torch.bfloat16
 
 
 def test_prefill_attention_lengths_sdpa_is_causal_attention_per_sequence():
