@@ -738,7 +738,8 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
   static_assert(D % (4 * kLanes) == 0, "head_dim: a multiple of 64");
   alignas(64) float o[kRows][D] = {};
   alignas(64) float s[kRows][kKeys];
-  alignas(64) float p[kRows][kKeys] = {};  // rows >= n stay zero
+  alignas(64) float p[kRows][kKeys];  // rows < n written before they are read; rows >= n zero
+  for (int64_t r = n; r < kRows; ++r) std::memset(p[r], 0, sizeof(p[r]));
   alignas(64) float m[kLanes], m_new[kLanes], alpha[kLanes];  // per row (a register's worth: one exp2 for all)
   Vec16 lsum[kRows] = {}, l[kRows];  // the running and a block's sums of probabilities, lane by lane
   int64_t num_keys = 0, min_last = INT64_MAX;
@@ -795,9 +796,9 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
         for (int64_t c = 0; c < 4; ++c) store_vec16(o[r] + d0 + c * kLanes, a[r][c]);
     }
   }
-  for (int64_t r = 0; r < n; ++r) {
-    const float sum = add_lanes(lsum[r]);
-    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] / (sum == 0.0f ? 1.0f : sum);  // no finite score seen: 0
+  for (int64_t r = 0; r < n; ++r) {  // one division a row, not one a value (vdivps is slow), as the AMX kernel
+    const float sum = add_lanes(lsum[r]), inv = sum == 0.0f ? 1.0f : 1.0f / sum;  // no finite score seen: 0
+    for (int64_t d = 0; d < D; ++d) out[r][d] = o[r][d] * inv;
   }
 }
 
