@@ -2,7 +2,6 @@
 switch for grading."""
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -15,14 +14,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 from hypothesis import settings  # noqa: E402
-
-# The chapters' runs (nbmake, in this process) wait for kernel replies in polls of a second: one long
-# poll sometimes misses the reply to a widget cell and sleeps out nbmake's 5-minute cell timeout.
-_POLLING = Path(__file__).resolve().parent.parent / "scripts" / "kernel_polling.py"
-if _POLLING.exists() and importlib.util.find_spec("jupyter_client") is not None:
-    _spec = importlib.util.spec_from_file_location("kernel_polling", _POLLING)
-    _spec.loader.exec_module(_polling := importlib.util.module_from_spec(_spec))
-    _polling.poll_in_slices()
 
 from minivllm.course.testing import TINY_SIZES as TINY  # noqa: E402  (kept for older imports)
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from queue import Empty
@@ -74,3 +77,24 @@ def test_a_real_kernel_channel_still_answers_and_times_out():
             await km.shutdown_kernel(now=True)
 
     asyncio.run(main())
+
+
+def test_a_pytest_run_of_one_chapter_alone_polls_in_slices(tmp_path):
+    """`pytest --nbmake notebooks/NN_*.ipynb`, with no test of tests/ collected, gets the polling too: the
+    repository's root conftest.py applies it (tests/conftest.py is not loaded for a notebook path)."""
+    pytest.importorskip("nbmake")
+    pytest.importorskip("jupyter_client.channels")
+    root = Path(__file__).resolve().parents[1]
+    chapter = sorted((root / "notebooks").glob("01_*.ipynb"))[0]
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "report_polling.py").write_text(
+        "def pytest_collection_finish(session):\n"
+        "    from jupyter_client.channels import AsyncZMQSocketChannel\n"
+        f"    open({str(seen)!r}, 'w').write(str(getattr(AsyncZMQSocketChannel.get_msg, 'polls_in_slices', False)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-m", "pytest", "--nbmake", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "report_polling", str(chapter.relative_to(root))],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert seen.read_text() == "True"
