@@ -1,5 +1,6 @@
 """A workaround for jupyter/nbclient#312, used by `scripts/run_notebooks.py` and by every pytest run of
-the chapters (nbmake; the repository's root conftest.py applies it): a kernel client waits for messages in polls of at most `POLL_S` seconds.
+the chapters (nbmake; the repository's root conftest.py applies it): a kernel client waits for messages
+in polls of at most `POLL_S` seconds.
 
 One long poll on a kernel's channel sometimes misses the reply to a cell that shows widgets: nbclient
 then sleeps out the whole cell timeout (15 minutes in `run_notebooks.py`, 5 under nbmake) before it
