@@ -13,15 +13,14 @@ call: the best and the median of `--repeats` calls. The bound is the causal pair
 (`ModelCost.attention_flops_per_pair` for one layer: 4 x query heads x head_dim per pair, each sequence
 L (L + 1) / 2 pairs) at the dtype's matmul rate, timed beside the row: `measure_peaks` finds the fastest
 matmul path and size for the dtype once, then such a matmul is timed just before and just after each
-row's calls, and the row's rate is the best of those (a CPU shared with other programs, or changing its clock, ran the same
-matmul 15% faster from one minute to the next). The ratio is the best time over the bound (1 at the
-bound). The times depend a little on the data: the bfloat16
-kernel rescales a row's sums only where a score rises well above the row's running maximum, which
-random scores seldom do. Beside each call, alternating with it, the same inputs go through torch's own
-fused causal attention, `F.scaled_dot_product_attention` (SDPA; the sequences as a batch, `is_causal`,
-`enable_gqa`), against the same bound: a row also holds its best time, ratio and largest difference from
-the kernel's output. A dtype whose kernel does not run here is recorded as such, with no rows. Writes a
-record with the CPU named where `--out` is given.
+row's calls, and the row's rate is the best of those (on a CPU shared with other programs the rate moves
+from minute to minute). The ratio is the best time over the bound (1 at the bound). The times depend a
+little on the data: the bfloat16 kernel rescales a row's sums only where a score rises well above the
+row's running maximum, which random scores seldom do. Beside each call, alternating with it, the same
+inputs go through torch's own fused causal attention, `F.scaled_dot_product_attention` (SDPA; the
+sequences as a batch, `is_causal`, `enable_gqa`), against the same bound: a row also holds its best
+time, ratio and largest difference from the kernel's output. A dtype whose kernel does not run here is
+recorded as such, with no rows. Writes a record with the CPU named where `--out` is given.
 """
 from __future__ import annotations
 
@@ -66,8 +65,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: 
 
 def reference_matmul(dtype: torch.dtype, peaks: DevicePeaks):
     """`(fn, flops)`: one call of the matmul that `measure_peaks` found fastest for `dtype` (its path and size
-    from `peaks.detail`; `torch.mm` at n = 2048 where the detail does not say), and its FLOPs (2 n^3)."""
+    from `peaks.detail`; `torch.mm` at n = 2048 where the detail does not say), and its FLOPs (2 n^3).
+    Raises ValueError for a path `measure_peaks` does not time."""
     n, op = peaks.detail.get("matmul_n", 2048), peaks.detail.get("matmul_op", "torch.mm")
+    if op not in ("torch.mm", "F.linear", "PackedLinear", "PanelLinear"):
+        raise ValueError(f"reference_matmul: no matmul path named {op!r}")
     a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
     if op in ("PackedLinear", "PanelLinear"):
         linear = torch.nn.Linear(n, n, bias=False, dtype=dtype)

@@ -83,9 +83,11 @@ class StepTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.sync()
-                self.add(part, time.perf_counter() - t0)
-                self.running.discard(part)
+                try:
+                    self.sync()
+                    self.add(part, time.perf_counter() - t0)
+                finally:  # a failed sync must not leave the part marked as running (later calls untimed)
+                    self.running.discard(part)
         return timed
 
 

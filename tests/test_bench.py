@@ -288,6 +288,24 @@ def test_profile_timer_counts_a_nested_call_of_one_part_once(monkeypatch):
     inner()  # alone: counted
     assert timer.seconds["prefill"]["attention"] == 4.0
 
+
+def test_profile_timer_a_failed_sync_leaves_the_part_free():
+    # a device error raised by the sync after a timed call: the part is not left marked as running, so a
+    # later call of it is timed again rather than taken for a nested one
+    syncs = [None, RuntimeError("device error"), None, None]
+
+    def sync():
+        if isinstance(outcome := syncs.pop(0), Exception):
+            raise outcome
+
+    timer = _profile_script().StepTimer(sync)
+    timed = timer.wrap(lambda: None, "attention")
+    with pytest.raises(RuntimeError, match="device error"):
+        timed()
+    assert not timer.running
+    timed()
+    assert timer.seconds["prefill"]["attention"] > 0 and not syncs
+
 # ---------------------------------------------------------------------------------------------------
 # The roofline, the speedup ladder, dummy-weight models, the GPU check script (chapter 09, GPU half).
 # The byte and FLOP counts are checked against numbers worked out by hand in the comments.
@@ -1070,23 +1088,41 @@ def test_prefill_attention_lengths_rows_and_record(tmp_path, monkeypatch, capsys
         script.main(["--lengths", "0"])
 
 
-def test_prefill_attention_lengths_reference_matmul_is_the_peak_path():
+def test_prefill_attention_lengths_reference_matmul_is_the_peak_path(monkeypatch):
     """The matmul timed beside each row is the path and size `measure_peaks` found fastest: an n x n product
-    in the dtype, 2 n^3 FLOPs."""
+    in the dtype, 2 n^3 FLOPs, through that path (each path's entry point counts its calls); a path
+    `measure_peaks` does not time is an error, not a silent fallback."""
+    import torch.nn.functional as F
+
     from minivllm.benchmarks.roofline import DevicePeaks
     from minivllm.model_executor.layers.cpu_gemm import PanelLinear
     from minivllm.model_executor.layers.linear import PackedLinear
 
     script = _load_script("prefill_attention_lengths")
+    used = []
+
+    def counted(name, fn):
+        return lambda *args, **kwargs: used.append(name) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", counted("torch.mm", torch.mm))
+    monkeypatch.setattr(F, "linear", counted("F.linear", F.linear))
     ops = ["torch.mm", "F.linear"]
     probe = torch.nn.Linear(32, 32, bias=False)
-    ops += [name for name, cls in (("PackedLinear", PackedLinear), ("PanelLinear", PanelLinear)) if cls.can_pack(probe)]
+    for name, cls in (("PackedLinear", PackedLinear), ("PanelLinear", PanelLinear)):
+        if cls.can_pack(probe):
+            ops.append(name)
+            monkeypatch.setattr(cls, "forward", counted(name, cls.forward))
     for op in ops:
         fn, flops = script.reference_matmul(torch.float32, DevicePeaks(1.0, 1.0, dict(matmul_n=32, matmul_op=op)))
+        used.clear()
         out = fn()
         assert flops == 2 * 32 ** 3 and out.shape == (32, 32) and out.dtype == torch.float32, op
+        assert used[:1] == [op], (op, used)  # the path's own entry point ran first
     fn, flops = script.reference_matmul(torch.bfloat16, DevicePeaks(1.0, 1.0))  # no detail: torch.mm, n = 2048
-    assert flops == 2 * 2048 ** 3 and fn().dtype == torch.bfloat16
+    used.clear()
+    assert flops == 2 * 2048 ** 3 and fn().dtype == torch.bfloat16 and used == ["torch.mm"]
+    with pytest.raises(ValueError, match="no matmul path named 'F.linearX'"):
+        script.reference_matmul(torch.float32, DevicePeaks(1.0, 1.0, dict(matmul_n=32, matmul_op="F.linearX")))
 
 
 def test_prefill_attention_lengths_sdpa_is_causal_attention_per_sequence():
