@@ -1384,6 +1384,12 @@ static void prefill_heads_amx(const torch::Tensor& q, const torch::Tensor& k, co
       const int64_t rows = batch.tq(s) * group, tiles_per_head = tiles[s] / num_kv_heads;
       const int64_t kv = i / tiles_per_head, r0 = i % tiles_per_head * kAmxRows, n = std::min(kAmxRows, rows - r0);
       const int64_t head_elems = blocks[s] * kAmxKeys * D;
+      if (r0 + kAmxRows < rows) {  // the next tile's q rows, as prefill_heads asks for them (a fresh projection's
+        // q is several MiB: without this, copying a tile's rows in waited on memory for a tenth of the kernel's time)
+        const int64_t t_first = (r0 + kAmxRows) / group, t_end = (std::min(rows, r0 + 2 * kAmxRows) - 1) / group;
+        for (int64_t t = t_first; t <= t_end; ++t)
+          prefetch(qp + (batch.cu_q[s] + t) * q_stride + kv * group * D, group * D);
+      }
       int64_t last[kAmxRows];
       uint16_t* out_rows[kAmxRows];
       for (int64_t r = 0; r < kAmxRows; ++r) {
