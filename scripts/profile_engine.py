@@ -125,10 +125,10 @@ def instrument(llm: LLM, timer: StepTimer) -> int:
 
     for attn in (runner.attn, getattr(runner, "mixed_attn", None)):  # chapter 11: mixed steps' attention
         if attn is not None:  # a timed subclass: Python looks __call__ up on the class
-            timed = {"__call__": timer.wrap(type(attn).__call__, "attention")}
+            methods = {"__call__": timer.wrap(type(attn).__call__, "attention")}
             if hasattr(attn, "store_kvcache"):  # a backend; chapter 11's mixed-step wrapper stores through one
-                timed["store_kvcache"] = timer.wrap(type(attn).store_kvcache, "kv store")
-            attn.__class__ = type(f"Timed{type(attn).__name__}", (type(attn),), timed)
+                methods["store_kvcache"] = timer.wrap(type(attn).store_kvcache, "kv store")
+            attn.__class__ = type(f"Timed{type(attn).__name__}", (type(attn),), methods)
 
     def start(module, args):
         timer.sync()
