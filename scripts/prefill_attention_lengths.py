@@ -34,10 +34,8 @@ import torch.nn.functional as F
 
 from minivllm.attention.backends.cpu_attn import cpu_prefill_varlen_kernel
 from minivllm.benchmarks.env import environment, write_json
-from minivllm.benchmarks.roofline import DevicePeaks, measure_peaks
+from minivllm.benchmarks.roofline import DevicePeaks, matmul_paths, measure_peaks
 from minivllm.benchmarks.runners import timed
-from minivllm.model_executor.layers.cpu_gemm import PanelLinear
-from minivllm.model_executor.layers.linear import PackedLinear
 from minivllm.transformers_utils.model_files import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -65,20 +63,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: 
 
 def reference_matmul(dtype: torch.dtype, peaks: DevicePeaks):
     """`(fn, flops)`: one call of the matmul that `measure_peaks` found fastest for `dtype` (its path and size
-    from `peaks.detail`; `torch.mm` at n = 2048 where the detail does not say), and its FLOPs (2 n^3).
-    Raises ValueError for a path `measure_peaks` does not time."""
+    from `peaks.detail`; `torch.mm` at n = 2048 where the detail does not say), from chapter 09's
+    `matmul_paths`, and its FLOPs (2 n^3). Raises ValueError for a path `matmul_paths` does not have here."""
     n, op = peaks.detail.get("matmul_n", 2048), peaks.detail.get("matmul_op", "torch.mm")
-    if op not in ("torch.mm", "F.linear", "PackedLinear", "PanelLinear"):
-        raise ValueError(f"reference_matmul: no matmul path named {op!r}")
-    a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
-    if op in ("PackedLinear", "PanelLinear"):
-        linear = torch.nn.Linear(n, n, bias=False, dtype=dtype)
-        layer = (PackedLinear if op == "PackedLinear" else PanelLinear)(linear)
-        return (lambda: layer(a)), 2 * n ** 3
-    if op == "F.linear":
-        return (lambda: F.linear(a, b)), 2 * n ** 3
-    c = torch.empty_like(a)
-    return (lambda: torch.mm(a, b, out=c)), 2 * n ** 3
+    paths = matmul_paths(n, "cpu", dtype)
+    if op not in paths:
+        raise ValueError(f"reference_matmul: no matmul path named {op!r} (here: {', '.join(paths)})")
+    return paths[op], 2 * n ** 3
 
 
 def time_reference(reference, repeats: int) -> list[float]:

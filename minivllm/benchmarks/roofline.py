@@ -45,8 +45,8 @@ class ModelCost:
     kv_bytes_per_token: int
 
 # %% auto #0
-__all__ = ['PEAK_SIZES', 'PEAK_REPEATS', 'ModelCost', 'model_cost', 'step_cost', 'DevicePeaks', 'measure_peaks', 'roofline',
-           'workload_bound', 'format_peaks']
+__all__ = ['PEAK_SIZES', 'PEAK_REPEATS', 'ModelCost', 'model_cost', 'step_cost', 'DevicePeaks', 'matmul_paths', 'measure_peaks',
+           'roofline', 'workload_bound', 'format_peaks']
 
 # %% ../../notebooks/09_benchmark.ipynb #8437c4ba
 def model_cost(config, dtype: torch.dtype) -> ModelCost:
@@ -136,8 +136,10 @@ def _best_seconds(fn, device: torch.device, repeats: int) -> float:
     return best
 
 # %% ../../notebooks/09_benchmark.ipynb #f395a447
-def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    """Each path's best time (seconds) for an `n x n` by `n x n` matmul in `dtype` on `device`."""
+def matmul_paths(n: int, device: torch.device | str, dtype: torch.dtype) -> dict:
+    """An `n x n` by `n x n` matmul in `dtype` on `device` by each path the engine's linear layers may take: name
+    -> a function of no arguments computing one product of random operands made once ("torch.mm",
+    "F.linear", and where they take the dtype and device, chapter 02's "PackedLinear" and "PanelLinear")."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     c = torch.empty_like(a)
     paths = {"torch.mm": lambda: torch.mm(a, b, out=c), "F.linear": lambda: torch.nn.functional.linear(a, b)}
@@ -148,7 +150,12 @@ def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: i
     if PanelLinear.can_pack(linear):  # chapter 02's own float32 kernel: the engine's path where it applies
         panel = PanelLinear(linear)
         paths["PanelLinear"] = lambda: panel(a)
-    return {name: _best_seconds(fn, device, repeats) for name, fn in paths.items()}
+    return paths
+
+
+def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Each path's best time (seconds) for an `n x n` by `n x n` matmul in `dtype` on `device` (`matmul_paths`)."""
+    return {name: _best_seconds(fn, device, repeats) for name, fn in matmul_paths(n, device, dtype).items()}
 
 
 def _positive_int(n) -> bool:
