@@ -105,6 +105,44 @@ def test_rotary_embedding_equals_the_plain_one_bit_for_bit(ops, dtype):
     assert torch.equal(views[:, 768:], qkv[:, 768:]) and torch.equal(views[:, :576].view(17, 9, 64), want_q)
 
 
+def test_bfloat16_subnormals_and_nans_round_as_torch(ops):
+    """bfloat16 values below float32's normal range (2**-126) and NaNs, in every op and in the vector loops
+    (16 wide) as in their tails: rounded as torch rounds them, subnormals kept (not flushed to zero), NaN as a
+    NaN. The kernels convert with AVX512-BF16's vcvtneps2bf16 where the CPU has it, which takes a subnormal
+    input as zero: those vectors must go the other way."""
+    g = torch.Generator().manual_seed(7)
+    tiny = 2.0 ** -130  # subnormal in float32 and in bfloat16
+    x = (torch.randn(3, 40, generator=g) * tiny).bfloat16()  # 40: two vectors and a tail
+    x[0, 3], x[1, 37] = float("nan"), float("nan")
+    assert (x.float().abs() < 2.0 ** -126).float().mean() > 0.9 and (x != 0).float().mean() > 0.9
+    r = (torch.randn(3, 40, generator=g) * tiny).bfloat16()
+    norm = fused(RMSNorm(40, 1e-6).bfloat16(), FusedRMSNorm)
+    xs, rs = x.clone(), r.clone()
+    norm(xs, rs)  # the residual add: subnormals kept, NaN where either is
+    assert torch.equal(rs.isnan(), (x + r).isnan()) and torch.equal(rs.nan_to_num(), (x + r).nan_to_num())
+    norm.weight.data = ((torch.rand(40, generator=g) + 0.5) * 2.0 ** -127).bfloat16()  # normalised rows times
+    # subnormal weights: subnormal outputs
+    h = torch.randn(3, 40, generator=g).bfloat16()
+    want = RMSNorm.forward(norm, h)
+    assert ((want != 0) & (want.float().abs() < 2.0 ** -126)).float().mean() > 0.75
+    assert torch.equal(norm(h), want)
+    gate, up = torch.randn(3, 40, generator=g).bfloat16(), x.clone()  # silu(gate) times subnormal values
+    got = torch.empty_like(gate)
+    ops.silu_and_mul(got, gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan()) and (want.nan_to_num() != 0).float().mean() > 0.5
+    assert_silu_mul_close(got.nan_to_num(), want.nan_to_num(), torch.bfloat16)
+    rope = RotaryEmbedding(64, 16, 10000.0)
+    q = (torch.randn(4, 2, 64, generator=g) * tiny).bfloat16()
+    q[1, 0, 5] = float("nan")
+    k = (torch.randn(4, 1, 64, generator=g) * tiny).bfloat16()
+    pos = torch.tensor([0, 3, 7, 15])
+    want_q, want_k = rope(pos, q, k)
+    got_q, got_k = fused(rope, FusedRotaryEmbedding)(pos, q.clone(), k.clone())
+    assert torch.equal(got_q.isnan(), want_q.isnan()) and torch.equal(got_q.nan_to_num(), want_q.nan_to_num())
+    assert torch.equal(got_k, want_k) and (want_k != 0).float().mean() > 0.5
+
+
 def assert_silu_mul_close(got, want, dtype):
     if dtype == torch.float64:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)

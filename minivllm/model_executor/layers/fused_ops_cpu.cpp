@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -51,6 +53,73 @@ static inline acc_of<scalar_t> widen(scalar_t x) {
   else return x;
 }
 
+// float32 and bfloat16 16 values at a time, in the GCC/Clang vector extension (one AVX-512 register, two
+// AVX2 ones), widened to float32 and rounded back exactly where the scalar loops round (from_f).
+typedef float VecF __attribute__((vector_size(64)));
+typedef int32_t VecI __attribute__((vector_size(64)));
+typedef uint32_t VecU __attribute__((vector_size(64)));
+typedef uint16_t VecH __attribute__((vector_size(32)));
+
+static inline VecF fma16(VecF a, VecF b, VecF c) {  // a * b + c: one rounding with AVX-512, two without
+#if defined(__AVX512F__)
+  return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <typename scalar_t>
+static inline VecF load16(const scalar_t* x) {  // 16 values widened to float32
+  VecF f;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+#if defined(__AVX512F__)  // one widening instruction (the generic conversion below compiles to two halves)
+    f = (VecF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16);
+#else
+    VecH h;
+    std::memcpy(&h, x, sizeof(h));
+    const VecU u = __builtin_convertvector(h, VecU) << 16;
+    std::memcpy(&f, &u, sizeof(f));
+#endif
+  } else {
+    std::memcpy(&f, x, sizeof(f));
+  }
+  return f;
+}
+
+// The bfloat16 bits of 16 float32 values, rounded to nearest even as from_f rounds them (a NaN as its
+// 0x7FC0). With AVX512-BF16, by one vcvtneps2bf16, which rounds the same way but takes a subnormal input as
+// zero and keeps a NaN's sign and payload: a vector holding either (fpclass: NaN, subnormal) goes the
+// integer way.
+static inline VecH bf16_bits(VecF f) {
+#if defined(__AVX512BF16__)
+  if (!_mm512_fpclass_ps_mask((__m512)f, 0x01 | 0x20 | 0x80)) return (VecH)_mm512_cvtneps_pbh((__m512)f);
+#endif
+  VecU u;
+  std::memcpy(&u, &f, sizeof(u));
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  u = f != f ? VecU{} + 0x7FC0u : u;
+  return __builtin_convertvector(u, VecH);
+}
+
+template <typename scalar_t>
+static inline VecF round16(VecF f) {  // to the storage type and back: to_f(from_f(f)) lane by lane
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const VecU u = __builtin_convertvector(bf16_bits(f), VecU) << 16;
+    std::memcpy(&f, &u, sizeof(f));
+  }
+  return f;
+}
+
+template <typename scalar_t>
+static inline void store16(scalar_t* out, VecF f) {  // f rounded to the storage type (from_f), stored
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const VecH h = bf16_bits(f);
+    std::memcpy(out, &h, sizeof(h));
+  } else {
+    std::memcpy(out, &f, sizeof(f));
+  }
+}
+
 // The rows of x: [rows, D] or [N, H, D] (last dim contiguous); row r starts at row_offset(r).
 struct Rows {
   int64_t n, h, d, s0, s1;
@@ -74,18 +143,30 @@ template <typename scalar_t>
 static inline void norm_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t d, double eps) {
   using acc_t = acc_of<scalar_t>;
   constexpr int L = 64 / sizeof(acc_t);
-  acc_t part[L] = {};
+  acc_t part[L] = {};  // lane l: the squares of x[l], x[L + l], ...
   int64_t i = 0;
-  for (; i + L <= d; i += L)
-    for (int l = 0; l < L; ++l) {
-      const acc_t v = widen(x[i + l]);
-      part[l] += v * v;
+  if constexpr (std::is_same_v<acc_t, float>) {  // float32, bfloat16: a register of lanes
+    VecF sums = {};
+    for (; i + L <= d; i += L) {
+      const VecF v = load16(x + i);
+      sums += v * v;
     }
+    std::memcpy(part, &sums, sizeof(part));
+  } else {
+    for (; i + L <= d; i += L)
+      for (int l = 0; l < L; ++l) {
+        const acc_t v = widen(x[i + l]);
+        part[l] += v * v;
+      }
+  }
   acc_t ss = 0;
   for (; i < d; ++i) ss += widen(x[i]) * widen(x[i]);
   for (int l = 0; l < L; ++l) ss += part[l];
   const acc_t r = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
-  for (int64_t j = 0; j < d; ++j) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<acc_t, float>)
+    for (; j + 16 <= d; j += 16) store16(out + j, load16(w + j) * round16<scalar_t>(load16(x + j) * r));
+  for (; j < d; ++j) {
     const scalar_t h = from_f<scalar_t>(widen(x[j]) * r);
     out[j] = from_f<scalar_t>(widen(w[j]) * widen(h));
   }
@@ -125,24 +206,49 @@ void fused_add_rms_norm(torch::Tensor input, torch::Tensor residual, torch::Tens
     for_rows(rows.count(), rows.d, [&](int64_t r) {
       scalar_t* xr = x + rows.offset(r);
       scalar_t* rr = res + rrows.offset(r);
-      for (int64_t j = 0; j < rows.d; ++j) rr[j] = from_f<scalar_t>(widen(xr[j]) + widen(rr[j]));
+      int64_t j = 0;
+      if constexpr (!std::is_same_v<scalar_t, double>)
+        for (; j + 16 <= rows.d; j += 16) store16(rr + j, load16(xr + j) + load16(rr + j));
+      for (; j < rows.d; ++j) rr[j] = from_f<scalar_t>(widen(xr[j]) + widen(rr[j]));
       norm_row(xr, rr, w, rows.d, eps);
     });
   });
 }
 
 // x[i], x[i + D/2] -> x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin, each product and the
-// sum rounded to the storage type (as `x * cos + rotate_half(x) * sin` computes it op by op).
-template <typename scalar_t>
-static inline void rotate_row(scalar_t* x, const float* cos, const float* sin, int64_t half) {
-  using acc_t = acc_of<scalar_t>;
-  for (int64_t i = 0; i < half; ++i) {
-    const acc_t c = widen(from_f<scalar_t>(cos[i])), s = widen(from_f<scalar_t>(sin[i]));
-    const acc_t x1 = widen(x[i]), x2 = widen(x[i + half]);
+// sum rounded to the storage type (as `x * cos + rotate_half(x) * sin` computes it op by op); cos and sin
+// [half] already rounded to it (once per token, for all its heads).
+template <typename scalar_t, typename acc_t = acc_of<scalar_t>>
+static inline void rotate_row(scalar_t* x, const acc_t* cos, const acc_t* sin, int64_t half) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<acc_t, float>)
+    for (; i + 16 <= half; i += 16) {
+      const VecF c = load16(cos + i), s = load16(sin + i), x1 = load16(x + i), x2 = load16(x + i + half);
+      const VecF a1 = round16<scalar_t>(x1 * c), b1 = round16<scalar_t>(-x2 * s);
+      const VecF a2 = round16<scalar_t>(x2 * c), b2 = round16<scalar_t>(x1 * s);
+      store16(x + i, a1 + b1);
+      store16(x + i + half, a2 + b2);
+    }
+  for (; i < half; ++i) {
+    const acc_t c = cos[i], s = sin[i], x1 = widen(x[i]), x2 = widen(x[i + half]);
     const acc_t a1 = widen(from_f<scalar_t>(x1 * c)), b1 = widen(from_f<scalar_t>(-x2 * s));
     const acc_t a2 = widen(from_f<scalar_t>(x2 * c)), b2 = widen(from_f<scalar_t>(x1 * s));
     x[i] = from_f<scalar_t>(a1 + b1);
     x[i + half] = from_f<scalar_t>(a2 + b2);
+  }
+}
+
+// A token's cos and sin (the table's first half) rounded to the storage type, as rotate_row takes them:
+// float32's are the table's own; another type's are rounded into buf [2 half].
+template <typename scalar_t, typename acc_t = acc_of<scalar_t>>
+static inline std::pair<const acc_t*, const acc_t*> token_angles(const float* cos, const float* sin, int64_t half,
+                                                                 acc_t* buf) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return {cos, sin};
+  } else {
+    for (int64_t i = 0; i < half; ++i)
+      buf[i] = widen(from_f<scalar_t>(cos[i])), buf[half + i] = widen(from_f<scalar_t>(sin[i]));
+    return {buf, buf + half};
   }
 }
 
@@ -167,10 +273,11 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d * (q.h + k.h), 1));
+    using acc_t = acc_of<scalar_t>;
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> buf(std::is_same_v<scalar_t, float> ? 0 : 2 * half);
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + pos[t] * d;
-        const float* s = sp + pos[t] * d;
+        const auto [c, s] = token_angles<scalar_t>(cp + pos[t] * d, sp + pos[t] * d, half, buf.data());
         for (int64_t h = 0; h < q.h; ++h) rotate_row(qp + t * q.s0 + h * q.s1, c, s, half);
         for (int64_t h = 0; h < k.h; ++h) rotate_row(kp + t * k.s0 + h * k.s1, c, s, half);
       }
@@ -188,19 +295,6 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
 // steps are fused multiply-adds where the CPU has AVX-512 (the exponential need not round as torch's
 // does, only be as close; the division and the product are rounded as torch's are). 16 values at a time
 // in the GCC/Clang vector extension (one AVX-512 register, two AVX2 ones).
-typedef float VecF __attribute__((vector_size(64)));
-typedef int32_t VecI __attribute__((vector_size(64)));
-typedef uint32_t VecU __attribute__((vector_size(64)));
-typedef uint16_t VecH __attribute__((vector_size(32)));
-
-static inline VecF fma16(VecF a, VecF b, VecF c) {  // a * b + c: one rounding with AVX-512, two without
-#if defined(__AVX512F__)
-  return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-  return a * b + c;
-#endif
-}
-
 static inline VecF exp_neg(VecF g) {
   VecF y = -g;
   y = y > 89.0f ? VecF{} + 89.0f : y;    // above about 88.72, e**y overflows to inf, as it should
@@ -219,50 +313,12 @@ static inline VecF exp_neg(VecF g) {
 }
 
 template <typename scalar_t>
-static inline VecF load16(const scalar_t* x) {  // 16 values widened to float32
-  VecF f;
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    VecH h;
-    std::memcpy(&h, x, sizeof(h));
-    const VecU u = __builtin_convertvector(h, VecU) << 16;
-    std::memcpy(&f, &u, sizeof(f));
-  } else {
-    std::memcpy(&f, x, sizeof(f));
-  }
-  return f;
-}
-
-template <typename scalar_t>
-static inline VecF round16(VecF f) {  // to the storage type and back: to_f(from_f(f)) lane by lane
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    VecU u;
-    std::memcpy(&u, &f, sizeof(u));
-    u = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
-    u = f != f ? VecU{} + 0x7FC00000u : u;
-    std::memcpy(&f, &u, sizeof(f));
-  }
-  return f;
-}
-
-template <typename scalar_t>
-static inline void store16(scalar_t* out, VecF f) {  // f already rounded to the storage type
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    VecU u;
-    std::memcpy(&u, &f, sizeof(u));
-    const VecH h = __builtin_convertvector(u >> 16, VecH);
-    std::memcpy(out, &h, sizeof(h));
-  } else {
-    std::memcpy(out, &f, sizeof(f));
-  }
-}
-
-template <typename scalar_t>
 static inline void silu_mul_row(scalar_t* out, const scalar_t* gate, const scalar_t* up, int64_t d) {
   int64_t i = 0;
   if constexpr (!std::is_same_v<scalar_t, double>) {  // float64: the plain loop, std::exp
     for (; i + 16 <= d; i += 16) {
       const VecF g = load16(gate + i), s = round16<scalar_t>(g / (1.0f + exp_neg(g)));
-      store16(out + i, round16<scalar_t>(s * load16(up + i)));
+      store16(out + i, s * load16(up + i));
     }
   }
   for (; i < d; ++i) {
