@@ -173,10 +173,14 @@ def graded(part: str):
         yield
 
 
+_FOLDERS: list[tempfile.TemporaryDirectory] = []  # _tiny's folder, removed when this process exits
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny():
     """A tiny random float64 Llama saved in a temporary folder: (folder, the transformers model)."""
-    folder = Path(tempfile.mkdtemp(prefix="minivllm-grading-ch08-"))
+    _FOLDERS.append(tempfile.TemporaryDirectory(prefix="minivllm-grading-ch08-"))
+    folder = Path(_FOLDERS[-1].name)
     return folder, make_model(folder, "llama")
 
 
