@@ -6,20 +6,17 @@ tests with NotImplementedError, never with an ImportError.
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
+
+from script_loader import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load(chapter_file: str, impl: str) -> ModuleType:
     """Import `<impl>/<chapter_file>.py` (e.g. `load("ch02_model", "exercises")`) as a fresh module."""
-    path = ROOT / impl / f"{chapter_file}.py"
-    spec = importlib.util.spec_from_file_location(f"_graded_{impl}_{chapter_file}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / impl / f"{chapter_file}.py", f"_graded_{impl}_{chapter_file}")
 
 
 def raises_value_error(call, what: str) -> None:

@@ -5,13 +5,13 @@ Tests check correctness and the report's fields only; throughput numbers are mea
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from script_loader import load_script
 import minivllm.benchmarks.dummy
 import minivllm.benchmarks.env
 import minivllm.benchmarks.ladder
@@ -214,11 +214,7 @@ def test_bench_prints_the_cpu_it_ran_on(tiny_llama, capsys):
 
 def _load_script(name: str):
     """scripts/NAME.py as a module (the scripts folder is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 def _profile_script():
@@ -861,10 +857,7 @@ def test_bench_compare_ch09_runs_both_engines_on_one_workload(tiny_llama, capsys
 def test_small_ops_probe_compares_equal_numbers(capsys):
     """scripts/cpu_small_ops_ab.py: each candidate computes the engine op's numbers (float64 within 1e-12),
     and the probe would say so if one did not (a rotary with its halves swapped differs)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "cpu_small_ops_ab.py"
-    spec = importlib.util.spec_from_file_location("cpu_small_ops_ab", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _load_script("cpu_small_ops_ab")
     assert probe.main(["--rows", "3", "--dtype", "float64", "--calls", "1", "--repeats", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("3 ")]
     assert [line.split()[1] for line in lines] == ["qkv", "gate/up", "rotary", "rms_norm"]

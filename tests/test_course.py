@@ -11,7 +11,6 @@ per chapter in it (about half a minute each).
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from xml.etree import ElementTree as ET
 import nbformat
 import pytest
 
+from script_loader import load_script
 from minivllm.course import grade as grading
 from minivllm.course.grade import EXERCISES, find_regions, resolve
 from test_grading_tripwires import build_answers, fill_build
@@ -36,10 +36,7 @@ RELEASED = resolve(ELSEWHERE + ["ch05"])
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_course_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, f"_course_{name}")
 
 
 def _regions(nb_path: Path) -> dict[str, list[str]]:

@@ -32,6 +32,7 @@ from unittest import mock
 import pytest
 import torch
 
+from script_loader import load_script
 import minivllm.engine.llm_engine as engine_module
 from engine_helpers import one_thread, run_engine
 from minivllm.engine.llm_engine import LLMEngine
@@ -66,8 +67,6 @@ def _expect(ok: bool, message: str) -> None:
 @pytest.fixture(scope="module")
 def snapshot():
     """The default model's folder and the recorded snapshot (skips where they cannot be used)."""
-    import importlib.util
-
     from minivllm.transformers_utils.model_files import resolve_model
 
     try:
@@ -75,10 +74,7 @@ def snapshot():
     except (FileNotFoundError, ImportError) as e:
         pytest.skip(f"the default model is not installed ({e}); the tiny-model graders still run")
     snap = json.loads(SNAPSHOT.read_text())
-    spec = importlib.util.spec_from_file_location("record_snapshots", SNAPSHOT.parents[3] / "scripts" /
-                                                  "record_snapshots.py")
-    recorder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recorder)
+    recorder = load_script("record_snapshots")
     if recorder.weights_fingerprint(folder) != snap["weights_sha256"]:
         pytest.skip(f"the default model in {folder} has other weights than the snapshot was recorded on")
     return folder, snap

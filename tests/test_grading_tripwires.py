@@ -12,7 +12,7 @@ course section says so): no test here.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import nbformat
 import pytest
 import torch
 
+from script_loader import load_script
 import stand_ins
 from minivllm.course import grade as grading
 
@@ -61,10 +62,7 @@ def paged_decode_attention_window('''
 
 
 def _release():
-    spec = importlib.util.spec_from_file_location("_tripwires_release", ROOT / "scripts" / "release.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.release
+    return load_script("release", "_tripwires_release").release
 
 
 def build_answers(nb_path: Path, ex: str) -> dict[str, str]:

@@ -5,7 +5,6 @@ counted, then on a real ipykernel."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,13 +13,11 @@ from pathlib import Path
 from queue import Empty
 
 import pytest
+from script_loader import load_script
 
 
 def load_polling():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_polling.py"
-    spec = importlib.util.spec_from_file_location("kernel_polling_under_test", path)
-    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
-    return module
+    return load_script("kernel_polling", "kernel_polling_under_test")
 
 
 def test_a_wait_is_cut_into_polls_of_at_most_a_second(monkeypatch):

@@ -1,7 +1,6 @@
 """README's figures are generated from results/ (`scripts/readme_figures.py`): a stale table fails `make test`."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -9,16 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "readme_figures.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("readme_figures", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("readme_figures")
 
 
 def test_readme_figures_are_those_of_the_records():

@@ -9,20 +9,17 @@ these logits, of magnitude ~20, by ~1e-5). Skipped where the default model is no
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _recorder():
-    spec = importlib.util.spec_from_file_location("record_snapshots", ROOT / "scripts" / "record_snapshots.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("record_snapshots")
 
 
 def test_default_model_snapshot_is_what_transformers_computes_now():
