@@ -114,6 +114,7 @@ def test_bfloat16_subnormals_and_nans_round_as_torch(ops):
     tiny = 2.0 ** -130  # subnormal in float32 and in bfloat16
     x = (torch.randn(3, 40, generator=g) * tiny).bfloat16()  # 40: two vectors and a tail
     x[0, 3], x[1, 37] = float("nan"), float("nan")
+    x.view(torch.int16)[1, 5] = -64  # 0xFFC0: a NaN with its sign bit set
     assert (x.float().abs() < 2.0 ** -126).float().mean() > 0.9 and (x != 0).float().mean() > 0.9
     r = (torch.randn(3, 40, generator=g) * tiny).bfloat16()
     norm = fused(RMSNorm(40, 1e-6).bfloat16(), FusedRMSNorm)
@@ -135,11 +136,24 @@ def test_bfloat16_subnormals_and_nans_round_as_torch(ops):
     rope = RotaryEmbedding(64, 16, 10000.0)
     q = (torch.randn(4, 2, 64, generator=g) * tiny).bfloat16()
     q[1, 0, 5] = float("nan")
+    q.view(torch.int16)[2, 1, 40] = -64  # 0xFFC0
     k = (torch.randn(4, 1, 64, generator=g) * tiny).bfloat16()
     pos = torch.tensor([0, 3, 7, 15])
     want_q, want_k = rope(pos, q, k)
     got_q, got_k = fused(rope, FusedRotaryEmbedding)(pos, q.clone(), k.clone())
     assert torch.equal(got_q.isnan(), want_q.isnan()) and torch.equal(got_q.nan_to_num(), want_q.nan_to_num())
+    # a NaN among normal values (no subnormal in its vector): written as from_f writes one, 0x7FC0, whatever
+    # its sign (vcvtneps2bf16 would keep 0xFFC0's)
+    a, b = (torch.randn(3, 40, generator=g) + 4).bfloat16(), (torch.randn(3, 40, generator=g) + 4).bfloat16()
+    a.view(torch.int16)[0, 3], a.view(torch.int16)[1, 36] = -64, -64  # 0xFFC0, in a vector and in a tail
+    residual, silu = b.clone(), torch.empty_like(a)
+    norm(a.clone(), residual)
+    ops.silu_and_mul(silu, b, a)
+    q = (torch.randn(4, 2, 64, generator=g) + 4).bfloat16()
+    q.view(torch.int16)[1, 0, 3] = -64
+    rotated = fused(rope, FusedRotaryEmbedding)(pos, q, k.clone())[0]
+    for out in (residual, silu, rotated):
+        assert out.isnan().any() and (out.view(torch.int16)[out.isnan()] == 0x7FC0).all()
     assert torch.equal(got_k, want_k) and (want_k != 0).float().mean() > 0.5
 
 

@@ -89,9 +89,10 @@ static inline VecF load16(const scalar_t* x) {  // 16 values widened to float32
 // The bfloat16 bits of 16 float32 values, rounded to nearest even as from_f rounds them (a NaN as its
 // 0x7FC0). With AVX512-BF16, by one vcvtneps2bf16, which rounds the same way but takes a subnormal input as
 // zero and keeps a NaN's sign and payload: a vector holding either (fpclass: NaN, subnormal) goes the
-// integer way.
+// integer way. (fpclass does not see subnormals where the thread reads them as zero, MXCSR's DAZ, without
+// flushing results to zero, FTZ; torch's set_flush_denormal sets both, and then no subnormal reaches here.)
 static inline VecH bf16_bits(VecF f) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)  // vfpclassps is AVX512DQ's
   if (!_mm512_fpclass_ps_mask((__m512)f, 0x01 | 0x20 | 0x80)) return (VecH)_mm512_cvtneps_pbh((__m512)f);
 #endif
   VecU u;
