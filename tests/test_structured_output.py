@@ -673,7 +673,7 @@ def test_speculative_engine_refuses_structured(smol_tiny, prompts):
     llm = make_llm(smol_tiny[0], speculative_config=spec, num_kvcache_blocks=256)
     engine = llm.llm_engine
     for so in (CONSTRAINTS["choice"], CONSTRAINTS["json-items"]):
-        with pytest.raises(ValueError, match="structured_outputs"):
+        with pytest.raises(ValueError, match="structured_outputs does not work with speculative decoding"):
             engine.add_request(None, prompts[0], greedy(structured_outputs=so))
     assert not engine.has_unfinished_requests()
     out = llm.generate(prompts[:1], greedy(max_tokens=4), use_tqdm=False)  # it goes on serving

@@ -129,13 +129,13 @@ class Processor:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sampling_params = dataclasses.replace(sampling_params)  # checked again: a field may have been set since
+        for check in self.request_checks:  # first: a part may say why it does not take a field
+            check(sampling_params)
         unsupported = [f"{k}={v!r}" for k, v in sampling_params.changed_fields().items()
                        if self.supported_fields is not None and k not in self.supported_fields]
         if unsupported:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
-        for check in self.request_checks:
-            check(sampling_params)
         if sampling_params.n > self.block_manager.num_blocks:  # each completion holds a block of its own
             raise ValueError(f"n={sampling_params.n} is more than the KV cache's {self.block_manager.num_blocks} blocks")
         text, raw = split_prompt(prompt, self.tokenizer)

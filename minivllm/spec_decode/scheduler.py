@@ -12,6 +12,14 @@ from ..core.sched.spec_decode import DraftSlots
 from .metrics import SpecDecodingStats
 
 
+def refuse_structured_outputs_with_drafts(params) -> None:
+    """`SpecDecodeScheduler`'s request check (`Processor`'s `checks`): a constrained request is refused by
+    name, since neither the proposers nor the rejection sampler look at a grammar. Raises ValueError."""
+    if params.structured_outputs is not None:
+        raise ValueError("structured_outputs does not work with speculative decoding (speculative_config): "
+                         "the drafts and their verification are not constrained by a grammar")
+
+
 class _Verification:
     """Taking a verification step's tokens; mixed into `SpecDecodeScheduler`, whose `check_stop`,
     `block_manager`, `running` and `spec_decoding_stats` it uses."""
@@ -53,7 +61,7 @@ class _Verification:
         return advanced
 
 # %% auto #0
-__all__ = ['SpecDecodeScheduler']
+__all__ = ['refuse_structured_outputs_with_drafts', 'SpecDecodeScheduler']
 
 # %% ../../notebooks/14_speculative_decoding.ipynb #3e17b062
 class SpecDecodeScheduler(_Verification, DraftSlots, ChunkedPrefillScheduler):
@@ -62,10 +70,12 @@ class SpecDecodeScheduler(_Verification, DraftSlots, ChunkedPrefillScheduler):
 
     Args: as `ChunkedPrefillScheduler`, and num_spec_tokens (k), num_lookahead_tokens (positions past
         the scheduled ones a draft model writes: k for "draft_model", 0 for "ngram").
-    Attributes: spec_decoding_stats, a `SpecDecodingStats`.
+    Attributes: spec_decoding_stats, a `SpecDecodingStats`; request_checks (`refuse_structured_outputs_with_drafts`).
     Only verified tokens enter the prefix cache: the blocks of accepted drafts are cached in
     `postprocess`, never at scheduling (vllm-project/vllm PR#18668).
     """
+
+    request_checks = (refuse_structured_outputs_with_drafts,)
 
     def __init__(self, *args, num_spec_tokens: int = 1, num_lookahead_tokens: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
