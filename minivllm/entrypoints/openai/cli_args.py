@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...config import DTYPES
+from ...config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, EngineArgs
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -23,15 +23,21 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per sequence (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step (default 8192)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    e = EngineArgs  # the engine's defaults, so that the help cannot drift from them
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs,
+                   help=f"most sequences running at once (default {e.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    p.add_argument("--block-size", type=int, default=e.block_size,
+                   help=f"tokens per KV-cache block (default {e.block_size})")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV-cache size in bytes (default 1 GiB on CPU)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of prompts' shared prefixes (default on)")
+                   help=f"KV-cache size in bytes (default {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB on CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=e.enable_prefix_caching,
+                   help="reuse the KV cache of prompts' shared prefixes "
+                        f"(default {'on' if e.enable_prefix_caching else 'off'})")
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument("--seed", type=int, default=0, help="seeds requests without a seed of their own (default 0)")
+    p.add_argument("--seed", type=int, default=e.seed,
+                   help=f"seeds requests without a seed of their own (default {e.seed})")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split each layer (chapter 13; default 1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
