@@ -284,6 +284,23 @@ def test_async_clients_concurrently(server, client):
     assert asyncio.run(main()) == [want.choices[0].text] * 8
 
 
+def test_the_apps_tokenizer_thread_stops_with_the_app():
+    """The app's lifespan shuts its tokenizer thread down when the app stops (uvicorn runs the lifespan, and
+    so does Starlette's TestClient), not only `serve_http`: an app a test builds leaves no thread behind."""
+    from prometheus_client import CollectorRegistry
+    from starlette.testclient import TestClient
+
+    from minivllm.entrypoints.openai.api_server import build_app
+
+    app = build_app(StubEngine(), "stub", CollectorRegistry())
+    thread = app.state.serving.tokenizer_thread
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        assert thread.submit(lambda: 7).result() == 7  # serving: the thread takes work
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        thread.submit(lambda: 7)
+
+
 def test_the_server_answers_while_a_long_prompt_is_tokenized(server):
     """Tokenizing two megabytes of text takes a second or more; meanwhile the server must go on answering.
     `/health` is asked again and again while the long request runs: a server that tokenizes on its event

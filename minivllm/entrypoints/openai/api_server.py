@@ -422,6 +422,14 @@ async def metrics(raw_request: Request) -> Response:
     return Response(generate_latest(raw_request.app.state.serving.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The app's life (ASGI lifespan): when it stops, its tokenizer thread stops too, prompts still queued
+    for it cancelled."""
+    yield
+    app.state.serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+
 def build_app(engine, served_model_name: str, registry: CollectorRegistry) -> FastAPI:
     """The OpenAI-compatible app for `engine` (an `AsyncLLM`).
 
@@ -431,7 +439,7 @@ def build_app(engine, served_model_name: str, registry: CollectorRegistry) -> Fa
     OpenAI's error object (FastAPI's 422 for bodies that do not validate included), an unknown model 404,
     a dead engine 503, a bug 500: each with OpenAI's error object.
     """
-    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None)
+    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.state.serving = ServingState(engine, served_model_name, registry)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
@@ -526,8 +534,7 @@ async def serve_http(args: argparse.Namespace) -> None:
             app = build_app(engine, name, registry)
             config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-            await serve_until_stopped(uvicorn.Server(config), sock)
-            app.state.serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            await serve_until_stopped(uvicorn.Server(config), sock)  # the app's lifespan stops its thread
         finally:
             engine.shutdown()
     finally:
