@@ -276,7 +276,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d * (q.h + k.h), 1));
     using acc_t = acc_of<scalar_t>;
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> buf(std::is_same_v<scalar_t, float> ? 0 : 2 * half);
+      std::vector<acc_t> buf(2 * half);  // token_angles' room (float32's angles are the table's own)
       for (int64_t t = begin; t < end; ++t) {
         const auto [c, s] = token_angles<scalar_t>(cp + pos[t] * d, sp + pos[t] * d, half, buf.data());
         for (int64_t h = 0; h < q.h; ++h) rotate_row(qp + t * q.s0 + h * q.s1, c, s, half);
