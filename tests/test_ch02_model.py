@@ -566,3 +566,23 @@ def test_ch02_graders_reject_near_miss_answers():
                                    for name in ("gemma_rms_norm", "apply_rope_interleaved", "attention")})
     for test, _, example in cases:  # and the worked answers pass the same examples
         test.hypothesis.inner_test(ch02=solutions, **example)
+
+
+def test_temporary_folder_lives_as_long_as_its_process():
+    """A `temporary_folder` is there (and empty) while the process that made it runs, and gone once it
+    exits: a chapter run again and again leaves no tiny models behind (`tempfile.mkdtemp`'s would stay)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from minivllm.course.testing import temporary_folder, make_tiny_model\n"
+            "a, b = temporary_folder('minivllm-test-'), temporary_folder('minivllm-test-')\n"
+            "assert a != b and a.is_dir() and not any(a.iterdir()), a\n"
+            "make_tiny_model(b / 'tiny')\n"
+            "assert (b / 'tiny' / 'config.json').exists()\n"
+            "print(a, b, sep='\\n')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    folders = [Path(line) for line in r.stdout.split()]
+    assert len(folders) == 2 and all(f.name.startswith("minivllm-test-") for f in folders), r.stdout
+    assert not any(f.exists() for f in folders), folders

@@ -62,4 +62,18 @@ def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 1
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
 
 # %% auto #0
-__all__ = ['TINY_SIZES', 'TINY_KINDS', 'tiny_config', 'make_tiny_model', 'random_prompts']
+__all__ = ['TINY_SIZES', 'TINY_KINDS', 'tiny_config', 'make_tiny_model', 'random_prompts', 'temporary_folder']
+
+# %% ../../notebooks/02_model.ipynb #7e3a91c5
+import tempfile
+
+_KEPT: list[tempfile.TemporaryDirectory] = []  # each kept (so not removed) until the process exits
+
+
+def temporary_folder(prefix: str = "minivllm-") -> Path:
+    """A new empty folder in the system's temporary directory for files a chapter or test writes and
+    reads back (a tiny model), removed when this Python process exits, as a chapter's kernel does when it
+    stops; a `tempfile.mkdtemp` folder would stay behind after every run. Returns its path."""
+    folder = tempfile.TemporaryDirectory(prefix=prefix)
+    _KEPT.append(folder)
+    return Path(folder.name)
