@@ -76,14 +76,13 @@ class _GraderChunkedScheduler(ChunkedPrefillScheduler):
 
     def schedule(self):
         left, out, preempted = self.max_num_batched_tokens, [], self.num_preemptions
-        cap = self.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         i = 0
         while i < len(self.running) and left > 0:
             seq = self.running[i]
             if not self.room_for(seq):  # it was preempted itself (and every sequence after it)
                 break
-            todo = seq.num_tokens - seq.num_computed_tokens
-            self.schedule_tokens(seq, min(todo, left, cap or todo))
+            # each share from num_new_tokens: a later chapter's subclass (speculative decoding's drafts) decides it
+            self.schedule_tokens(seq, self.num_new_tokens(seq, left))
             left -= seq.num_scheduled_tokens
             out.append(seq)
             i += 1
@@ -94,7 +93,7 @@ class _GraderChunkedScheduler(ChunkedPrefillScheduler):
             self.block_manager.allocate(head)
             head.num_computed_tokens = head.num_cached_tokens
             todo = head.num_tokens - head.num_computed_tokens
-            take = min(todo, left, cap or todo)
+            take = self.num_new_tokens(head, left)
             if take < todo and not self.enable_chunked_prefill:
                 self.block_manager.deallocate(head)
                 head.num_computed_tokens = 0
@@ -336,6 +335,35 @@ def test_ch11_ex1_never_over_budget_no_chunk_past_num_tokens_or_the_threshold(op
                                                                              chunking):
     with graded("ch11_ex1"):
         _simulate(ops, manager, block_size, num_blocks, max_num_seqs, extra_budget, threshold, chunking, _check_budget)
+
+
+@pytest.mark.ch11
+@pytest.mark.ch11_ex1
+@pytest.mark.group(BUDGET)
+def test_ch11_ex1_each_share_comes_from_num_new_tokens():
+    """A subclass that overrides `num_new_tokens` (chapter 14's speculative decoding does, to schedule a
+    sequence's drafts) decides every share: here at most 3 tokens a sequence, for a budget of 8."""
+
+    class AtMostThree(ChunkedPrefillScheduler):
+        def num_new_tokens(self, seq, budget):
+            return min(3, super().num_new_tokens(seq, budget))
+
+    s = AtMostThree(BlockManager(32, 4), 4, 8, 64, set())
+    a, b = (Sequence(list(range(1, 21)), SamplingParams(max_tokens=3), block_size=4),
+            Sequence([5] * 12, SamplingParams(max_tokens=3), block_size=4))
+    s.add(a)
+    s.add(b)
+    with graded("ch11_ex1"), your_code("ch11_ex1", "schedule()"):
+        steps = []
+        for _ in range(2):
+            batch, _ = s.schedule()
+            steps.append([(x.seq_id, x.num_computed_tokens, x.num_scheduled_tokens) for x in batch])
+            s.postprocess(batch, [1 if x.num_computed_tokens + x.num_scheduled_tokens == x.num_tokens else None
+                                  for x in batch])
+    want = [[(a.seq_id, 0, 3), (b.seq_id, 0, 3)], [(a.seq_id, 3, 3), (b.seq_id, 3, 3)]]
+    _expect(steps == want, f"ch11_ex1: with a num_new_tokens that gives at most 3 tokens, (seq_id, "
+            f"num_computed_tokens, num_scheduled_tokens) per step: got {steps}, expected {want} (each sequence's "
+            "share must come from self.num_new_tokens, which a subclass may override)")
 
 
 @pytest.mark.ch11
