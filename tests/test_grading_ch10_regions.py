@@ -435,7 +435,9 @@ def test_ch10_ex1_top_k_top_p_with_ties(dtype, seed, vocab, rows, data):
 def test_ch10_ex1_rows_alone_and_known_cases():
     """A row's result does not depend on its batch mates; the cases from public bug reports: top_p=0.6
     over probabilities 0.1, 0.2, 0.3, 0.4 keeps exactly 0.3 and 0.4; top_k=1 with tied maxima keeps the
-    smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); both filters None return the logits as they are."""
+    smaller id; top_k=2 then top_p=0.5 there keeps only 0.4 (top-p renormalized after top-k); top_p=0.5 over four
+    equal probabilities keeps two (the boundary: a token with exactly top_p before it goes); both filters None
+    return the logits as they are."""
     at = "ch10_ex1: apply_top_k_top_p"
     logits = _random_logits(5, 6, 30)
     top_k, top_p = torch.tensor([30, 3, 30, 10, 1, 30]), torch.tensor([1.0, 0.5, 0.3, 1.0, 0.9, 0.8], dtype=torch.float64)
@@ -453,6 +455,10 @@ def test_ch10_ex1_rows_alone_and_known_cases():
     kept = _ids(ops.apply_top_k_top_p(four, torch.tensor([2]), torch.tensor([0.5], dtype=torch.float64))[0] > INF)
     _expect(kept == [3], f"{at}: top_k=2 then top_p=0.5 over probabilities [0.1, 0.2, 0.3, 0.4] keeps tokens {kept}, "
             "expected [3] (top-p measures what top-k left: 0.4 / 0.7 = 0.57 already reaches 0.5)")
+    uniform = torch.zeros(1, 4, dtype=torch.float64)
+    kept = _ids(ops.apply_top_k_top_p(uniform, None, torch.tensor([0.5], dtype=torch.float64))[0] > INF)
+    _expect(kept == [0, 1], f"{at}: top_p=0.5 over four equal probabilities keeps tokens {kept}, expected [0, 1] "
+            "(token 2 has exactly 0.5 ranked before it: tokens 0 and 1 already reach top_p, so it goes)")
     tied = torch.tensor([[1.0, 3.0, 0.5, 3.0]])
     kept = _ids(ops.apply_top_k_top_p(tied, torch.tensor([1]), None)[0] > INF)
     _expect(kept == [1], f"{at}: top_k=1 over logits [1, 3, 0.5, 3] keeps {kept}, expected [1] (the argmax: "
