@@ -299,6 +299,43 @@ def test_a_crashed_run_names_the_crash_and_keeps_the_maximum(tmp_path):
     assert flagged == [not torch.cuda.is_available()], flagged
 
 
+def test_a_skip_or_xfail_from_the_code_under_grading_fails_its_test(tmp_path):
+    """Only a grader may skip a test: a `pytest.skip` or `pytest.xfail` asked for by the code under
+    grading fails its test, however it is raised (the exception itself, pointed at the grader's file with
+    `_use_item_location`, through `exec`, inside a hypothesis test); the graders' own skips (in the
+    test, a `skipif` mark) stay skips."""
+    (tmp_path / "answer").mkdir()
+    (tmp_path / "answer" / "answer.py").write_text(
+        "import pytest\nfrom _pytest.outcomes import Skipped\n\n\n"
+        "def skip():\n    pytest.skip('not today')\n\n\n"
+        "def xfail():\n    pytest.xfail('known')\n\n\n"
+        "def raise_skipped():\n    raise Skipped('hidden', _use_item_location=True)\n\n\n"
+        "def exec_skip():\n    exec('import pytest; pytest.skip(\"from a string\")')\n")
+    (tmp_path / "tests").mkdir()
+    tests_file = tmp_path / "tests" / "test_skips.py"
+    tests_file.write_text(
+        "import pytest\nfrom hypothesis import given, strategies as st\n\nimport answer\n\n\n"
+        "@pytest.mark.parametrize('how', ['skip', 'xfail', 'raise_skipped', 'exec_skip'])\n"
+        "def test_answer(how):\n    getattr(answer, how)()\n\n\n"
+        "@given(st.integers())\ndef test_answer_in_hypothesis(x):\n    answer.skip()\n\n\n"
+        "def test_grader_skips():\n    pytest.skip('needs a CUDA GPU')\n\n\n"
+        "@pytest.mark.skipif(True, reason='no GPU')\ndef test_grader_mark():\n    answer.skip()\n")
+    results = tmp_path / "outcomes.json"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                        "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, grading.RESULTS_ENV: str(results),
+                            "PYTHONPATH": os.pathsep.join([str(tmp_path / "answer"), os.environ.get("PYTHONPATH", "")])})
+    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    assert r.returncode == 1, r.stdout[-2000:]  # pytest itself counts them as failures
+    for name, kind in [("test_answer[skip]", "pytest.skip"), ("test_answer[xfail]", "pytest.xfail"),
+                       ("test_answer[raise_skipped]", "pytest.skip"), ("test_answer[exec_skip]", "pytest.skip"),
+                       ("test_answer_in_hypothesis", "pytest.skip")]:
+        assert ran[name]["outcome"] == "failed", (name, ran[name])
+        assert ran[name]["message"].startswith(f"{kind} from the code under grading ("), (name, ran[name]["message"])
+    assert "<string>" in ran["test_answer[exec_skip]"]["message"], ran["test_answer[exec_skip]"]
+    assert ran["test_grader_skips"]["outcome"] == "skipped" and ran["test_grader_mark"]["outcome"] == "skipped", ran
+
+
 def test_a_speed_part_scores_by_its_bands(tmp_path):
     """A speed part scores the band of the worst ratio its passing tests record (through the grading
     plugin: `record_property(SPEED_RATIO, r)` reaches the outcomes); a failed test, no ratio, or a
@@ -382,6 +419,22 @@ def test_tests_left_out_by_the_marker_are_not_counted_as_not_run(tmp_path):
     assert ran == {"test_mine": "passed"}, ran
 
 
+def test_a_class_graded_from_the_book_is_graded_beside_stubs(tmp_path):
+    """Grading a class from the book copies each submission into a release of the graded exercises, not
+    into a copy of the book: the copy beside the submission holds stubs where its answers would be (an
+    answer that read them from there would score); from an edition, the edition as it is."""
+    clean = grading.clean_base(ROOT, ["ch13_ex1"], tmp_path / "base")
+    record = json.loads((clean / "EDITION.json").read_text())
+    assert record["exercises"] == ["ch13_ex1"], record
+    chapter = (clean / "notebooks" / "13_scaling_out.ipynb").read_text()
+    module = (clean / "minivllm" / "model_executor" / "layers" / "parallel_linear.py").read_text()
+    for text in (chapter, module):
+        assert "NotImplementedError(" in text and "ch13_ex1: " in text and "BEGIN SOLUTION" not in text
+    assert not (clean / "solutions").exists() and not (clean / ".git").exists()
+    again = grading.clean_base(clean, ["ch13_ex1"], tmp_path / "again")  # an edition: copied as it is
+    assert (again / "notebooks" / "13_scaling_out.ipynb").read_text() == chapter
+
+
 def test_the_code_under_grading_may_not_reach_into_the_graders(tmp_path):
     """A line of the package or of an exercise that reaches a grader module at run time (by name or
     through `sys.modules`) is reported, as an import of one is."""
@@ -393,6 +446,14 @@ def test_the_code_under_grading_may_not_reach_into_the_graders(tmp_path):
     (tmp_path / "exercises" / "ch10.py").write_text("def g(x):\n    return rule(x)  # from test_grading_ch10_regions\n")
     found = grading.graders_code_used(tmp_path)
     assert [f.split(":")[0] for f in found] == ["exercises/ch10.py", "minivllm/ops.py"], found
+    # a grader's state read through frames, closures or the garbage collector (its expected value, a stand-in)
+    peeks = ["sys._getframe(1).f_locals['want']", "inspect.currentframe().f_back", "err.__traceback__.tb_frame",
+             "wire.__closure__[0].cell_contents(x)", "[o for o in gc.get_objects() if callable(o)]",
+             "inspect.stack()[2].frame", "frame.f_globals['_expect']"]
+    (tmp_path / "minivllm" / "ops.py").write_text("\n".join(f"def f{i}(x):\n    return {p}\n" for i, p in enumerate(peeks)))
+    (tmp_path / "exercises" / "ch10.py").write_text("def g(frame_locals, closure):\n    return frame_locals\n")
+    found = grading.graders_code_used(tmp_path)
+    assert [int(f.split(":")[1]) for f in found] == [3 * i + 2 for i in range(len(peeks))], found
 
 
 FORGED_CONFTEST = """import pytest

@@ -548,10 +548,10 @@ def test_ch14_ex1_uses_each_uniform_once_in_the_engine(oracle):
        k=st.integers(0, 6))
 def test_ch14_ex2_ngram_lookup_equals_brute_force(tokens, min_n, extra, k):
     max_n = min_n + extra
-    want = _grader_ngram_lookup(tokens, min_n, max_n, k)
     before = list(tokens)
     with graded("ch14_ex2"), your_code("ch14_ex2", f"ngram_lookup({tokens}, {min_n}, {max_n}, {k})"):
-        got = ngram.ngram_lookup(tokens, min_n, max_n, k)
+        got = ngram.ngram_lookup(tokens, min_n, max_n, k)  # before the expected value exists
+    want = _grader_ngram_lookup(before, min_n, max_n, k)
     _expect(tokens == before, "ch14_ex2: ngram_lookup changed its token_ids")
     _expect(isinstance(got, list) and all(type(t) is int for t in got),
             f"ch14_ex2: ngram_lookup must return a list of Python ints, got {got!r}")

@@ -144,10 +144,10 @@ def _check_apply(vocab: int, width: int, dtype: torch.dtype, seed: int, group: s
     rows = 5
     bitmask = _random_bitmask(g, rows, width)
     logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3).to(dtype)
-    want = _llguidance_apply(logits, bitmask)
     what = f"apply_token_bitmask(logits [{rows}, {vocab}] {dtype}, bitmask [{rows}, {width}] int32)"
-    with your_code(f"ch15_ex1 ({group})", what):
+    with your_code(f"ch15_ex1 ({group})", what):  # the answer runs before the expected value exists
         got = bitmask_mod.apply_token_bitmask(logits.clone(), bitmask.clone())
+    want = _llguidance_apply(logits, bitmask)
     _expect(isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == dtype,
             f"ch15_ex1 ({group}): {what} must return the logits ([{rows}, {vocab}] {dtype}), got "
             f"{type(got).__name__} {getattr(got, 'shape', '')} {getattr(got, 'dtype', '')}")

@@ -394,7 +394,6 @@ def kernel_stub(text: str) -> str:
 _outcomes: dict[str, dict] = {}
 TEST_TIMEOUT_S = int(os.environ.get("MINIVLLM_GRADE_TEST_TIMEOUT_S", "600"))  # one test's limit in a grading
 # run, seconds: an endless loop fails its own test, not the whole run
-STUDENT_DIRS = ("minivllm", "exercises", "notebooks")  # where a student's code runs from
 
 
 def _save_outcomes() -> None:
@@ -511,18 +510,60 @@ if _pytest is not None:  # a hook wrapper around each test's call (grading runs 
     pytest_runtest_call = _pytest.hookimpl(hookwrapper=True)(pytest_runtest_call)
 
 
-def _skipped_by_student_code(report) -> str | None:
-    """The reason, where a test was skipped from the code under grading (a `pytest.skip` in the
-    package, an exercise or a chapter) rather than by its grader (a GPU or the default model absent)."""
-    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
-        where, _, reason = report.longrepr
-        try:
-            first = Path(str(where)).resolve().relative_to(_root[0]).parts[0] if _root else ""
-        except (ValueError, IndexError):
-            first = ""
-        if first in STUDENT_DIRS:
-            return f"skipped from the code under grading ({where}): {reason}"
-    return None
+def _framework_dirs() -> tuple[str, ...]:
+    """The folders of pytest's, pluggy's and hypothesis' own code (frames there only pass a skip on)."""
+    import importlib.util
+
+    dirs = []
+    for name in ("_pytest", "pytest", "pluggy", "hypothesis"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(spec.origin) + os.sep)
+    return tuple(dirs)
+
+
+def _skip_by_code_under_grading(item, excinfo) -> str | None:
+    """Where a test's skip or xfail came from, if not from a grader: the innermost frame of the
+    exception's traceback outside pytest's, pluggy's and hypothesis' code (the code that called
+    `pytest.skip` or `pytest.xfail`, or raised their exceptions itself, an `exec`'s `<string>` too),
+    unless it lies in `tests/` or in the folder of the test's own file (a private grader's). None for
+    any other outcome, and for a skip with no such frame (a `skipif` mark's)."""
+    if excinfo is None or not excinfo.errisinstance((_pytest.skip.Exception, _pytest.xfail.Exception)):
+        return None
+    frames, tb = [], excinfo.tb
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    framework = _framework_dirs()
+    where = next((f for f in reversed(frames) if not f.startswith(framework)), None)
+    if where is None:
+        return None
+    graders = [Path(str(item.path)).resolve().parent, *([_root[0] / "tests"] if _root else [])]
+    try:
+        path = Path(where).resolve()
+    except (OSError, ValueError):
+        return where
+    return None if any(path.is_relative_to(g) for g in graders) else where
+
+
+def pytest_runtest_makereport(item, call):
+    """A skip or an xfail that the code under grading asked for fails its test: only its graders may
+    skip one (a missing GPU, say), and an answer that skipped the cases it gets wrong would otherwise
+    keep the points of the tests it passes."""
+    outcome = yield
+    where = _skip_by_code_under_grading(item, call.excinfo)
+    if where is not None:
+        report = outcome.get_result()
+        kind = "pytest.xfail" if call.excinfo.errisinstance(_pytest.xfail.Exception) else "pytest.skip"
+        report.outcome = "failed"
+        report.longrepr = (f"{kind} from the code under grading ({where}): {call.excinfo.value}; "
+                           "only the graders may skip a test, and a skipped test scores nothing")
+        if hasattr(report, "wasxfail"):
+            del report.wasxfail
+
+
+if _pytest is not None:  # the outermost wrapper: it sees the report after pytest's own xfail handling
+    pytest_runtest_makereport = _pytest.hookimpl(hookwrapper=True, tryfirst=True)(pytest_runtest_makereport)
 
 
 _root: list[Path] = []  # the grading run's root folder
@@ -560,8 +601,6 @@ def pytest_runtest_logreport(report):
         crash = getattr(report.longrepr, "reprcrash", None)
         message = _as_kernel_stub(crash.message if crash else str(report.longrepr))
         rec.update(outcome="failed", message=message[:MESSAGE_CHARS], details=report.longreprtext[-MESSAGE_CHARS:])
-    elif report.skipped and (why := _skipped_by_student_code(report)):
-        rec.update(outcome="failed", message=why[:MESSAGE_CHARS], details=why[-MESSAGE_CHARS:])
     elif report.skipped and rec["outcome"] in ("passed", "notrun"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3 else ""
         rec.update(outcome="skipped", message="", skip_reason=str(reason).removeprefix("Skipped: ")[:200])
@@ -723,8 +762,9 @@ def grade(ids: list[str] | str | None = None, root: str | Path | None = None, *,
                   for n, o in tests.items() if o["outcome"] == "failed" or _not_run(o)]
         if borrowed:
             failed.insert(0, {"test": "(the code under grading)", "details": "\n".join(borrowed),
-                              "message": f"{ex}: not graded: the code uses the graders' own code from tests/ "
-                                         f"(their stand-ins are not your answer): {borrowed[0]}"})
+                              "message": f"{ex}: not graded: the code uses the graders' own code from tests/ or "
+                                         f"reads their running state (their stand-ins, frames and expected values "
+                                         f"are not your answer): {borrowed[0]}"})
         passed = bool(tests) and not failed and any(o["outcome"] == "passed" for o in tests.values())
         pts = EXERCISES[ex].points
         entry = {"title": EXERCISES[ex].title, "points": pts if passed else 0, "max_points": pts,
@@ -828,11 +868,17 @@ GRADER_NAMES = re.compile(r"\b(_grader\w*|_Grader\w*|_Scaffold|STAND_INS)\b")
 def graders_code_used(root: Path) -> list[str]:
     """Places where the code under grading (the package but this module, and `exercises/`) imports a
     module of `tests/`, names a grader module or reaches into `sys.modules` (where a grader module is
-    found at run time), or uses a grader's stand-in by name: the graders' code is working answers
-    written for the graders, not answers of the student's. Returns `path:line: text` for each."""
+    found at run time), uses a grader's stand-in by name, or reads the running code's frames, closures
+    or objects (`sys._getframe`, `f_locals`, `tb_frame`, `__closure__`, `gc.get_objects`, ...: where a
+    grader's expected value, its reference or a stand-in held by a tripwire would be found): the graders'
+    code is working answers written for the graders, not answers of the student's. Returns
+    `path:line: text` for each."""
     modules = "|".join(sorted(re.escape(p.stem) for p in (root / "tests").glob("*.py")))
     importing = re.compile(rf"\b({modules})\b") if modules else None
-    reaching = re.compile(r"\bsys\.modules\b|\btest_grading\w*")  # a grader module found at run time
+    reaching = re.compile(r"\bsys\.modules\b|\btest_grading\w*"  # a grader module found at run time
+                          r"|\b_getframe\b|\bf_(locals|globals|back)\b|\b(tb|gi|cr|ag)_frame\b|\b__closure__\b"
+                          r"|\bcell_contents\b|\bget_(objects|referrers|referents)\b|\bcurrentframe\b"
+                          r"|\binspect\.(stack|trace|getouterframes|getinnerframes|getclosurevars)\b")  # a grader's state
     found = []
     files = [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]
     for f in sorted(files):
@@ -907,6 +953,23 @@ def student_files(ids: list[str]) -> list[str]:
     return sorted({EXERCISES[e].where for e in ids})
 
 
+def clean_base(base: Path, ids: list[str], out: Path) -> Path:
+    """The copy of `base` that class grading copies each submission into, at `out`: of an edition, the
+    edition (its tracked tools, no `.git`, `.venv` or `solutions/`); of the book, a release of `ids`
+    (`scripts/release.py`), so that the copy a submission is graded beside holds stubs where the
+    answers it is graded on would be. Returns `out`.
+    Raises:
+        RuntimeError: the release failed (its output in the message)."""
+    if (base / EDITION_FILE).exists():
+        shutil.copytree(base, out, ignore=CLEAN_COPY_IGNORE, symlinks=True)
+        return out
+    r = subprocess.run([sys.executable, str(base / "scripts" / "release.py"), *ids, "--out", str(out)], cwd=base,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"releasing {', '.join(ids)} from the book for grading failed:\n{(r.stdout + r.stderr)[-2000:]}")
+    return out
+
+
 def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | None = None,
                 private_tests: str | Path | None = None, tests_from: str | Path | None = None,
                 reports: str | Path | None = None, verbose: bool = True) -> list[dict]:
@@ -915,7 +978,8 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
     parts) and the total (a folder that cannot be graded gets an `error` column).
 
     Each submission is graded in a fresh copy of the instructor's edition (`tests_from`: the edition,
-    or the book, the command runs from), into which only the student's work is copied: the chapters
+    or the book, the command runs from; of the book, a release of `ids`: `clean_base`), into which only
+    the student's work is copied: the chapters
     holding the graded regions of `ids` and the `exercises/` files of its extend exercises
     (`student_files`). The package is exported from those chapters. Nothing else a submission holds
     counts: not its `tests/`, conftest or pytest files, `scripts/`, `EDITION.json`, nor a
@@ -926,6 +990,7 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
         reports: a folder for each submission's report (`NAME.json`, `NAME.xml`), with the failures.
     Raises:
         ValueError: `submissions` or `tests_from` is not a folder, or `submissions` has no subfolder.
+        RuntimeError: `tests_from` is the book and releasing `ids` from it failed.
     The student's code still runs in the grading process and can tamper with it: grade a class in a
     sandbox or container, and read the code of a surprising score.
     """
@@ -943,8 +1008,8 @@ def grade_class(submissions: str | Path, csv_path: str | Path, ids: list[str] | 
         Path(reports).mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        clean = Path(tmp) / "base"
-        shutil.copytree(base, clean, ignore=CLEAN_COPY_IGNORE, symlinks=True)
+        clean = clean_base(base, wanted, Path(tmp) / "base")
+        edition = json.loads((clean / EDITION_FILE).read_text())
         for folder in folders:
             row: dict = {"submission": folder.name}
             work = Path(tmp) / "work"
