@@ -158,7 +158,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for a batch of prompts; returns their `RequestOutput`s in input order.
 
-        Args: prompts, one prompt or an iterable of them (text, token ids, or `{"prompt_token_ids": [...]}`);
+        Args: prompts, one prompt or an iterable of them (text, token ids, vLLM's `{"prompt": text}` or
+            `{"prompt_token_ids": [...]}`);
             sampling_params, one for all prompts, one per prompt, or None (defaults); use_tqdm, a progress bar.
         Raises:
             ValueError: a bad prompt or parameter (naming the prompt's index; nothing is queued then),

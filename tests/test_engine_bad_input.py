@@ -45,7 +45,10 @@ def llm(folder):
     (torch.tensor([[1], [2]]), r"\[0, 128\)"),
     ({"prompt_token_ids": [1], "prompt": 5}, "'prompt' must be text"),
     ("hello", "no tokenizer"),
-    ({"text": [1]}, "prompt_token_ids"),
+    ({"prompt": "hello"}, "no tokenizer"),  # vLLM's TextPrompt is text
+    ({"text": [1]}, r"needs 'prompt' \(text, vLLM's TextPrompt\) or 'prompt_token_ids'"),
+    ({"prompt": None}, r"needs 'prompt' \(text, vLLM's TextPrompt\) or 'prompt_token_ids'"),
+    ({"prompt": 5}, "'prompt' must be text"),
     (42, "prompt must be"),
 ])
 def test_bad_prompt_is_refused_and_others_complete(llm, prompt, message):
@@ -192,6 +195,24 @@ def test_integer_token_ids_of_any_kind_are_accepted(llm):
         out = llm.generate(prompt, GREEDY, use_tqdm=False)
         assert len(out) == 1 and out[0].outputs[0].token_ids == want
         assert out[0].prompt_token_ids == [1, 2, 3] and all(type(t) is int for t in out[0].prompt_token_ids)
+
+
+def test_vllm_text_prompt_dicts_are_text(llm, monkeypatch):
+    """vLLM's `TextPrompt` `{"prompt": text}` is encoded as the text alone is; a `TokensPrompt` runs its ids,
+    a "prompt" beside them being only the text its output shows (as `LLM.chat` passes its prompts)."""
+    class Words:  # a tokenizer for the tokenizer-less test model: a word's token id is its length
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    monkeypatch.setattr(llm.llm_engine.processor, "tokenizer", Words())
+    prompts = ["ab c", {"prompt": "ab c"}, {"prompt": "abc d"}, {"prompt_token_ids": [2, 1], "prompt": "x"}]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[2, 1], [2, 1], [3, 1], [2, 1]]
+    assert [o.prompt for o in outs] == ["ab c", "ab c", "abc d", "x"]
+    assert outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    single = llm.generate({"prompt": "ab c"}, GREEDY, use_tqdm=False)  # one TextPrompt is one prompt
+    assert len(single) == 1 and single[0].prompt_token_ids == [2, 1]
+    check_invariants(llm.llm_engine)
 
 
 def test_generate_refuses_bad_containers_and_foreign_requests(llm):

@@ -54,15 +54,20 @@ def is_single_prompt(prompts) -> bool:
 
 
 def split_prompt(prompt, tokenizer) -> tuple[str | None, object]:
-    """`(text or None, token ids as given)` of a prompt: text (encoded with `tokenizer`), a list of
-    token ids, or vLLM's `{"prompt_token_ids": [...], "prompt": text}`. Raises ValueError."""
+    """`(text or None, token ids as given)` of a prompt: text or vLLM's `TextPrompt` `{"prompt": text}`
+    (encoded with `tokenizer`), a list of token ids, or vLLM's `TokensPrompt` `{"prompt_token_ids": [...]}`
+    (its ids are the prompt; a "prompt" beside them is only the text its outputs show, as `chat` passes it).
+    Raises ValueError: a dict with neither key, a "prompt" that is not text, text without a tokenizer."""
     if isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt:
-            raise ValueError(f"a dict prompt needs a 'prompt_token_ids' key, got keys {sorted(prompt)}")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"a dict prompt's 'prompt' must be text, got {type(text).__name__}")
-        return text, prompt["prompt_token_ids"]
+        if "prompt_token_ids" in prompt:
+            return text, prompt["prompt_token_ids"]
+        if text is None:
+            raise ValueError("a dict prompt needs 'prompt' (text, vLLM's TextPrompt) or 'prompt_token_ids' "
+                             f"(vLLM's TokensPrompt), got keys {list(prompt)}")
+        prompt = text
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
@@ -118,12 +123,12 @@ class Processor:
         """Check a request and wrap it in a `Sequence` (not yet queued).
 
         Args:
-            prompt: text, a list of token ids, or `{"prompt_token_ids": [...]}` (optionally with "prompt").
+            prompt: text, a list of token ids, or vLLM's `{"prompt": text}` or `{"prompt_token_ids": [...]}`.
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
                 sequence keeps a checked copy) or set while no part acts on it, or fails a check; the prompt is
-                empty, is text but there is no tokenizer, holds ids outside `[0, vocab_size)`, or has `max_model_len`
-                tokens or more; `n` is more than the KV cache's blocks (each completion holds one of its own).
+                empty, a dict with neither key, or text with no tokenizer; it holds ids outside `[0, vocab_size)`
+                or has `max_model_len` tokens or more; `n` is more than the KV cache's blocks (one each).
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):
