@@ -73,6 +73,19 @@ def test_bad_sampling_params(llm):
         llm.generate([[1], [2], [3]], [GREEDY, GREEDY], use_tqdm=False)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    """A stop token id no step can sample is refused at submission, as a prompt id out of range is."""
+    engine = llm.llm_engine
+    for ids in ([128], [1, 10**6]):
+        with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 128\); got \[" + str(ids[-1])):
+            engine.add_request(None, [1, 2], SamplingParams(max_tokens=2, stop_token_ids=ids))
+    with pytest.raises(ValueError, match="prompt 0: stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[128]), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    out = llm.generate([[1, 2]], SamplingParams(max_tokens=3, stop_token_ids=[0, 127], ignore_eos=True), use_tqdm=False)
+    assert out[0].finished
+
+
 def test_generate_with_one_bad_prompt_queues_nothing(llm):
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate([[1, 2], [], [3]], GREEDY, use_tqdm=False)

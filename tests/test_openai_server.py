@@ -431,6 +431,15 @@ def test_bad_requests_through_the_client(server, client):
     ok(client)
 
 
+def test_stop_token_ids_outside_the_vocabulary(client):
+    """The engine's Processor refuses them (offline too): 400 naming the field, and the server goes on."""
+    with pytest.raises(openai.BadRequestError, match=r"stop_token_ids must be integers in \[0, 49152\); got \[1000000\]"):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"stop_token_ids": [10**6]})
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"stop_token_ids": [-1]})
+    ok(client)
+
+
 def test_n_with_stop_strings(server, client, offline):
     """Each of n completions stops at its own stop string in the front end while its siblings run on: the
     engine core may send one more token of a stopped completion before the abort reaches it."""

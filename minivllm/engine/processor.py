@@ -26,6 +26,16 @@ def token_id(t) -> int | None:
         return None
 
 
+def vocab_token_ids(what: str, raw: list, vocab_size: int) -> list[int]:
+    """`raw`'s token ids as Python ints (see `token_id`). Raises ValueError naming `what` (the prompt's
+    "token ids", or "stop_token_ids") when one is not an integer in `[0, vocab_size)`."""
+    ids = [token_id(t) for t in raw]
+    bad = [t for t, i in zip(raw, ids) if i is None or not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{what} must be integers in [0, {vocab_size}); got {bad[:5]}")
+    return ids
+
+
 def completion_text(tokenizer, prompt_token_ids: list[int], completion_token_ids: list[int],
                     skip_special_tokens: bool = True) -> str:
     """The completion's text such that `decode(prompt) + text == decode(prompt + completion)` (vLLM's rule).
@@ -43,7 +53,7 @@ def completion_text(tokenizer, prompt_token_ids: list[int], completion_token_ids
     return full[common:]
 
 # %% auto #0
-__all__ = ['token_id', 'completion_text', 'is_single_prompt', 'split_prompt', 'chat_prompts', 'Processor']
+__all__ = ['token_id', 'vocab_token_ids', 'completion_text', 'is_single_prompt', 'split_prompt', 'chat_prompts', 'Processor']
 
 # %% ../../notebooks/04_scheduler.ipynb #08f3622c
 def is_single_prompt(prompts) -> bool:
@@ -126,7 +136,8 @@ class Processor:
             prompt: text, a list of token ids, or vLLM's `{"prompt": text}` or `{"prompt_token_ids": [...]}`.
         Raises:
             ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
-                sequence keeps a checked copy) or set while no part acts on it, or fails a check; the prompt is
+                sequence keeps a checked copy) or set while no part acts on it, or fails a check, or has
+                `stop_token_ids` outside `[0, vocab_size)` (no token could ever match them); the prompt is
                 empty, a dict with neither key, or text with no tokenizer; it holds ids outside `[0, vocab_size)`
                 or has `max_model_len` tokens or more; `n` is more than the KV cache's blocks (one each).
         """
@@ -141,6 +152,7 @@ class Processor:
         if unsupported:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
+        vocab_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
         if sampling_params.n > self.block_manager.num_blocks:  # each completion holds a block of its own
             raise ValueError(f"n={sampling_params.n} is more than the KV cache's {self.block_manager.num_blocks} blocks")
         text, raw = split_prompt(prompt, self.tokenizer)
@@ -151,12 +163,9 @@ class Processor:
             raw = list(raw)
         except TypeError:
             raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}{what}") from None
-        ids = [token_id(t) for t in raw]
-        if not ids:
+        if not raw:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        bad = [t for t, i in zip(raw, ids) if i is None or not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        ids = vocab_token_ids("token ids", raw, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
                              f"room to generate (a prompt must have at most {self.max_model_len - 1} tokens)")
