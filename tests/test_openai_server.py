@@ -154,6 +154,20 @@ def test_sse_stream_parsed_by_openai_client():
     assert chat[-1].choices[0].finish_reason == "length"
 
 
+def test_vllm_sampling_extras_reach_the_engine():
+    """vLLM's sampling extras the engine implements are passed on, not dropped (the stub records them)."""
+    engine, seen = StubEngine(), []
+    generate = engine.generate
+    engine.generate = lambda prompt, params, request_id: (seen.append(params), generate(prompt, params, request_id))[1]
+
+    async def main():
+        await stub_client(engine).completions.create(model="stub", prompt="a", max_tokens=2, extra_body={
+            "spaces_between_special_tokens": False, "skip_special_tokens": False, "min_tokens": 1})
+
+    asyncio.run(main())
+    assert (seen[0].spaces_between_special_tokens, seen[0].skip_special_tokens, seen[0].min_tokens) == (False, False, 1)
+
+
 def test_stream_ends_with_an_error_when_the_engine_dies():
     async def main():
         stream = await stub_client(StubEngine(die_after=2)).completions.create(model="stub", prompt="a", stream=True)
@@ -429,6 +443,57 @@ def test_bad_requests_through_the_client(server, client):
         r = httpx.request(method, f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
         assert r.status_code == status and r.json()["error"]["code"] == status, (path, r.text)
     ok(client)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+NOT_IMPLEMENTED = [  # (endpoint, field, the client's arguments): each would change the answer
+    ("completions", "logit_bias", dict(logit_bias={"7042": -100})),
+    ("completions", "allowed_token_ids", dict(extra_body={"allowed_token_ids": [30]})),
+    ("completions", "bad_words", dict(extra_body={"bad_words": [" Paris"]})),
+    ("completions", "truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 2})),
+    ("completions", "use_beam_search", dict(extra_body={"use_beam_search": True})),
+    ("completions", "prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
+    ("completions", "echo", dict(echo=True)),
+    ("completions", "suffix", dict(suffix="!")),
+    ("completions", "best_of", dict(best_of=2)),
+    ("completions", "add_special_tokens", dict(extra_body={"add_special_tokens": False})),
+    ("chat", "tools", dict(tools=[TOOL])),
+    ("chat", "tool_choice", dict(tool_choice="required")),
+    ("chat", "tool_choice", dict(tool_choice={"type": "function", "function": {"name": "f"}})),
+    ("chat", "chat_template_kwargs", dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}})),
+    ("chat", "chat_template", dict(extra_body={"chat_template": "{{ messages[0]['content'] }}"})),
+    ("chat", "continue_final_message", dict(extra_body={"continue_final_message": True})),
+    ("chat", "logit_bias", dict(logit_bias={"7042": 5})),
+    ("chat", "prompt_logprobs", dict(extra_body={"prompt_logprobs": 0})),
+]
+
+
+@pytest.mark.parametrize("endpoint, field, kwargs", NOT_IMPLEMENTED, ids=[f"{e}-{f}" for e, f, _ in NOT_IMPLEMENTED])
+def test_fields_minivllm_does_not_implement_are_refused(client, endpoint, field, kwargs):
+    """A field that would change the answer is refused (400 naming it), not quietly served without it."""
+    with pytest.raises(openai.BadRequestError, match=f"minivllm does not implement {field}=") as e:
+        if endpoint == "completions":
+            client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, **kwargs)
+        else:
+            client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, **kwargs)
+    assert e.value.status_code == 400 and e.value.body["code"] == 400
+    ok(client)
+
+
+def test_fields_that_ask_for_nothing_are_served(client):
+    """The same fields at values that ask for nothing (their defaults, empty, tool_choice none or auto
+    without tools) give the answer the request gives without them."""
+    plain = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, temperature=0).choices[0].text
+    same = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, temperature=0, logit_bias={},
+                                     echo=False, best_of=1, user="u", extra_body={
+                                         "bad_words": [], "use_beam_search": False, "prompt_logprobs": None})
+    assert same.choices[0].text == plain
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0)
+    for tool_choice in ("none", "auto"):
+        again = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                               tools=[], tool_choice=tool_choice,
+                                               extra_body={"chat_template_kwargs": {}})
+        assert again.choices[0].message.content == chat.choices[0].message.content
 
 
 def test_stop_token_ids_outside_the_vocabulary(client):

@@ -4,14 +4,15 @@
 """The OpenAI API's request bodies and error object, as pydantic models (after vLLM's
 `vllm/entrypoints/openai/protocol.py`): OpenAI's fields, vLLM's sampling extras (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`), the output constraints (OpenAI's `response_format`, vLLM's
-`structured_outputs`), and `to_sampling_params` to turn a request into minivllm's `SamplingParams`."""
+`include_stop_str_in_output`, `spaces_between_special_tokens`), the output constraints (OpenAI's
+`response_format`, vLLM's `structured_outputs`), the fields minivllm refuses because it does not implement
+them, and `to_sampling_params` to turn a request into minivllm's `SamplingParams`."""
 from __future__ import annotations
 
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -26,7 +27,9 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Fields OpenAI's API has and minivllm does not are ignored, as vLLM does (it logs them)."""
+    """Fields a request model does not declare are ignored, as vLLM ignores them (it logs them); the fields
+    that would change the answer and that minivllm does not implement are declared, and refused
+    (`refuse_not_implemented`)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -53,10 +56,10 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
-           'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat', 'structured_outputs_params',
-           'SamplingRequest', 'capped_max_tokens', 'CompletionRequest', 'ContentPart', 'ChatMessage',
-           'ChatCompletionRequest', 'model_card']
+__all__ = ['MAX_LOGPROBS', 'STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel',
+           'ErrorInfo', 'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat',
+           'structured_outputs_params', 'refuse_not_implemented', 'SamplingRequest', 'capped_max_tokens',
+           'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'model_card']
 
 # %% ../../../notebooks/12_serving.ipynb #6e3fb1c9
 class JsonSchemaResponseFormat(OpenAIBaseModel):
@@ -106,6 +109,21 @@ def structured_outputs_params(response_format: ResponseFormat | None,
         raise ValueError('response_format of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
     return StructuredOutputsParams(**dict(given, json=response_format.json_schema.json_schema))
 
+# %% ../../../notebooks/12_serving.ipynb #8b1e07d4
+# vLLM's request fields that change the answer and that minivllm does not implement -> the values that ask
+# for nothing (the default, or empty). SamplingRequest declares these (pydantic drops an undeclared field);
+# the completions and chat requests add their own.
+NOT_IMPLEMENTED = {"use_beam_search": (False,), "logit_bias": (None, {}), "allowed_token_ids": (None, []),
+                   "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,)}
+
+
+def refuse_not_implemented(request: BaseModel, fields: dict[str, tuple]) -> None:
+    """Raises ValueError naming each field of `fields` (name -> the values that ask for nothing) that
+    `request` sets to another value: served without it, the answer would quietly differ from vLLM's."""
+    given = [f"{k}={getattr(request, k)!r:.60}" for k, nothing in fields.items() if getattr(request, k) not in nothing]
+    if given:
+        raise ValueError(f"minivllm does not implement {', '.join(given)}: leave {'it' if len(given) == 1 else 'them'} out")
+
 # %% ../../../notebooks/12_serving.ipynb #d6238cbc
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat completions share: how to sample, when to stop, whether to stream."""
@@ -129,15 +147,25 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # the output's constraint: OpenAI's response_format or vLLM's structured_outputs (chapter 15)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's fields minivllm does not implement: refused unless they ask for nothing (`NOT_IMPLEMENTED`)
+    use_beam_search: Any = False
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED
 
     def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """`SamplingParams` keyword arguments; a field left None keeps SamplingParams' default. Streams ask
-        for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: `logprobs` outside
-        [0, MAX_LOGPROBS], or a bad output constraint (`structured_outputs_params`)."""
+        for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: a field minivllm lacks
+        (`refuse_not_implemented`), `logprobs` outside [0, MAX_LOGPROBS], a bad `structured_outputs_params`."""
+        refuse_not_implemented(self, self.not_implemented)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -148,6 +176,7 @@ class SamplingRequest(OpenAIBaseModel):
         return dict(kwargs, n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                     ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
                     logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output, output_kind=kind,
                     structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
 
@@ -156,13 +185,13 @@ class SamplingRequest(OpenAIBaseModel):
         """Whether a stream ends with a usage chunk (`stream_options: {"include_usage": true}`)."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-
+# %% ../../../notebooks/12_serving.ipynb #842daac8
 def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
     """The request's `max_tokens`, at most `default_max_tokens` (what the context has room for), as vLLM's
     `get_max_tokens`; None means the default."""
     return default_max_tokens if requested is None else min(requested, default_max_tokens)
 
-# %% ../../../notebooks/12_serving.ipynb #842daac8
+
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids); OpenAI's default `max_tokens` is 16."""
 
@@ -172,14 +201,16 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: Any = True  # vLLM's: False would encode the prompt without the tokenizer's BOS
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {"echo": (None, False), "suffix": (None,),
+                                                                     "add_special_tokens": (True,)}
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) caps
-        `max_tokens`. Raises ValueError: a value out of range, or an OpenAI feature minivllm lacks."""
-        if self.echo or self.suffix is not None:
-            raise ValueError("echo and suffix are not supported")
+        `max_tokens`. Raises ValueError: a value out of range, or a field minivllm does not implement
+        (`not_implemented`, and `best_of` other than `n`)."""
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
+            raise ValueError(f"minivllm does not implement best_of={self.best_of}: leave it out (or equal to n)")
         return SamplingParams(**self.sampling_kwargs(capped_max_tokens(self.max_tokens, default_max_tokens),
                                                      self.logprobs))
 
@@ -214,10 +245,24 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's chat fields minivllm does not implement: no tool calling, only the model's own chat template
+    tools: Any = None
+    tool_choice: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = False
+    documents: Any = None
+    echo: Any = False
+    add_special_tokens: Any = False
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {
+        "tools": (None, []), "tool_choice": (None, "none", "auto"), "chat_template": (None,),
+        "chat_template_kwargs": (None, {}), "continue_final_message": (False,), "documents": (None, []),
+        "echo": (False,), "add_special_tokens": (False,)}
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams` (see `CompletionRequest.to_sampling_params`). Raises ValueError:
-        a value out of range, or `top_logprobs` without `logprobs: true`."""
+        a value out of range, a field minivllm does not implement (`not_implemented`: tools other than
+        none, another chat template, ...), or `top_logprobs` without `logprobs: true`."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
