@@ -505,6 +505,31 @@ def test_stop_token_ids_outside_the_vocabulary(client):
     ok(client)
 
 
+def test_max_tokens_larger_than_the_context_leaves_is_refused(client, offline):
+    """vLLM's server answers 400 when prompt tokens + max_tokens exceed max_model_len (completions' default
+    of 16 included); the offline LLM caps such a request at the end of the context instead, as vLLM's does."""
+    from minivllm.sampling_params import SamplingParams
+
+    prompt = [1] * (MAX_MODEL_LEN - 4)
+    too_large = (rf"'max_tokens' or 'max_completion_tokens' is too large: {{}}\. This model's maximum context length "
+                 rf"is {MAX_MODEL_LEN} tokens and your request has {MAX_MODEL_LEN - 4} input tokens")
+    with pytest.raises(openai.BadRequestError, match=too_large.format(5) + rf" \(5 > {MAX_MODEL_LEN} - 1020\)"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match=too_large.format(16)):  # the default
+        client.completions.create(model=MODEL_NAME, prompt=prompt)
+    with pytest.raises(openai.BadRequestError, match=r"is too large: 5"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, stream=True)
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    for kwargs in (dict(max_completion_tokens=MAX_MODEL_LEN), dict(max_tokens=MAX_MODEL_LEN),
+                   dict(max_tokens=2, max_completion_tokens=MAX_MODEL_LEN)):  # max_completion_tokens wins
+        with pytest.raises(openai.BadRequestError, match=rf"is too large: {MAX_MODEL_LEN}\. "):
+            client.chat.completions.create(model=MODEL_NAME, messages=CHAT, **kwargs)
+    capped = offline.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(capped.token_ids) == 4 and capped.finish_reason == "length"
+    ok(client)
+
+
 def test_n_with_stop_strings(server, client, offline):
     """Each of n completions stops at its own stop string in the front end while its siblings run on: the
     engine core may send one more token of a stopped completion before the abort reaches it."""

@@ -229,12 +229,18 @@ def check_request(state: ServingState, model: str | None) -> None:
         raise EngineDeadError("the engine core has died: restart the server")
 
 
-def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:
-    """What the context leaves for generation. Raises ValueError when the prompt leaves nothing."""
+def default_max_tokens(num_prompt_tokens: int, max_model_len: int, requested: int | None = None) -> int:
+    """What the context leaves for generation after the prompt, checked as vLLM's server checks it
+    (`OpenAIServing._validate_input`). Raises ValueError when the prompt leaves nothing, or when
+    `requested` (the request's `max_tokens` or `max_completion_tokens`; None: not given) is more than that."""
     if num_prompt_tokens >= max_model_len:
         raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                          f"has {num_prompt_tokens} tokens, which leaves no room to generate (at most "
                          f"{max_model_len - 1} prompt tokens).")
+    if requested is not None and num_prompt_tokens + requested > max_model_len:
+        raise ValueError(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
+                         f"context length is {max_model_len} tokens and your request has {num_prompt_tokens} input "
+                         f"tokens ({requested} > {max_model_len} - {num_prompt_tokens}).")
     return max_model_len - num_prompt_tokens
 
 
@@ -244,7 +250,8 @@ def prepare(state: ServingState, prompt: dict, request) -> SamplingParams:
     engine = state.engine
     if request.stream_options is not None and not request.stream:  # vLLM's rule
         raise ValueError("stream_options can only be given when stream is true")
-    params = request.to_sampling_params(default_max_tokens(len(prompt["prompt_token_ids"]), engine.max_model_len))
+    room = default_max_tokens(len(prompt["prompt_token_ids"]), engine.max_model_len, request.requested_max_tokens)
+    params = request.to_sampling_params(room)
     engine.processor.process(prompt, params)
     return params
 

@@ -187,8 +187,10 @@ class SamplingRequest(OpenAIBaseModel):
 
 # %% ../../../notebooks/12_serving.ipynb #842daac8
 def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
-    """The request's `max_tokens`, at most `default_max_tokens` (what the context has room for), as vLLM's
-    `get_max_tokens`; None means the default."""
+    """The `max_tokens` a request's `SamplingParams` get: the request's own, or `default_max_tokens` (what
+    the context leaves after the prompt) when it gives none, as vLLM's `get_max_tokens`. The server has
+    refused a larger request before (`api_server.default_max_tokens`, as vLLM's server does); the `min`
+    only keeps a direct caller within the context."""
     return default_max_tokens if requested is None else min(requested, default_max_tokens)
 
 
@@ -205,9 +207,14 @@ class CompletionRequest(SamplingRequest):
     not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {"echo": (None, False), "suffix": (None,),
                                                                      "add_special_tokens": (True,)}
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The `max_tokens` asked for (OpenAI's default, 16, when the request gives none)."""
+        return self.max_tokens
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) caps
-        `max_tokens`. Raises ValueError: a value out of range, or a field minivllm does not implement
+        """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) is its
+        `max_tokens` when it asks for none (`capped_max_tokens`). Raises ValueError: a value out of range, or a field minivllm does not implement
         (`not_implemented`, and `best_of` other than `n`)."""
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"minivllm does not implement best_of={self.best_of}: leave it out (or equal to n)")
@@ -259,15 +266,20 @@ class ChatCompletionRequest(SamplingRequest):
         "chat_template_kwargs": (None, {}), "continue_final_message": (False,), "documents": (None, []),
         "echo": (False,), "add_special_tokens": (False,)}
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, else the deprecated `max_tokens`; None: what the context leaves."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams` (see `CompletionRequest.to_sampling_params`). Raises ValueError:
         a value out of range, a field minivllm does not implement (`not_implemented`: tools other than
         none, another chat template, ...), or `top_logprobs` without `logprobs: true`."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self.sampling_kwargs(capped_max_tokens(requested, default_max_tokens), logprobs))
+        max_tokens = capped_max_tokens(self.requested_max_tokens, default_max_tokens)
+        return SamplingParams(**self.sampling_kwargs(max_tokens, logprobs))
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them."""
