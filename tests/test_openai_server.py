@@ -530,6 +530,22 @@ def test_max_tokens_larger_than_the_context_leaves_is_refused(client, offline):
     ok(client)
 
 
+def test_chat_errors_name_the_field(client):
+    """top_logprobs out of range names top_logprobs (the request's field, not the engine's logprobs); an
+    unknown role names the roles there are."""
+    for top in (-1, 21):
+        with pytest.raises(openai.BadRequestError, match=rf"top_logprobs must be in \[0, 20\], got {top}"):
+            client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=top)
+    roles = r"messages\.1\.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"
+    with pytest.raises(openai.BadRequestError, match=roles):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT + [{"role": "wizard", "content": "Abracadabra"}],
+                                       max_tokens=2)
+    r = client.chat.completions.create(model=MODEL_NAME, max_tokens=2, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert r.choices[0].finish_reason == "length"
+    ok(client)
+
+
 def test_n_with_stop_strings(server, client, offline):
     """Each of n completions stops at its own stop string in the front end while its siblings run on: the
     engine core may send one more token of a stopped completion before the abort reaches it."""

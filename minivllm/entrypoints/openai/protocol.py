@@ -230,9 +230,10 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """A message; `content` is text or a list of text parts (joined with newlines, as vLLM)."""
+    """A message; `role` is one of OpenAI's (another is a validation error, 400, naming them), `content`
+    text or a list of text parts (joined with newlines, as vLLM)."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
     def as_dict(self) -> dict[str, str]:
@@ -274,7 +275,9 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams` (see `CompletionRequest.to_sampling_params`). Raises ValueError:
         a value out of range, a field minivllm does not implement (`not_implemented`: tools other than
-        none, another chat template, ...), or `top_logprobs` without `logprobs: true`."""
+        none, another chat template, ...), `top_logprobs` outside [0, MAX_LOGPROBS] or without `logprobs: true`."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
