@@ -203,7 +203,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
-    add_special_tokens: Any = True  # vLLM's: False would encode the prompt without the tokenizer's BOS
+    add_special_tokens: Any = True  # vLLM's; False: the prompt without the tokenizer's special tokens (a BOS)
     not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {"echo": (None, False), "suffix": (None,),
                                                                      "add_special_tokens": (True,)}
 
@@ -214,12 +214,12 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) is its
-        `max_tokens` when it asks for none (`capped_max_tokens`). Raises ValueError: a value out of range, or a field minivllm does not implement
-        (`not_implemented`, and `best_of` other than `n`)."""
+        `max_tokens` when it asks for none (`capped_max_tokens`). Raises ValueError: a value out of range,
+        or a field minivllm does not implement (`not_implemented`, and `best_of` other than `n`)."""
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"minivllm does not implement best_of={self.best_of}: leave it out (or equal to n)")
-        return SamplingParams(**self.sampling_kwargs(capped_max_tokens(self.max_tokens, default_max_tokens),
-                                                     self.logprobs))
+        max_tokens = capped_max_tokens(self.requested_max_tokens, default_max_tokens)
+        return SamplingParams(**self.sampling_kwargs(max_tokens, self.logprobs))
 
 
 class ContentPart(OpenAIBaseModel):
