@@ -168,7 +168,8 @@ class LLM:
         ids = validate_and_add_requests(self.llm_engine, prompts, sampling_params)  # all checked, then added
         return run_to_completion(self.llm_engine, ids, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None):
         """Generate for one conversation or a list of them (see `processor.chat_prompts`)."""
-        prompts = chat_prompts(self.get_tokenizer(), messages, add_generation_prompt)
+        prompts = chat_prompts(self.get_tokenizer(), messages, add_generation_prompt, chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -404,6 +404,25 @@ def test_malformed_chat_messages_are_refused_naming_the_problem(default_model_di
         chat_prompts(tokenizer, messages)
 
 
+def test_chat_template_kwargs_are_template_variables(default_model_dir):
+    """`chat_prompts`' (and `LLM.chat`'s) `chat_template_kwargs` reach the template as variables, as in
+    vLLM; a value that is not a dict, or a key that is an argument of `apply_chat_template` itself
+    (`chat_template` would swap the template), is refused naming the problem."""
+    from transformers import AutoTokenizer
+
+    from minivllm.engine.processor import chat_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    hi = [{"role": "user", "content": "hi"}]
+    assert chat_prompts(tokenizer, hi, chat_template_kwargs={"shout": True})[0]["prompt"] == "LOUD hi"
+    assert chat_prompts(tokenizer, hi)[0]["prompt"] == chat_prompts(tokenizer, hi, chat_template_kwargs={})[0]["prompt"] == "hi"
+    for bad, match in [({"chat_template": "{{ 1 }}"}, r"own arguments \['chat_template'\]"),
+                       ({"tokenize": True, "shout": 1}, r"\['tokenize'\]"), ("shout", "must be a dict")]:
+        with pytest.raises(ValueError, match=match):
+            chat_prompts(tokenizer, hi, chat_template_kwargs=bad)
+
+
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_or_lowered(folder):
     """vLLM's start-up rule. 4 blocks of 16 hold 64 tokens: an explicit max_model_len=128 is refused,
     naming both numbers and what to change; without one, the model's 512 is lowered to 64 with a

@@ -460,7 +460,6 @@ NOT_IMPLEMENTED = [  # (endpoint, field, the client's arguments): each would cha
     ("chat", "tools", dict(tools=[TOOL])),
     ("chat", "tool_choice", dict(tool_choice="required")),
     ("chat", "tool_choice", dict(tool_choice={"type": "function", "function": {"name": "f"}})),
-    ("chat", "chat_template_kwargs", dict(extra_body={"chat_template_kwargs": {"enable_thinking": False}})),
     ("chat", "chat_template", dict(extra_body={"chat_template": "{{ messages[0]['content'] }}"})),
     ("chat", "continue_final_message", dict(extra_body={"continue_final_message": True})),
     ("chat", "logit_bias", dict(logit_bias={"7042": 5})),
@@ -494,6 +493,32 @@ def test_fields_that_ask_for_nothing_are_served(client):
                                                tools=[], tool_choice=tool_choice,
                                                extra_body={"chat_template_kwargs": {}})
         assert again.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(default_model_dir):
+    """vLLM's `chat_template_kwargs` are variables the chat template sees (the stub engine records the
+    prompt the template made); apply_chat_template's own arguments, or a value that is not an object,
+    are a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    engine, seen = StubEngine(), []
+    engine.tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    engine.tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    generate = engine.generate
+    engine.generate = lambda prompt, params, request_id: (seen.append(prompt["prompt"]), generate(prompt, params, request_id))[1]
+
+    async def main():
+        client = stub_client(engine)
+        for kwargs in ({"shout": True}, None):
+            await client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                                 extra_body={"chat_template_kwargs": kwargs})
+        for bad, match in [({"chat_template": "{{ 1 }}"}, "chat_template"), ("loud", "chat_template_kwargs")]:
+            with pytest.raises(openai.BadRequestError, match=match):
+                await client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2, extra_body={"chat_template_kwargs": bad})
+
+    asyncio.run(main())
+    assert seen == ["LOUD hi", "hi"], seen
 
 
 def test_stop_token_ids_outside_the_vocabulary(client):

@@ -85,16 +85,31 @@ def split_prompt(prompt, tokenizer) -> tuple[str | None, object]:
     return None, prompt
 
 
-def chat_prompts(tokenizer, messages, add_generation_prompt: bool = True) -> list[dict]:
+# %% ../../notebooks/04_scheduler.ipynb #5f2c8e11
+import inspect
+
+
+def chat_prompts(tokenizer, messages, add_generation_prompt: bool = True,
+                 chat_template_kwargs: dict | None = None) -> list[dict]:
     """vLLM's `LLM.chat` input: one conversation (a list of `{"role", "content"}` dicts) or a list of
-    them, as prompts `{"prompt", "prompt_token_ids"}` through the tokenizer's chat template.
+    them, as prompts `{"prompt", "prompt_token_ids"}` through the tokenizer's chat template, which also
+    sees the variables of `chat_template_kwargs` (vLLM's; Qwen3's template reads `enable_thinking`).
 
     Raises:
         ValueError: there is no tokenizer or it has no chat template; a conversation is not a non-empty
-            list of messages with a string `role` and `content`; the template refuses one.
+            list of messages with a string `role` and `content`; `chat_template_kwargs` is not a dict of
+            template variables (it names an argument of `apply_chat_template`, such as `chat_template`);
+            the template refuses one.
     """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat() needs a tokenizer with a chat template; this model folder has none")
+    extra = {} if chat_template_kwargs is None else chat_template_kwargs
+    if not isinstance(extra, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {extra!r:.80}")
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    own = sorted({p.name for p in params if p.kind is not p.VAR_KEYWORD} & set(extra))
+    if own:
+        raise ValueError(f"chat_template_kwargs holds template variables, not apply_chat_template's own arguments {own}")
     if isinstance(messages, (str, dict)) or not messages:
         raise ValueError(f"messages must be a conversation (a list of messages) or a list of them, got {messages!r:.80}")
     conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -106,7 +121,8 @@ def chat_prompts(tokenizer, messages, add_generation_prompt: bool = True) -> lis
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"a message must be a dict with a string 'role' and 'content', got {m!r:.80}")
         try:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **extra)
         except Exception as e:  # the template's own checks (jinja2's TemplateError and others)
             raise ValueError(f"the chat template refused the conversation: {e}") from None
         prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

@@ -404,7 +404,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
     prompt = (await encoded(state, chat_prompts, state.engine.tokenizer, request.conversation(),
-                            request.add_generation_prompt))[0]
+                            request.add_generation_prompt, request.chat_template_kwargs))[0]
     return await respond(state, prompt, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
 
 # %% ../../../notebooks/12_serving.ipynb #3509404e

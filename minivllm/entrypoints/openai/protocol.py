@@ -253,18 +253,18 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # vLLM's chat fields minivllm does not implement: no tool calling, only the model's own chat template
     tools: Any = None
     tool_choice: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     continue_final_message: Any = False
     documents: Any = None
     echo: Any = False
     add_special_tokens: Any = False
     not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {
         "tools": (None, []), "tool_choice": (None, "none", "auto"), "chat_template": (None,),
-        "chat_template_kwargs": (None, {}), "continue_final_message": (False,), "documents": (None, []),
+        "continue_final_message": (False,), "documents": (None, []),
         "echo": (False,), "add_special_tokens": (False,)}
 
     @property
