@@ -40,13 +40,16 @@ def make_tiny_chat_model(folder: str | Path, seed: int = 0) -> Path:
 class Server:
     """A `python -m minivllm serve` child process: its URL, the processes it started, and a clean stop."""
 
-    def __init__(self, model: Path, log: Path, extra: list[str] = ()):
+    def __init__(self, model: Path, log: Path, extra: list[str] = (), env: dict | None = None):
+        import os
+
         import psutil
 
         cmd = [sys.executable, "-m", "minivllm", "serve", "--model", str(model), "--port", "0", *SERVER_FLAGS, *extra]
         self.log = open(log, "w")
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        cwd=Path(__file__).resolve().parents[1])
+                                        cwd=Path(__file__).resolve().parents[1],
+                                        env=None if env is None else {**os.environ, **env})
         self.url = self._read_url()
         self.children = psutil.Process(self.process.pid).children(recursive=True)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -90,9 +91,13 @@ def test_killing_the_server_kills_its_engine_core(tiny_model, tmp_path):
     """kill -9 of the server (no chance to clean up): its engine-core process dies with it (Linux's
     parent-death signal, and the core's own check of its parent), so nothing is left running."""
     import signal
+    import tempfile
     import time
 
-    server = Server(tiny_model, tmp_path / "server.log")
+    # the killed server cannot remove its socket folder (MPClient's minivllm-zmq-*): it goes in a folder of
+    # the test's, removed at the end (a short path: a Unix socket's path is at most 107 bytes)
+    sockets = tempfile.TemporaryDirectory(prefix="k9-")
+    server = Server(tiny_model, tmp_path / "server.log", env={"TMPDIR": sockets.name})
     core = server.engine_core()
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(10)
@@ -101,3 +106,5 @@ def test_killing_the_server_kills_its_engine_core(tiny_model, tmp_path):
         time.sleep(0.1)
     assert not core.is_running() or core.status() == "zombie", "the engine core outlived its killed server"
     server.log.close()
+    assert [p.name[:13] for p in Path(sockets.name).iterdir()] == ["minivllm-zmq-"]  # what kill -9 leaves
+    sockets.cleanup()
