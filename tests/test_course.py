@@ -336,6 +336,37 @@ def test_a_skip_or_xfail_from_the_code_under_grading_fails_its_test(tmp_path):
     assert ran["test_grader_skips"]["outcome"] == "skipped" and ran["test_grader_mark"]["outcome"] == "skipped", ran
 
 
+def test_a_hypothesis_grader_stops_at_its_first_example_that_reaches_a_stub(tmp_path):
+    """A stub fails every example the same way: a grading run stops a hypothesis test at the first one that
+    raises an untouched stub's NotImplementedError (word for word as the edition's code raises it), and
+    reports that error as it was, without shrinking; any other NotImplementedError is shrunk as usual."""
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / "stubbed.py").write_text(
+        "def task(x):\n    raise NotImplementedError('ch01_ex1: the task\\'s words')\n\n\n"
+        "def unfinished(x):\n    raise NotImplementedError(f'not yet: {x}')\n")
+    (tmp_path / "tests").mkdir()
+    calls = tmp_path / "calls.txt"
+    tests_file = tmp_path / "tests" / "test_stubs.py"
+    tests_file.write_text(
+        "from hypothesis import given, settings, strategies as st\n\nimport stubbed\n\n\n"
+        f"def _count(name):\n    with open({str(calls)!r}, 'a') as f:\n        f.write(name + '\\n')\n\n\n"
+        "@settings(max_examples=50, derandomize=True, database=None)\n@given(st.integers(0, 10**6))\n"
+        "def test_stub(x):\n    _count('stub')\n    stubbed.task(x)\n\n\n"
+        "@settings(max_examples=50, derandomize=True, database=None)\n@given(st.integers(0, 10**6))\n"
+        "def test_unfinished(x):\n    _count('unfinished')\n    stubbed.unfinished(x)\n")
+    results = tmp_path / "outcomes.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                    "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True, text=True,
+                   env={**os.environ, grading.RESULTS_ENV: str(results),
+                        "PYTHONPATH": os.pathsep.join([str(tmp_path / "exercises"), os.environ.get("PYTHONPATH", "")])})
+    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    counts = calls.read_text().split()
+    assert ran["test_stub"]["outcome"] == "failed" and counts.count("stub") == 1, (ran["test_stub"], counts.count("stub"))
+    assert ran["test_stub"]["message"] == "NotImplementedError: ch01_ex1: the task's words", ran["test_stub"]
+    assert ran["test_unfinished"]["message"].startswith("NotImplementedError: not yet: 0"), ran["test_unfinished"]
+    assert counts.count("unfinished") > 2  # found, then shrunk to 0
+
+
 def test_a_speed_part_scores_by_its_bands(tmp_path):
     """A speed part scores the band of the worst ratio its passing tests record (through the grading
     plugin: `record_property(SPEED_RATIO, r)` reaches the outcomes); a failed test, no ratio, or a

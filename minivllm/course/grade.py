@@ -31,7 +31,9 @@ the snapshot-free, contract-only graders follow CS336's and minitorch's course t
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
+import functools
 import hashlib
 import json
 import os
@@ -492,22 +494,55 @@ def _alarm(signum, frame):
     raise GradeTimeout(f"this test ran past {TEST_TIMEOUT_S} s and was stopped (an endless loop?)")
 
 
+class StubReached(BaseException):
+    """A stub's `NotImplementedError` inside a hypothesis test of a grading run, carried out of hypothesis (a
+    BaseException: hypothesis neither shrinks nor retries it; every example would fail the same way, and
+    shrinking took seconds per test), then raised again as it was (`pytest_runtest_call`)."""
+
+    def __init__(self, error: NotImplementedError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _stop_at_stubs(test):
+    """`test` (a hypothesis test's inner function), raising `StubReached` for an untouched stub's error."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        except NotImplementedError as e:
+            if _root and str(e) in _edition_stubs(_root[0])[0]:
+                raise StubReached(e) from None
+            raise
+    return run
+
+
 def pytest_runtest_call(item):
-    """Each test of a grading run stops after `TEST_TIMEOUT_S` (SIGALRM, where the platform has it)."""
-    timed = os.environ.get(RESULTS_ENV) and hasattr(signal, "SIGALRM")
+    """Each test of a grading run stops after `TEST_TIMEOUT_S` (SIGALRM, where the platform has it), and a
+    hypothesis test stops at its first example that reaches an untouched stub (`StubReached`)."""
+    grading = bool(os.environ.get(RESULTS_ENV))
+    timed = grading and hasattr(signal, "SIGALRM")
+    given = getattr(getattr(item, "obj", None), "hypothesis", None) if grading else None
+    if given is not None:  # hypothesis lets a runner wrap the inner test (`.hypothesis.inner_test`)
+        inner = given.inner_test
+        given.inner_test = _stop_at_stubs(inner)
     if timed:
         previous = signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S, 5.0)  # then every 5 s, should the first be caught
     try:
-        yield
+        return (yield)
+    except StubReached as e:
+        raise e.error from None
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+        if given is not None:
+            given.inner_test = inner
 
 
 if _pytest is not None:  # a hook wrapper around each test's call (grading runs need pytest anyway)
-    pytest_runtest_call = _pytest.hookimpl(hookwrapper=True)(pytest_runtest_call)
+    pytest_runtest_call = _pytest.hookimpl(wrapper=True)(pytest_runtest_call)
 
 
 def _framework_dirs() -> tuple[str, ...]:
@@ -567,7 +602,17 @@ if _pytest is not None:  # the outermost wrapper: it sees the report after pytes
 
 
 _root: list[Path] = []  # the grading run's root folder
-_kernel_stubs: dict[Path, list[str]] = {}  # root -> the texts of the Triton kernels' stubs in its code (read once)
+RAISED_STUB = re.compile(r"raise NotImplementedError\((?P<text>(?P<q>[\"'])(?:\\.|(?!(?P=q)).)*(?P=q))\)")
+
+
+@functools.cache
+def _edition_stubs(root: Path) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The stubs in the code at `root` (its package and exercises/, read once): the messages of its
+    `raise NotImplementedError("...")` lines (`stub_line`'s, and the exercises' TODOs), and the texts of
+    its Triton kernels' stubs (`kernel_stub`)."""
+    texts = [f.read_text(errors="replace") for f in [*(root / "minivllm").rglob("*.py"), *(root / "exercises").glob("*.py")]]
+    raised = frozenset(ast.literal_eval(m["text"]) for t in texts for m in RAISED_STUB.finditer(t))
+    return raised, tuple(m["text"] for t in texts for m in KERNEL_STUB.finditer(t))
 
 
 def _as_kernel_stub(message: str) -> str:
@@ -575,10 +620,7 @@ def _as_kernel_stub(message: str) -> str:
     error, which names the stub's text) reported as the `NotImplementedError` a stub means elsewhere."""
     if not _root or message.startswith("NotImplementedError"):
         return message
-    if _root[0] not in _kernel_stubs:
-        files = [*(_root[0] / "minivllm").rglob("*.py"), *(_root[0] / "exercises").glob("*.py")]
-        _kernel_stubs[_root[0]] = [m["text"] for f in files for m in KERNEL_STUB.finditer(f.read_text(errors="replace"))]
-    text = next((t for t in _kernel_stubs[_root[0]] if t in message), None)
+    text = next((t for t in _edition_stubs(_root[0])[1] if t in message), None)
     if text is None:
         return message
     return f"NotImplementedError: {text} (a Triton kernel's stub: {message.splitlines()[0][:100]})\n{message}"
@@ -896,7 +938,8 @@ def _run_graders(root: Path, ids: list[str], files: list[str], impl: str, timeou
         results = Path(tmp) / "results.json"
         env = {**os.environ, RESULTS_ENV: str(results), "PYTHONPATH": os.pathsep.join(
             [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "pytest", "-p", "minivllm.course.grade", "-p", "no:cacheprovider", "-q",
+        # nbmake: not needed to run test files, and its import took a second and a half of each run's start
+        cmd = [sys.executable, "-m", "pytest", "-p", "minivllm.course.grade", "-p", "no:cacheprovider", "-p", "no:nbmake", "-q",
                "--tb=short", "-m", " or ".join(ids), f"--impl={impl}", "--rootdir", str(root), *files]
         try:
             r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
