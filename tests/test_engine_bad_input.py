@@ -475,3 +475,24 @@ def test_aborting_a_request_whose_first_completion_finished_forgets_it(folder):
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=1))
     assert [o.num_cached_tokens for o in engine.step()] == [4]  # the first block, found in the cache
     check_invariants(engine)
+
+
+def test_more_logprobs_than_max_logprobs_are_refused(llm):
+    """As vLLM's engine refuses more than its `max_logprobs` (20 by default) log-probabilities per token,
+    sampled or of the prompt (-1, the whole vocabulary, counts as its size), naming the limit; the server
+    checks the same constant."""
+    from minivllm.engine.processor import MAX_LOGPROBS
+    from minivllm.entrypoints.openai import protocol
+
+    assert MAX_LOGPROBS == 20 and getattr(protocol, "MAX_LOGPROBS", MAX_LOGPROBS) is MAX_LOGPROBS
+    for kwargs, message in [(dict(logprobs=50), r"logprobs=50 is more than max_logprobs=20"),
+                            (dict(prompt_logprobs=21), r"prompt_logprobs=21 is more than max_logprobs=20"),
+                            (dict(logprobs=-1), r"logprobs=-1 \(the whole vocabulary, 128 tokens\) is more than "
+                                                r"max_logprobs=20")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[1, 2]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+        with pytest.raises(ValueError, match=message):
+            llm.llm_engine.add_request(None, [1, 2], SamplingParams(max_tokens=2, **kwargs))
+    out = llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs) == 2 and all(20 <= len(step) <= 21 for step in out.outputs[0].logprobs)
+    check_invariants(llm.llm_engine)

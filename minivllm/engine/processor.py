@@ -53,7 +53,8 @@ def completion_text(tokenizer, prompt_token_ids: list[int], completion_token_ids
     return full[common:]
 
 # %% auto #0
-__all__ = ['token_id', 'vocab_token_ids', 'completion_text', 'is_single_prompt', 'split_prompt', 'chat_prompts', 'Processor']
+__all__ = ['MAX_LOGPROBS', 'token_id', 'vocab_token_ids', 'completion_text', 'is_single_prompt', 'split_prompt', 'chat_prompts',
+           'check_num_logprobs', 'Processor']
 
 # %% ../../notebooks/04_scheduler.ipynb #08f3622c
 def is_single_prompt(prompts) -> bool:
@@ -128,6 +129,21 @@ def chat_prompts(tokenizer, messages, add_generation_prompt: bool = True,
         prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
     return prompts
 
+# %% ../../notebooks/04_scheduler.ipynb #0577999b
+MAX_LOGPROBS = 20  # most log-probabilities per token a request may ask for (vLLM's default `max_logprobs`)
+
+
+def check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
+    """Raises ValueError naming the field when `params.logprobs` or `params.prompt_logprobs` asks for more
+    than `MAX_LOGPROBS` log-probabilities per token (-1, the whole vocabulary, counts as `vocab_size`), as
+    vLLM's `Processor` refuses more than its `max_logprobs`."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and (vocab_size if asked == -1 else asked) > MAX_LOGPROBS:
+            whole = f" (the whole vocabulary, {vocab_size} tokens)" if asked == -1 else ""
+            raise ValueError(f"{name}={asked}{whole} is more than max_logprobs={MAX_LOGPROBS}, the most "
+                             "log-probabilities per token a request may ask for (vLLM's default limit)")
+
 # %% ../../notebooks/04_scheduler.ipynb #cfd85f11
 class Processor:
     """Turns a raw prompt and its sampling parameters into a checked `Sequence` (vLLM V1's `Processor`).
@@ -146,16 +162,16 @@ class Processor:
         self.block_manager, self.supported_fields, self.request_checks = block_manager, supported_fields, tuple(checks)
 
     def process(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
-        """Check a request and wrap it in a `Sequence` (not yet queued).
+        """Check a request and wrap it in a `Sequence` (not yet queued). `prompt`: text, a list of token ids,
+        or vLLM's `{"prompt": text}` or `{"prompt_token_ids": [...]}`.
 
-        Args:
-            prompt: text, a list of token ids, or vLLM's `{"prompt": text}` or `{"prompt_token_ids": [...]}`.
         Raises:
-            ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the
-                sequence keeps a checked copy) or set while no part acts on it, or fails a check, or has
-                `stop_token_ids` outside `[0, vocab_size)` (no token could ever match them); the prompt is
-                empty, a dict with neither key, or text with no tokenizer; it holds ids outside `[0, vocab_size)`
-                or has `max_model_len` tokens or more; `n` is more than the KV cache's blocks (one each).
+            ValueError: `sampling_params` is not a `SamplingParams`, a field of it is out of range (the sequence
+                keeps a checked copy) or set while no part acts on it, or fails a check, or has `stop_token_ids`
+                outside `[0, vocab_size)` (no token could ever match them) or more log-probabilities per token
+                than `MAX_LOGPROBS` (`check_num_logprobs`); the prompt is empty, a dict with neither key, or text
+                with no tokenizer; it holds ids outside `[0, vocab_size)` or has `max_model_len` tokens or more;
+                `n` is more than the KV cache's blocks (one each).
         """
         sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, SamplingParams):
@@ -169,6 +185,7 @@ class Processor:
             raise ValueError(f"this engine does not implement {', '.join(unsupported)}: none of its parts "
                              "(sampler, scheduler, output processor) acts on it")
         vocab_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
+        check_num_logprobs(sampling_params, self.vocab_size)
         if sampling_params.n > self.block_manager.num_blocks:  # each completion holds a block of its own
             raise ValueError(f"n={sampling_params.n} is more than the KV cache's {self.block_manager.num_blocks} blocks")
         text, raw = split_prompt(prompt, self.tokenizer)

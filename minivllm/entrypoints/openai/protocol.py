@@ -16,9 +16,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ...engine.processor import MAX_LOGPROBS  # the engine's limit (vLLM's default max_logprobs): one constant
 from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-MAX_LOGPROBS = 20  # most top tokens per position a request may ask for (vLLM's default max_logprobs)
 
 
 def random_uuid() -> str:
@@ -56,10 +55,10 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel',
-           'ErrorInfo', 'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat',
-           'structured_outputs_params', 'refuse_not_implemented', 'SamplingRequest', 'capped_max_tokens',
-           'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'model_card']
+__all__ = ['STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
+           'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat', 'structured_outputs_params',
+           'refuse_not_implemented', 'SamplingRequest', 'capped_max_tokens', 'CompletionRequest', 'ContentPart',
+           'ChatMessage', 'ChatCompletionRequest', 'model_card']
 
 # %% ../../../notebooks/12_serving.ipynb #6e3fb1c9
 class JsonSchemaResponseFormat(OpenAIBaseModel):
