@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,15 +57,15 @@ def offline(tiny_model):
                kv_cache_memory_bytes=16 << 20)
 
 
-def wait_aborted(server, before: dict[str, float]) -> dict[str, float]:
-    """Wait until one more request has finished as aborted and nothing runs or waits; returns the metrics
-    then, or fails after `ABORT_TIMEOUT_S`. Nothing else is sent meanwhile: after an abort the engine core
-    reports its scheduler's state even though no step runs."""
+def wait_aborted(server, before: dict[str, float], count: int = 1) -> dict[str, float]:
+    """Wait until `count` more requests have finished as aborted and nothing runs or waits; returns the
+    metrics then, or fails after `ABORT_TIMEOUT_S`. Nothing else is sent meanwhile: after an abort the engine
+    core reports its scheduler's state even though no step runs."""
     key = "vllm:request_success_total{finished_reason=abort}"
     deadline = time.monotonic() + ABORT_TIMEOUT_S
     while time.monotonic() < deadline:
         m = metrics(server)
-        if m[key] == before[key] + 1 and m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0:
+        if m[key] == before[key] + count and m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0:
             return m
         time.sleep(0.2)
     pytest.fail(f"the request was not aborted {ABORT_TIMEOUT_S} s after its client left: {metrics(server)}")
@@ -380,6 +381,132 @@ def test_chat_logprobs(client):
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the likeliest
         assert bytes(entry.bytes).decode(errors="replace") == entry.token
+
+
+# --------------------------------------------------------------------------------- several prompts at once
+def test_a_list_of_prompts_gets_n_choices_each(client, offline):
+    """OpenAI's list forms of `prompt` (texts, token-id lists; lm-eval-harness sends them): prompt i's n
+    choices are i*n .. i*n+n-1 (vLLM's and OpenAI's numbering), each as offline `LLM.generate` samples it
+    with the same seed; the usage sums over the prompts; a stream carries the same indices and usage."""
+    from minivllm.sampling_params import SamplingParams
+
+    kw = dict(n=2, temperature=0.8, seed=7, max_tokens=6)
+    want = offline.generate(PROMPTS, SamplingParams(**kw), use_tqdm=False)
+    texts = [c.text for w in want for c in w.outputs]
+    usage = (sum(len(w.prompt_token_ids) for w in want), sum(len(c.token_ids) for w in want for c in w.outputs))
+    for prompt in (PROMPTS, [w.prompt_token_ids for w in want]):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, **kw)
+        assert [c.index for c in r.choices] == list(range(6))
+        assert [c.text for c in r.choices] == texts
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == usage
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+        streamed = {}
+        for chunk in chunks[:-1]:
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        assert [streamed[i] for i in range(6)] == texts
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+        assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+    one = client.completions.create(model=MODEL_NAME, prompt=[PROMPTS[2]], **kw)  # a list of one is one prompt
+    assert [c.text for c in one.choices] == texts[4:]
+
+
+def test_bad_prompt_lists_are_refused_naming_the_prompt(server, client):
+    """An empty list is a 400 (no prompt); a bad prompt in a list is a 400 naming it, and nothing of the
+    request is left queued."""
+    before = wait_idle(server)
+    for prompt, match in [([], "prompt is an empty list"), ([[1, 2], []], "empty"),
+                          ([PROMPTS[0], "word " * MAX_MODEL_LEN], "maximum context length")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["Hi", [1, 2]], "max_tokens": 2})
+    assert r.status_code == 400, r.text  # texts and token ids are not mixed, as in vLLM
+    after = wait_idle(server)
+    assert after["vllm:request_success_total{finished_reason=length}"] == \
+        before["vllm:request_success_total{finished_reason=length}"]
+    ok(client)
+
+
+def test_a_list_of_prompts_is_aborted_when_its_client_goes(server, client):
+    """Every prompt's request stops when the client goes, streamed or not."""
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[:2], "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    before = wait_idle(server)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # leaving the block closes the connection
+    after = wait_aborted(server, before, count=2)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 2 * LONG
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    final = wait_aborted(server, after, count=2)
+    assert final["vllm:generation_tokens_total"] - after["vllm:generation_tokens_total"] < 2 * LONG
+
+
+# ------------------------------------------------------------------------------------- vLLM's extra fields
+def test_return_tokens_as_token_ids(client, offline):
+    """vLLM's `return_tokens_as_token_ids`: each logprobs token (chosen and top) reads "token_id:{id}", in
+    completions (streamed too) and chat; false or absent keeps the text."""
+    from minivllm.sampling_params import SamplingParams
+
+    want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, logprobs=2), use_tqdm=False)[0]
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=2)
+    r = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in want.outputs[0].token_ids]
+    for top, step in zip(lp.top_logprobs, want.outputs[0].logprobs):
+        assert set(top) == {f"token_id:{t}" for t in step}
+    streamed = [t for c in client.completions.create(**kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+                for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    plain = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": False}).choices[0].logprobs
+    assert "".join(plain.tokens) == r.choices[0].text and not plain.tokens[0].startswith("token_id:")
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes).decode() == entry.token
+        assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
+
+
+def test_vllm_fields_minivllm_does_not_serve_are_refused_or_ignored_as_vllm_does(client):
+    """vLLM's `logits_processors` (refused unless empty: minivllm loads no code named by a request),
+    `priority` (nonzero needs priority scheduling: vLLM's FCFS policy refuses it too) and `length_penalty`
+    (beam search's alone: ignored otherwise, as vLLM ignores it; a value that is not a number is a 400)."""
+    for endpoint in ("completions", "chat"):
+        def create(**extra):
+            if endpoint == "completions":
+                return client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, temperature=0,
+                                                 extra_body=extra).choices[0].text
+            return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                                  extra_body=extra).choices[0].message.content
+
+        with pytest.raises(openai.BadRequestError, match=r"minivllm does not implement logits_processors=\['my\.Proc'\]"):
+            create(logits_processors=["my.Proc"])
+        with pytest.raises(openai.BadRequestError, match=r"priority=3 needs priority scheduling.*first come, first served"):
+            create(priority=3)
+        with pytest.raises(openai.BadRequestError, match="length_penalty"):
+            create(length_penalty="long")
+        assert create(logits_processors=[], priority=0, length_penalty=0.5) == create()
+    ok(client)
+
+
+def test_a_lone_surrogate_is_refused_as_not_utf8_naming_the_field(server, client):
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer takes: the 400 says which field
+    is not valid UTF-8 text, in its own words (not the tokenizer's)."""
+    for path, body, field in [("completions", rb'{"prompt": "hi \ud800", "max_tokens": 2}', "prompt"),
+                              ("completions", rb'{"prompt": ["hi", "a \udfff b"], "max_tokens": 2}', r"prompt\[1\]"),
+                              ("chat/completions", rb'{"messages": [{"role": "user", "content": "x"}, '
+                                                   rb'{"role": "user", "content": "\ud800"}], "max_tokens": 2}',
+                               r"messages\[1\]\.content")]:
+        r = httpx.post(f"{server.url}/v1/{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert re.fullmatch(field + r" is not valid UTF-8 text: it holds a lone surrogate \('\\ud[89a-f][0-9a-f]{2}' at "
+                            r"character \d+\)", message), message
+    ok(client)
 
 
 # ----------------------------------------------------------------------------------------------- metrics

@@ -17,7 +17,7 @@ import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -63,11 +63,12 @@ __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 
            'error_response', 'handle_error', 'handle_validation_error', 'handle_http_error', 'sse_event', 'sse_stream',
            'stream_chunk', 'usage_info', 'listen_for_disconnect', 'with_cancellation', 'token_text', 'finite',
            'completion_logprobs', 'chat_logprob', 'chat_logprobs', 'ServingState', 'check_request',
-           'default_max_tokens', 'prepare', 'final_output', 'completion_prompt', 'encoded', 'completion_choice',
-           'completion_chunks', 'completion_response', 'respond', 'create_completion', 'chat_choice_logprobs',
-           'chat_role_chunks', 'chat_chunks', 'chat_response', 'create_chat_completion', 'show_available_models',
-           'health', 'metrics', 'build_app', 'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket',
-           'serve_until_stopped', 'serve_http', 'run_server']
+           'default_max_tokens', 'prepare', 'completion_prompts', 'encoded', 'completion_choice', 'completion_chunks',
+           'completion_response', 'respond', 'create_completion', 'merge_async_iterators', 'close_all', 'final_outputs',
+           'merged_chunks', 'merged_response', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks',
+           'chat_response', 'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app',
+           'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
+           'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -165,8 +166,12 @@ def with_cancellation(handler):
 
 # %% ../../../notebooks/12_serving.ipynb #f824c8f6
 # ------------------------------------------------------------------------------------------- logprobs
-def token_text(tokenizer, token_id: int, logprob) -> str:
-    """A token's text in a logprobs object: the engine's decoded token, else the tokenizer's decode."""
+def token_text(tokenizer, token_id: int, logprob, as_token_id: bool = False) -> str:
+    """A token's text in a logprobs object: the engine's decoded token, else the tokenizer's decode; with
+    `as_token_id` (vLLM's `return_tokens_as_token_ids`) `"token_id:{id}"` instead, vLLM's name for a token
+    that says exactly which it is, even one whose text alone is not valid UTF-8 (part of a character)."""
+    if as_token_id:
+        return f"token_id:{token_id}"
     return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
 
 
@@ -175,36 +180,40 @@ def finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], text_offset: int) -> dict:
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], text_offset: int,
+                        as_token_ids: bool = False) -> dict:
     """The completions API's logprobs object for generated tokens: `tokens`, `token_logprobs`,
     `top_logprobs` (per token `{text: logprob}`: the chosen token and the top ones) and `text_offset`
     (character offsets in the completion, counted from `text_offset`). `logprobs`: per token
-    `{token_id: Logprob}` as `CompletionOutput.logprobs`."""
+    `{token_id: Logprob}` as `CompletionOutput.logprobs`; `as_token_ids`: tokens named "token_id:{id}"
+    (`token_text`; the offsets then count those names, as vLLM's do)."""
     tokens, chosen, top, offsets = [], [], [], []
     for token_id, step in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id, step[token_id])
+        text = token_text(tokenizer, token_id, step[token_id], as_token_ids)
         tokens.append(text)
         chosen.append(finite(step[token_id].logprob))
-        top.append({token_text(tokenizer, t, lp): finite(lp.logprob) for t, lp in step.items()})
+        top.append({token_text(tokenizer, t, lp, as_token_ids): finite(lp.logprob) for t, lp in step.items()})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"text_offset": offsets, "token_logprobs": chosen, "tokens": tokens, "top_logprobs": top}
 
 
-def chat_logprob(tokenizer, token_id: int, logprob) -> dict[str, Any]:
-    """One token of the chat API's logprobs: its text, log-probability and UTF-8 bytes."""
-    text = token_text(tokenizer, token_id, logprob)
+def chat_logprob(tokenizer, token_id: int, logprob, as_token_id: bool = False) -> dict[str, Any]:
+    """One token of the chat API's logprobs: its text (`token_text`), log-probability and UTF-8 bytes."""
+    text = token_text(tokenizer, token_id, logprob, as_token_id)
     return {"token": text, "logprob": finite(logprob.logprob), "bytes": list(text.encode())}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], num_top: int) -> dict:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], num_top: int,
+                  as_token_ids: bool = False) -> dict:
     """The chat API's logprobs object: `{"content": [{token, logprob, bytes, top_logprobs}]}`, where
-    `top_logprobs` lists the `num_top` likeliest tokens at that position, likeliest first."""
+    `top_logprobs` lists the `num_top` likeliest tokens at that position, likeliest first (`as_token_ids`:
+    tokens named "token_id:{id}", see `token_text`)."""
     content = []
     for token_id, step in zip(token_ids, logprobs):
         ranked = sorted((lp.rank, t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= num_top)
-        entry = chat_logprob(tokenizer, token_id, step[token_id])
-        content.append(dict(entry, top_logprobs=[chat_logprob(tokenizer, t, lp) for _, t, lp in ranked]))
+        entry = chat_logprob(tokenizer, token_id, step[token_id], as_token_ids)
+        content.append(dict(entry, top_logprobs=[chat_logprob(tokenizer, t, lp, as_token_ids) for _, t, lp in ranked]))
     return {"content": content}
 
 # %% ../../../notebooks/12_serving.ipynb #097d47b6
@@ -212,12 +221,20 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], num_top
 @dataclass
 class ServingState:
     """What the routes share (kept in `app.state.serving`): the engine, the name clients must ask for,
-    the Prometheus registry `/metrics` shows, and the one thread that tokenizes prompts (`encoded`)."""
+    the Prometheus registry `/metrics` shows, the one thread that tokenizes prompts (`encoded`), and
+    whether logprobs name tokens "token_id:{id}" (vLLM's `return_tokens_as_token_ids`; `for_request`)."""
 
     engine: Any  # an AsyncLLM
     served_model_name: str
     registry: CollectorRegistry
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenizer"))
+    return_tokens_as_token_ids: bool = False
+
+    def for_request(self, request) -> "ServingState":
+        """The state one request's chunks and responses see: its own `return_tokens_as_token_ids` wins where it
+        gives one (vLLM's rule)."""
+        given = request.return_tokens_as_token_ids
+        return self if given is None else replace(self, return_tokens_as_token_ids=given)
 
 
 def check_request(state: ServingState, model: str | None) -> None:
@@ -255,31 +272,21 @@ def prepare(state: ServingState, prompt: dict, request) -> SamplingParams:
     engine.processor.process(prompt, params)
     return params
 
-
-async def final_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-    """The last output of a FINAL_ONLY `generate` (closing the generator whatever happens)."""
-    final = None
-    async with contextlib.aclosing(outputs):
-        async for final in outputs:
-            pass
-    assert final is not None and final.finished, "generate ended without a finished output"
-    return final
-
 # %% ../../../notebooks/12_serving.ipynb #0f00a212
 # ----------------------------------------------------------------------------------------- completions
-def completion_prompt(tokenizer, prompt: str | list[int]) -> dict:
-    """A completions prompt as the engine takes it: text is encoded as `LLM.generate` encodes it."""
-    if isinstance(prompt, str):
-        return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
-    return {"prompt_token_ids": list(prompt)}
+def completion_prompts(tokenizer, prompts: list[str | list[int]]) -> list[dict]:
+    """A completion request's prompts (`CompletionRequest.prompts`) as the engine takes them: text is
+    encoded as `LLM.generate` encodes it, token ids are the prompt as they are."""
+    return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else
+            {"prompt_token_ids": list(p)} for p in prompts]
 
 
 async def encoded(state: ServingState, make_prompt, *args):
     """`make_prompt(*args)` on the server's tokenizer thread: a prompt of a few megabytes takes seconds
     to tokenize, and on the event loop it would hold up every other request meanwhile. One thread, as vLLM's
     `OpenAIServing` keeps: prompts are encoded one at a time, in the order they came (a long one still
-    delays the prompts behind it, not the running requests). Text the tokenizer cannot take (JSON may
-    carry a lone UTF-16 surrogate) is a ValueError (400), not a 500."""
+    delays the prompts behind it, not the running requests). The requests have checked their text
+    (`utf8_text`); anything else a tokenizer refuses is a ValueError (400) too, not a 500."""
     try:
         return await asyncio.get_running_loop().run_in_executor(state.tokenizer_thread, make_prompt, *args)
     except (TypeError, UnicodeError) as e:
@@ -291,7 +298,8 @@ def completion_choice(state: ServingState, c: CompletionOutput, params: Sampling
     of the text sent before it)."""
     logprobs = None
     if params.logprobs is not None and c.logprobs is not None:
-        logprobs = completion_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, offset)
+        logprobs = completion_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, offset,
+                                       state.return_tokens_as_token_ids)
     return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
 
@@ -328,24 +336,107 @@ def completion_response(state: ServingState, final: RequestOutput, params: Sampl
             "model": state.served_model_name, "choices": choices, "usage": usage}
 
 
-async def respond(state: ServingState, prompt: dict, request, request_id: str, chunks, response):
-    """Check the request's parameters (`prepare`), then stream its chunks (`chunks(...)` through
-    `sse_stream`) or wait for its final output and answer `response(...)` as JSON."""
-    params = prepare(state, prompt, request)
-    if request.stream:
-        stream = chunks(state, prompt, params, request_id, request.include_usage)
-        return StreamingResponse(sse_stream(stream), media_type="text/event-stream")
-    final = await final_output(state.engine.generate(prompt, params, request_id))
-    return JSONResponse(response(state, final, params, request_id))
+async def respond(state: ServingState, prompts: list[dict], request, request_id: str, chunks, response):
+    """Check the request's parameters for every prompt (`prepare`) before any is queued, then stream the
+    prompts' chunks (`chunks(...)` each, merged by `merged_chunks`, through `sse_stream`) or wait for their
+    final outputs (`final_outputs`) and answer their `response(...)`s as one (`merged_response`) in JSON.
+    Several prompts run as requests of their own, `{request_id}-{i}` (vLLM's ids); the client sees one."""
+    state = state.for_request(request)
+    params = [prepare(state, p, request) for p in prompts]
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    if request.stream:  # each prompt's stream ends with its usage chunk: merged_chunks sums them
+        streams = [chunks(state, p, sp, rid, True) for p, sp, rid in zip(prompts, params, ids)]
+        merged = merged_chunks(streams, request.n, request_id, request.include_usage)
+        return StreamingResponse(sse_stream(merged), media_type="text/event-stream")
+    finals = await final_outputs([state.engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)])
+    bodies = [response(state, final, sp, request_id) for final, sp in zip(finals, params)]
+    return JSONResponse(merged_response(bodies, request.n))
 
 
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request):
-    """`POST /v1/completions`. Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
+    """`POST /v1/completions`: one prompt or several (`CompletionRequest.prompts`), each with `n` choices.
+    Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = await encoded(state, completion_prompt, state.engine.tokenizer, request.prompt)
-    return await respond(state, prompt, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
+    prompts = await encoded(state, completion_prompts, state.engine.tokenizer, request.prompts())
+    return await respond(state, prompts, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
+
+# %% ../../../notebooks/12_serving.ipynb #865cff37
+async def merge_async_iterators(*iterators: AsyncGenerator) -> AsyncIterator[tuple[int, Any]]:
+    """`(i, item)` for each item of the async generators `iterators`, in the order the items come, whichever
+    generator gives them (vLLM's `merge_async_iterators`): a task per generator waits for its next item. A
+    generator's error ends the merge with that error. However the merge ends (done, an error, closed early
+    or cancelled), every generator is closed, so that a request still running is aborted; the closing runs
+    to its end even if the merge is cancelled again meanwhile. One generator is iterated as it is."""
+    if len(iterators) == 1:
+        async with contextlib.aclosing(iterators[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    pending, done = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}, set()
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(iterators[i].__anext__())] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.shield(close_all([*pending, *done], iterators))
+
+
+async def close_all(tasks: list[asyncio.Future], generators) -> None:
+    """Wait for `tasks` (each was waiting for a generator's next item: cancelled, it stops that generator
+    where it waits), then close every generator of `generators` (one that never ran is closed at its start)."""
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for generator in generators:
+        with contextlib.suppress(Exception):  # the merge raises its own error, if any; the others still close
+            await generator.aclose()
+
+
+async def final_outputs(generators: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    """The last output of each FINAL_ONLY `generate` in `generators`, run at once (`merge_async_iterators`,
+    which closes them whatever happens: a cancelled handler aborts every request)."""
+    finals: list[RequestOutput | None] = [None] * len(generators)
+    async with contextlib.aclosing(merge_async_iterators(*generators)) as outputs:
+        async for i, out in outputs:
+            finals[i] = out
+    assert all(f is not None and f.finished for f in finals), "generate ended without a finished output"
+    return finals
+
+# %% ../../../notebooks/12_serving.ipynb #f727f54b
+async def merged_chunks(streams: list[AsyncGenerator], n: int, request_id: str,
+                        include_usage: bool) -> AsyncIterator[dict]:
+    """The chunks of several prompts' streams (`merge_async_iterators`) as one stream of `request_id`:
+    prompt i's choice j is choice `i * n + j` (OpenAI's and vLLM's numbering). Each stream ends with its
+    usage chunk (no choices); they are summed into one last usage chunk, sent with `include_usage` only."""
+    usage, last = (0, 0), None
+    async with contextlib.aclosing(merge_async_iterators(*streams)) as chunks:
+        async for i, chunk in chunks:
+            if not chunk["choices"] and chunk.get("usage") is not None:  # a prompt's usage
+                usage, last = (usage[0] + chunk["usage"]["prompt_tokens"],
+                               usage[1] + chunk["usage"]["completion_tokens"]), chunk
+            else:
+                yield dict(chunk, id=request_id, choices=[dict(c, index=c["index"] + i * n) for c in chunk["choices"]])
+    if include_usage and last is not None:
+        yield dict(last, id=request_id, usage=usage_info(*usage))
+
+
+def merged_response(bodies: list[dict], n: int) -> dict:
+    """One response for several prompts' `bodies` (each the route's `response` for one prompt; the first
+    gives the id, time and model): prompt i's choice j is choice `i * n + j`, and the usage sums over the
+    prompts (vLLM's `request_output_to_completion_response`)."""
+    choices = [dict(c, index=c["index"] + i * n) for i, body in enumerate(bodies) for c in body["choices"]]
+    prompt_tokens = sum(body["usage"]["prompt_tokens"] for body in bodies)
+    completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+    return dict(bodies[0], choices=choices, usage=usage_info(prompt_tokens, completion_tokens))
 
 # %% ../../../notebooks/12_serving.ipynb #97d90663
 # ------------------------------------------------------------------------------------ chat completions
@@ -353,7 +444,8 @@ def chat_choice_logprobs(state: ServingState, c: CompletionOutput, params: Sampl
     """A chat choice's logprobs object, or None when the request did not ask for logprobs."""
     if params.logprobs is None or c.logprobs is None:
         return None
-    return chat_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, params.logprobs)
+    return chat_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, params.logprobs,
+                         state.return_tokens_as_token_ids)
 
 
 def chat_role_chunks(request_id: str, created: int, model: str, n: int) -> list[dict]:
@@ -403,9 +495,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
-    prompt = (await encoded(state, chat_prompts, state.engine.tokenizer, request.conversation(),
-                            request.add_generation_prompt, request.chat_template_kwargs))[0]
-    return await respond(state, prompt, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
+    prompts = await encoded(state, chat_prompts, state.engine.tokenizer, request.conversation(),
+                            request.add_generation_prompt, request.chat_template_kwargs)  # one conversation: one prompt
+    return await respond(state, prompts, request, f"chatcmpl-{random_uuid()}", chat_chunks, chat_response)
 
 # %% ../../../notebooks/12_serving.ipynb #3509404e
 # ------------------------------------------------------------------------------- models, health, metrics

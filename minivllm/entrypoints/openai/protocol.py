@@ -57,8 +57,8 @@ class StreamOptions(OpenAIBaseModel):
 # %% auto #0
 __all__ = ['STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
            'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat', 'structured_outputs_params',
-           'refuse_not_implemented', 'SamplingRequest', 'capped_max_tokens', 'CompletionRequest', 'ContentPart',
-           'ChatMessage', 'ChatCompletionRequest', 'model_card']
+           'refuse_not_implemented', 'UnservedFields', 'utf8_text', 'SamplingRequest', 'capped_max_tokens',
+           'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'model_card']
 
 # %% ../../../notebooks/12_serving.ipynb #6e3fb1c9
 class JsonSchemaResponseFormat(OpenAIBaseModel):
@@ -110,10 +110,11 @@ def structured_outputs_params(response_format: ResponseFormat | None,
 
 # %% ../../../notebooks/12_serving.ipynb #8b1e07d4
 # vLLM's request fields that change the answer and that minivllm does not implement -> the values that ask
-# for nothing (the default, or empty). SamplingRequest declares these (pydantic drops an undeclared field);
+# for nothing (the default, or empty). `UnservedFields` declares these (pydantic drops an undeclared field);
 # the completions and chat requests add their own.
 NOT_IMPLEMENTED = {"use_beam_search": (False,), "logit_bias": (None, {}), "allowed_token_ids": (None, []),
-                   "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,)}
+                   "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+                   "logits_processors": (None, [])}
 
 
 def refuse_not_implemented(request: BaseModel, fields: dict[str, tuple]) -> None:
@@ -123,8 +124,49 @@ def refuse_not_implemented(request: BaseModel, fields: dict[str, tuple]) -> None
     if given:
         raise ValueError(f"minivllm does not implement {', '.join(given)}: leave {'it' if len(given) == 1 else 'them'} out")
 
+
+class UnservedFields(OpenAIBaseModel):
+    """vLLM's request fields minivllm does not serve, declared so that a request setting one is refused
+    (`refuse_unserved`), not quietly answered without it. `logits_processors` names code for the server to
+    load (vLLM's server refuses it too unless started with `--logits-processor-pattern`); a nonzero
+    `priority` needs vLLM's "priority" scheduling policy, and minivllm's schedulers serve requests first
+    come, first served (vLLM's "fcfs", which refuses it as well). `length_penalty` is beam search's alone:
+    vLLM ignores it in any other request, and so does minivllm (beam search is refused)."""
+
+    use_beam_search: Any = False
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    priority: int = 0
+    length_penalty: float = 1.0
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED
+
+    def refuse_unserved(self) -> None:
+        """Raises ValueError naming a field this request sets that minivllm does not implement
+        (`refuse_not_implemented` over `not_implemented`), or a nonzero `priority`."""
+        refuse_not_implemented(self, self.not_implemented)
+        if self.priority != 0:
+            raise ValueError(f"priority={self.priority} needs priority scheduling, and minivllm's scheduler serves "
+                             "requests first come, first served (vLLM's 'fcfs' policy, which refuses it too): leave "
+                             "it out or 0")
+
+
+def utf8_text(field: str, text: str) -> str:
+    """`text`, checked to be valid UTF-8 text. JSON may carry a lone UTF-16 surrogate (`"\\ud800"`), which
+    Python reads into a `str` that no UTF-8 encoder (a tokenizer's included) takes. Raises ValueError
+    naming `field`, the request's field (`prompt[1]`, `messages[0].content`), and where the surrogate is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid UTF-8 text: it holds a lone surrogate ({text[e.start]!r} at "
+                         f"character {e.start})") from None
+    return text
+
 # %% ../../../notebooks/12_serving.ipynb #d6238cbc
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(UnservedFields):
     """The fields completions and chat completions share: how to sample, when to stop, whether to stream."""
 
     model: str | None = None
@@ -151,20 +193,14 @@ class SamplingRequest(OpenAIBaseModel):
     # the output's constraint: OpenAI's response_format or vLLM's structured_outputs (chapter 15)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
-    # vLLM's fields minivllm does not implement: refused unless they ask for nothing (`NOT_IMPLEMENTED`)
-    use_beam_search: Any = False
-    logit_bias: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
-    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED
+    # vLLM's: logprobs name each token "token_id:{id}" (None: the server's choice, text)
+    return_tokens_as_token_ids: bool | None = None
 
     def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         """`SamplingParams` keyword arguments; a field left None keeps SamplingParams' default. Streams ask
-        for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: a field minivllm lacks
-        (`refuse_not_implemented`), `logprobs` outside [0, MAX_LOGPROBS], a bad `structured_outputs_params`."""
-        refuse_not_implemented(self, self.not_implemented)
+        for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: a field minivllm does
+        not serve (`refuse_unserved`), `logprobs` outside [0, MAX_LOGPROBS], a bad `structured_outputs_params`."""
+        self.refuse_unserved()
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -194,9 +230,11 @@ def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
 
 
 class CompletionRequest(SamplingRequest):
-    """`POST /v1/completions`: one prompt (text or token ids); OpenAI's default `max_tokens` is 16."""
+    """`POST /v1/completions`: one prompt (text or token ids) or several (a list of texts, or of token-id
+    lists: OpenAI's forms); OpenAI's default `max_tokens` is 16."""
 
-    prompt: str | list[StrictInt]  # true, 1.0 or "1" is no token id (pydantic would convert it)
+    # true, 1.0 or "1" is no token id (pydantic would convert it); texts and token ids do not mix, as in vLLM
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
@@ -211,6 +249,17 @@ class CompletionRequest(SamplingRequest):
         """The `max_tokens` asked for (OpenAI's default, 16, when the request gives none)."""
         return self.max_tokens
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, text or token ids each: one prompt is a list of one (as vLLM's
+        `parse_and_batch_prompt` reads OpenAI's forms). Raises ValueError: an empty list (no prompt), text
+        that is not valid UTF-8 (`utf8_text`, naming `prompt`, or `prompt[i]` in a list)."""
+        single = isinstance(self.prompt, str) or (len(self.prompt) > 0 and isinstance(self.prompt[0], int))
+        prompts = [self.prompt] if single else list(self.prompt)
+        if not prompts:
+            raise ValueError("prompt is an empty list: give a prompt (text or token ids) or a list of them")
+        return [utf8_text("prompt" if single else f"prompt[{i}]", p) if isinstance(p, str) else p
+                for i, p in enumerate(prompts)]
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) is its
         `max_tokens` when it asks for none (`capped_max_tokens`). Raises ValueError: a value out of range,
@@ -220,7 +269,7 @@ class CompletionRequest(SamplingRequest):
         max_tokens = capped_max_tokens(self.requested_max_tokens, default_max_tokens)
         return SamplingParams(**self.sampling_kwargs(max_tokens, self.logprobs))
 
-
+# %% ../../../notebooks/12_serving.ipynb #7408a67d
 class ContentPart(OpenAIBaseModel):
     """A text part of a message's content (minivllm's models read text only)."""
 
@@ -284,8 +333,10 @@ class ChatCompletionRequest(SamplingRequest):
         return SamplingParams(**self.sampling_kwargs(max_tokens, logprobs))
 
     def conversation(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them."""
-        return [m.as_dict() for m in self.messages]
+        """The messages as a chat template takes them. Raises ValueError: a message's text is not valid
+        UTF-8 (`utf8_text`, naming `messages[i].content`)."""
+        turns = [m.as_dict() for m in self.messages]
+        return [dict(t, content=utf8_text(f"messages[{i}].content", t["content"])) for i, t in enumerate(turns)]
 
 
 def model_card(served_model_name: str, max_model_len: int) -> dict[str, Any]:
