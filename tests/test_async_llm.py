@@ -100,14 +100,16 @@ def test_greedy_equals_offline(engine, offline, kind):
 
 
 def test_seeded_n_stop_and_logprobs_equal_offline(engine, offline):
-    """n > 1 with seeds, stop strings, stop token ids and log-probabilities: the front end's work."""
+    """n > 1 with seeds, stop strings, stop token ids, log-probabilities and the prompt's (computed in the
+    engine core, decoded in the front end, in every output of the request): the front end's work."""
     greedy = offline_outputs(offline, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12))
     text, ids = greedy[0].outputs[0].text, greedy[1].outputs[0].token_ids
     cases = [(PROMPTS[2], dict(n=3, temperature=1.0, seed=7, max_tokens=8)),
              (PROMPTS[0], dict(temperature=0.0, max_tokens=12, stop=[text[8:12]])),
              (PROMPTS[0], dict(temperature=0.0, max_tokens=12, stop=[text[8:12]], include_stop_str_in_output=True)),
              (PROMPTS[1], dict(temperature=0.0, max_tokens=12, stop_token_ids=[ids[5]])),
-             (PROMPTS[3], dict(temperature=0.8, seed=3, max_tokens=6, logprobs=2))]
+             (PROMPTS[3], dict(temperature=0.8, seed=3, max_tokens=6, logprobs=2)),
+             (PROMPTS[2], dict(n=2, temperature=0.0, max_tokens=4, prompt_logprobs=3))]
     for j, (prompt, kw) in enumerate(cases):
         ref = offline_outputs(offline, [prompt], SamplingParams(**kw))[0]
         for kind in (DELTA, FINAL):
@@ -121,6 +123,12 @@ def test_seeded_n_stop_and_logprobs_equal_offline(engine, offline):
                 assert [list(d) for d in got] == [list(d) for d in ref.outputs[0].logprobs]
                 assert all(abs(a.logprob - b.logprob) < 1e-9 for d, e in zip(got, ref.outputs[0].logprobs)
                            for a, b in zip(d.values(), e.values()))
+            for o in outs if kw.get("prompt_logprobs") else ():
+                assert len(o.prompt_logprobs) == len(ref.prompt_logprobs) and o.prompt_logprobs[0] is None
+                for d, e in zip(o.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+                    assert [(t, lp.rank, lp.decoded_token) for t, lp in d.items()] == [
+                        (t, lp.rank, lp.decoded_token) for t, lp in e.items()]
+                    assert all(abs(d[t].logprob - e[t].logprob) < 1e-9 for t in d)
     asyncio.run(wait_idle(engine))
 
 
@@ -165,7 +173,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(engine):
     async def main():
         for prompt, params, what in [("x " * 300, SamplingParams(), "max_model_len"),
                                      ([10**9], SamplingParams(), "token ids"),
-                                     (PROMPTS[0], SamplingParams(prompt_logprobs=1), "prompt_logprobs")]:
+                                     (PROMPTS[0], SamplingParams(prompt_logprobs=21), "prompt_logprobs")]:
             with pytest.raises(ValueError, match=what):
                 await anext(engine.generate(prompt, params, "bad"))
         slow = engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "dup")

@@ -383,6 +383,134 @@ def test_chat_logprobs(client):
         assert bytes(entry.bytes).decode(errors="replace") == entry.token
 
 
+# ---------------------------------------------------------------------- echo and prompt log-probabilities
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(tiny_model, offline):
+    """prompt -> (its token ids, per token after the first its log-probability under transformers' float64
+    model: log_softmax of the logits at the position before it), the oracle for echo and prompt_logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64).eval()
+    tokenizer = offline.llm_engine.tokenizer
+
+    def oracle(prompt: str) -> tuple[list[int], list[float], torch.Tensor]:
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        return ids, [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))], logprobs
+
+    return oracle
+
+
+def check_offsets(lp, start: int = 0) -> None:
+    """Each token's text_offset is where its text starts: `start` plus the lengths of the tokens before it."""
+    want = [start + sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    assert lp.text_offset == want, (lp.text_offset, want)
+
+
+def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_as_transformers(client, hf_prompt_logprobs):
+    """lm-eval-harness's loglikelihood request (echo, max_tokens 0, logprobs 1, temperature 0): the text is
+    the prompt, and per prompt token its log-probability under transformers' model to 1e-9, the first
+    null (top_logprobs too); the prompt given as token ids gives the same numbers and its decoded text."""
+    prompt = PROMPTS[1]
+    ids, want, logprobs = hf_prompt_logprobs(prompt)
+    for sent in (prompt, ids):
+        r = client.completions.create(model=MODEL_NAME, prompt=sent, echo=True, max_tokens=0, logprobs=1,
+                                      temperature=0)
+        c = r.choices[0]
+        assert c.text == prompt and c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(ids)
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-9)
+        assert "".join(c.logprobs.tokens) == prompt
+        check_offsets(c.logprobs)
+        for k, top in enumerate(c.logprobs.top_logprobs[1:], start=1):  # the chosen token and the likeliest
+            assert 1 <= len(top) <= 2 and c.logprobs.tokens[k] in top
+            assert max(top.values()) == pytest.approx(logprobs[k - 1].max().item(), abs=1e-9)
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, hf_prompt_logprobs):
+    """echo with max_tokens > 0: text = prompt + completion, the logprobs cover the prompt's tokens then the
+    generated ones (as the same request without echo gives them), one sequence of text offsets; without
+    logprobs, the text alone. The usage counts the generated tokens only."""
+    prompt, kw = PROMPTS[0], dict(model=MODEL_NAME, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    ids, want, _ = hf_prompt_logprobs(prompt)
+    plain = client.completions.create(prompt=prompt, logprobs=1, **kw)
+    r = client.completions.create(prompt=prompt, echo=True, logprobs=1, **kw)
+    c, p = r.choices[0], plain.choices[0]
+    assert c.text == prompt + p.text and c.finish_reason == p.finish_reason == "length"
+    assert c.logprobs.tokens == [*c.logprobs.tokens[:len(ids)], *p.logprobs.tokens]
+    assert c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([*want, *p.logprobs.token_logprobs], abs=1e-9)
+    assert "".join(c.logprobs.tokens) == c.text
+    check_offsets(c.logprobs)
+    assert r.usage.model_dump() == plain.usage.model_dump()
+    bare = client.completions.create(prompt=prompt, echo=True, **kw).choices[0]
+    assert bare.text == c.text and bare.logprobs is None
+
+
+def test_echo_of_a_list_of_prompts(client, hf_prompt_logprobs):
+    """A list of prompts (texts, or token-id lists, as lm-eval-harness batches them) with echo: each choice is
+    its prompt, with that prompt's log-probabilities."""
+    oracles = [hf_prompt_logprobs(p) for p in PROMPTS]
+    for sent in (PROMPTS, [ids for ids, _, _ in oracles]):
+        r = client.completions.create(model=MODEL_NAME, prompt=sent, echo=True, max_tokens=0, logprobs=1,
+                                      temperature=0)
+        assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == PROMPTS
+        for c, (ids, want, _) in zip(r.choices, oracles):
+            assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
+            assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-9)
+
+
+def test_streamed_echo_starts_each_choice_with_its_prompt(client):
+    """A stream with echo: each choice's first chunk starts with the prompt (and its logprobs), the chunks of
+    a choice join into the non-streamed text and logprobs, and the offsets go on across chunks; with
+    max_tokens 0, one chunk per choice: the prompt."""
+    prompt, kw = PROMPTS[2], dict(model=MODEL_NAME, echo=True, logprobs=1, temperature=0, n=2)
+    for max_tokens in (0, 5):
+        whole = client.completions.create(prompt=prompt, max_tokens=max_tokens, **kw)
+        chunks = list(client.completions.create(prompt=prompt, max_tokens=max_tokens, stream=True, **kw))
+        for i in range(2):
+            mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+            assert mine[0].text.startswith(prompt) and mine[-1].finish_reason == whole.choices[i].finish_reason
+            assert max_tokens > 0 or len(mine) == 1
+            assert "".join(m.text for m in mine) == whole.choices[i].text
+            assert [t for m in mine for t in m.logprobs.tokens] == whole.choices[i].logprobs.tokens
+            assert [x for m in mine for x in m.logprobs.token_logprobs] == whole.choices[i].logprobs.token_logprobs
+            assert [x for m in mine for x in m.logprobs.text_offset] == whole.choices[i].logprobs.text_offset
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client, hf_prompt_logprobs):
+    """vLLM's `prompt_logprobs` (k): per choice (chat: per response) a list with null first, then per prompt
+    token {token id: {logprob, rank, decoded_token}} holding that token and the k likeliest, the logprobs
+    transformers' to 1e-9. More than 20, and any in a stream, are a 400 naming the field, as is
+    max_tokens 0 without echo."""
+    prompt = PROMPTS[1]
+    ids, want, logprobs = hf_prompt_logprobs(prompt)
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    for c in r.choices:
+        got = c.model_extra["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None and c.logprobs is None
+        for k, (token, entry) in enumerate(zip(ids[1:], got[1:]), start=1):
+            assert str(token) in entry and 2 <= len(entry) <= 3
+            assert entry[str(token)]["logprob"] == pytest.approx(want[k - 1], abs=1e-9)
+            assert {1, 2} <= {e["rank"] for e in entry.values()}
+            best = min(entry.values(), key=lambda e: e["rank"])
+            assert best["logprob"] == pytest.approx(logprobs[k - 1].max().item(), abs=1e-9)
+            assert isinstance(entry[str(token)]["decoded_token"], str)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    got = chat.model_extra["prompt_logprobs"]
+    assert len(got) == chat.usage.prompt_tokens and got[0] is None and all(len(e) <= 2 for e in got[1:])
+    for kwargs, match in [(dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs must be in"),
+                          (dict(extra_body={"prompt_logprobs": 1}, stream=True), "prompt_logprobs are not available"),
+                          (dict(max_tokens=0), "max_tokens")]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(model=MODEL_NAME, prompt=prompt, **{"max_tokens": 2, **kwargs})
+    ok(client)
+
+
 # --------------------------------------------------------------------------------- several prompts at once
 def test_a_list_of_prompts_gets_n_choices_each(client, offline):
     """OpenAI's list forms of `prompt` (texts, token-id lists; lm-eval-harness sends them): prompt i's n
@@ -579,8 +707,6 @@ NOT_IMPLEMENTED = [  # (endpoint, field, the client's arguments): each would cha
     ("completions", "bad_words", dict(extra_body={"bad_words": [" Paris"]})),
     ("completions", "truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 2})),
     ("completions", "use_beam_search", dict(extra_body={"use_beam_search": True})),
-    ("completions", "prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
-    ("completions", "echo", dict(echo=True)),
     ("completions", "suffix", dict(suffix="!")),
     ("completions", "best_of", dict(best_of=2)),
     ("completions", "add_special_tokens", dict(extra_body={"add_special_tokens": False})),
@@ -590,7 +716,7 @@ NOT_IMPLEMENTED = [  # (endpoint, field, the client's arguments): each would cha
     ("chat", "chat_template", dict(extra_body={"chat_template": "{{ messages[0]['content'] }}"})),
     ("chat", "continue_final_message", dict(extra_body={"continue_final_message": True})),
     ("chat", "logit_bias", dict(logit_bias={"7042": 5})),
-    ("chat", "prompt_logprobs", dict(extra_body={"prompt_logprobs": 0})),
+    ("chat", "echo", dict(extra_body={"echo": True})),  # vLLM's chat echo repeats the last message: not served
 ]
 
 

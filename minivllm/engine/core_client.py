@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..config import EngineArgs
 from .llm_engine import LLMEngine
+from .output_processor import compute_prompt_logprobs
 from ..metrics.stats import SchedulerStats
 from ..sequence import Sequence
 
@@ -53,7 +54,10 @@ class EngineCoreOutput:
     Attributes: request_id; new_token_ids (the tokens this step appended, here one); finish_reason
         ("stop" for an end-of-sequence token, "length", or None: the core's own stopping rules only;
         stop strings and stop token ids are the front end's); new_logprobs (one `(ids, values, rank)`
-        row per new token, or None); num_cached_tokens (prompt tokens found in the prefix cache).
+        row per new token, or None); num_cached_tokens (prompt tokens found in the prefix cache);
+        prompt_logprobs (with a request's first output, if its `prompt_logprobs` asked for them: chapter 10's
+        `compute_prompt_logprobs` list, None for the first prompt token, without the tokens' text, which the
+        front end adds; else None).
     """
 
     request_id: str
@@ -61,6 +65,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     new_logprobs: list | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -81,6 +86,7 @@ class EngineCoreOutputs:
     failure: str = ""
 
 
+# %% ../../notebooks/12_serving.ipynb #1eb689df
 @dataclass
 class CacheShape:
     """What the front end's `Processor` needs to know of the KV cache: its blocks and their size."""
@@ -94,7 +100,8 @@ class EngineCoreInfo:
     """The engine core's answer at start-up: what the front end checks requests against.
 
     Attributes: max_model_len (resolved), vocab_size, cache (a `CacheShape`), sampling_fields (the
-        `SamplingParams` fields the core's scheduler and model runner act on), has_logprobs (its
+        `SamplingParams` fields the core's scheduler and model runner act on, and `prompt_logprobs`, which
+        the core computes), has_logprobs (its
         sampler reports log-probabilities), request_checks (its parts' further checks of a request's
         `SamplingParams`: functions, sent by reference).
     """
@@ -107,36 +114,48 @@ class EngineCoreInfo:
     request_checks: tuple = ()
 
 # %% ../../notebooks/12_serving.ipynb #8cd0ad64
-class EngineCoreProc:
-    """An `LLMEngine`'s core driven by messages (add, abort, `step`), for both clients: `InprocClient`
-    calls it directly, `run_engine_core` from the busy loop of the core's own process. Args: engine, an
-    `LLMEngine` (its processor and output processor are not used: the front end checks requests and makes
-    text). After vLLM V1's `EngineCore`."""
+class _CoreRequests:
+    """`EngineCoreProc`'s requests: added and aborted by message, with what each has still to send."""
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.core = engine, engine.core
         self.sent: dict[str, int] = {}  # request id -> completion tokens already sent
+        self.prompt_logprobs: dict[str, list] = {}  # request id -> its prompt log-probabilities, until sent
         self.prefix_queries = self.prefix_hits = self.num_steps = 0
 
     def info(self) -> EngineCoreInfo:
         e = self.engine
         parts = (e.scheduler, e.model_runner)
-        fields = frozenset().union(*(getattr(p, "sampling_fields", ()) for p in parts))
+        fields = frozenset({"prompt_logprobs"}).union(*(getattr(p, "sampling_fields", ()) for p in parts))
         checks = tuple(check for p in parts for check in getattr(p, "request_checks", ()))
         return EngineCoreInfo(e.args.max_model_len, e.model.config.vocab_size, CacheShape(e.block_manager.num_blocks,
                               e.block_manager.block_size), fields, hasattr(e.model_runner.sampler, "logprobs"), checks)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.sent[request.request_id] = 0
-        self.core.add_request(request.request_id, request.seq)
+        """Queue a request. Its prompt log-probabilities, if it asks for them, are computed now (chapter
+        10's `compute_prompt_logprobs`: one pass over the prompt, no KV cache) and go with its first output."""
+        seq, rid = request.seq, request.request_id
+        self.sent[rid] = 0
+        self.core.add_request(rid, seq)
+        if seq.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs[rid] = compute_prompt_logprobs(self.engine.model_runner, seq.prompt_token_ids,
+                                                                seq.sampling_params.prompt_logprobs)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:  # unknown or finished ids are ignored
             self.core.abort_request(rid)
             self.sent.pop(rid, None)
+            self.prompt_logprobs.pop(rid, None)
 
     def has_work(self) -> bool:
         return not self.core.scheduler.is_finished()
+
+# %% ../../notebooks/12_serving.ipynb #f048a3b9
+class EngineCoreProc(_CoreRequests):
+    """An `LLMEngine`'s core driven by messages (add, abort, `step`), for both clients: `InprocClient`
+    calls it directly, `run_engine_core` from the busy loop of the core's own process. Args: engine, an
+    `LLMEngine` (its processor and output processor are not used: the front end checks requests and makes
+    text). After vLLM V1's `EngineCore`."""
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; an `EngineCoreOutput` per sequence that got a token."""
@@ -158,7 +177,7 @@ class EngineCoreProc:
             self.core.num_cached_tokens.pop(rid, None)
         else:
             self.sent[rid] = sent + len(new)
-        return EngineCoreOutput(rid, new, seq.finish_reason, rows, cached)
+        return EngineCoreOutput(rid, new, seq.finish_reason, rows, cached, self.prompt_logprobs.pop(rid, None))
 
     def scheduler_stats(self) -> SchedulerStats:
         sched, bm = self.core.scheduler, self.engine.block_manager

@@ -6,7 +6,7 @@ text, stop strings and stop tokens made in the front end (exported from notebook
 After vLLM V1's `OutputProcessor.process_outputs` (vllm/v1/engine/output_processor.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .core_client import EngineCoreOutput, EngineCoreRequest
 from ..metrics.stats import FinishedRequestStats, IterationStats
@@ -27,8 +27,16 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
 
+
+def decoded_prompt_logprobs(prompt_logprobs: list, decode) -> list:
+    """The engine core's prompt log-probabilities (`EngineCoreOutput.prompt_logprobs`) with each token's text,
+    `decode(token_id)`, as `Logprob.decoded_token`; `decode` None (no tokenizer, or `detokenize=False`): as they are."""
+    if decode is None:
+        return prompt_logprobs
+    return [step and {t: replace(lp, decoded_token=decode(t)) for t, lp in step.items()} for step in prompt_logprobs]
+
 # %% auto #0
-__all__ = ['CORE_FINISH', 'RequestTimes', 'CoreOutputProcessor']
+__all__ = ['CORE_FINISH', 'RequestTimes', 'decoded_prompt_logprobs', 'CoreOutputProcessor']
 
 # %% ../../notebooks/12_serving.ipynb #0818724e
 class _RequestStats:
@@ -72,7 +80,7 @@ class _RequestStats:
 class _FollowedRequests(_RequestStats):
     """`CoreOutputProcessor`'s requests: followed from `add_request` until they finish or `abort_request`."""
 
-    sampling_fields = OutputRequests.sampling_fields - {"prompt_logprobs"}
+    sampling_fields = OutputRequests.sampling_fields - {"prompt_logprobs"}  # the core's (`EngineCoreInfo`)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -133,6 +141,9 @@ class CoreOutputProcessor(_FollowedRequests):
             if out.request_id not in self.states or self.states[out.request_id][1].seq.is_finished:
                 continue  # aborted, or stopped here while the abort was on its way to the core
             parent, state = self.states[out.request_id]
+            if out.prompt_logprobs is not None:  # with each completion's first output (each asks, as in vLLM)
+                decode = self.decode if state.seq.sampling_params.detokenize else None
+                parent.prompt_logprobs = decoded_prompt_logprobs(out.prompt_logprobs, decode)
             if self._apply(state, out) and out.finish_reason is None:
                 to_abort.append(out.request_id)  # finished here, still running in the engine core
             self._record(out, state, parent, now, stats)

@@ -64,11 +64,11 @@ __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 
            'stream_chunk', 'usage_info', 'listen_for_disconnect', 'with_cancellation', 'token_text', 'finite',
            'completion_logprobs', 'chat_logprob', 'chat_logprobs', 'ServingState', 'check_request',
            'default_max_tokens', 'prepare', 'completion_prompts', 'encoded', 'completion_choice', 'completion_chunks',
-           'completion_response', 'respond', 'create_completion', 'merge_async_iterators', 'close_all', 'final_outputs',
-           'merged_chunks', 'merged_response', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks',
-           'chat_response', 'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app',
-           'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
-           'run_server']
+           'PromptEcho', 'prompt_echo', 'echoed', 'prompt_logprobs_json', 'echo_chunks', 'completion_response',
+           'respond', 'create_completion', 'merge_async_iterators', 'close_all', 'final_outputs', 'merged_chunks',
+           'merged_response', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks', 'chat_response',
+           'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app', 'engine_args_from_cli',
+           'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http', 'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -167,12 +167,13 @@ def with_cancellation(handler):
 # %% ../../../notebooks/12_serving.ipynb #f824c8f6
 # ------------------------------------------------------------------------------------------- logprobs
 def token_text(tokenizer, token_id: int, logprob, as_token_id: bool = False) -> str:
-    """A token's text in a logprobs object: the engine's decoded token, else the tokenizer's decode; with
-    `as_token_id` (vLLM's `return_tokens_as_token_ids`) `"token_id:{id}"` instead, vLLM's name for a token
-    that says exactly which it is, even one whose text alone is not valid UTF-8 (part of a character)."""
+    """A token's text in a logprobs object: the engine's decoded token, else (or with `logprob` None) the
+    tokenizer's decode; with `as_token_id` (vLLM's `return_tokens_as_token_ids`) `"token_id:{id}"` instead,
+    vLLM's name for a token that says exactly which it is, even one whose text alone is not valid UTF-8
+    (part of a character)."""
     if as_token_id:
         return f"token_id:{token_id}"
-    return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+    return tokenizer.decode([token_id]) if logprob is None or logprob.decoded_token is None else logprob.decoded_token
 
 
 def finite(logprob: float) -> float:
@@ -180,19 +181,21 @@ def finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], text_offset: int,
-                        as_token_ids: bool = False) -> dict:
-    """The completions API's logprobs object for generated tokens: `tokens`, `token_logprobs`,
-    `top_logprobs` (per token `{text: logprob}`: the chosen token and the top ones) and `text_offset`
-    (character offsets in the completion, counted from `text_offset`). `logprobs`: per token
-    `{token_id: Logprob}` as `CompletionOutput.logprobs`; `as_token_ids`: tokens named "token_id:{id}"
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict | None], text_offset: int,
+                        as_token_ids: bool = False, num_top: int | None = None) -> dict:
+    """The completions API's logprobs object: `tokens`, `token_logprobs`, `top_logprobs` (per token
+    `{text: logprob}`: the chosen token and at most `num_top` others, None: all given) and `text_offset`
+    (character offsets in the choice's text, counted from `text_offset`). `logprobs`: per token
+    `{token_id: Logprob}` as `CompletionOutput.logprobs`, or None (an echoed prompt's first token: its
+    logprob and top_logprobs are null, as vLLM's); `as_token_ids`: tokens named "token_id:{id}"
     (`token_text`; the offsets then count those names, as vLLM's do)."""
     tokens, chosen, top, offsets = [], [], [], []
     for token_id, step in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id, step[token_id], as_token_ids)
+        text = token_text(tokenizer, token_id, None if step is None else step[token_id], as_token_ids)
         tokens.append(text)
-        chosen.append(finite(step[token_id].logprob))
-        top.append({token_text(tokenizer, t, lp, as_token_ids): finite(lp.logprob) for t, lp in step.items()})
+        chosen.append(None if step is None else finite(step[token_id].logprob))
+        kept = None if step is None else list(step.items())[:None if num_top is None else num_top + 1]
+        top.append(kept and {token_text(tokenizer, t, lp, as_token_ids): finite(lp.logprob) for t, lp in kept})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"text_offset": offsets, "token_logprobs": chosen, "tokens": tokens, "top_logprobs": top}
@@ -299,7 +302,7 @@ def completion_choice(state: ServingState, c: CompletionOutput, params: Sampling
     logprobs = None
     if params.logprobs is not None and c.logprobs is not None:
         logprobs = completion_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, offset,
-                                       state.return_tokens_as_token_ids)
+                                       state.return_tokens_as_token_ids, params.logprobs)
     return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
 
@@ -326,11 +329,78 @@ async def completion_chunks(state: ServingState, prompt: dict, params: SamplingP
                            usage_info(num_prompt, sum(sent_tokens)))
     ### END SOLUTION
 
+# %% ../../../notebooks/12_serving.ipynb #23a26e07
+@dataclass
+class PromptEcho:
+    """What `echo` puts before each choice of one prompt: its `text` (a prompt given as token ids: decoded),
+    `token_ids` and `logprobs` (`RequestOutput.prompt_logprobs`), and `only` (the choice is the prompt alone)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    only: bool = False
+
+
+def prompt_echo(tokenizer, out: RequestOutput, only: bool = False) -> PromptEcho:
+    """`out`'s prompt to echo; a prompt given as token ids has no text, and is decoded (as vLLM's)."""
+    text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    return PromptEcho(text, list(out.prompt_token_ids), out.prompt_logprobs, only)
+
+
+def echoed(c: CompletionOutput, prompt: PromptEcho | None) -> CompletionOutput:
+    """`c` with `prompt` before it (None: `c` itself): text, token ids and log-probabilities (None where either
+    part has none); with `prompt.only`, the prompt's alone (vLLM's `echo` with `max_tokens: 0`)."""
+    if prompt is None:
+        return c
+    text, ids, logprobs = ("", [], []) if prompt.only else (c.text, c.token_ids, c.logprobs)
+    both = None if logprobs is None or prompt.logprobs is None else prompt.logprobs + logprobs
+    return replace(c, text=prompt.text + text, token_ids=prompt.token_ids + ids, logprobs=both)
+
+
+def prompt_logprobs_json(prompt_logprobs: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: None, or per prompt token None (the first) or `{token_id: {"logprob",
+    "rank", "decoded_token"}}` (the key a string, as JSON's keys are; -inf as -9999.0, as vLLM's)."""
+    if prompt_logprobs is None:
+        return None
+    return [step and {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                      for t, lp in step.items()} for step in prompt_logprobs]
+
+
+# %% ../../../notebooks/12_serving.ipynb #4a79f637
+async def echo_chunks(state: ServingState, prompt: dict, params: SamplingParams, request_id: str,
+                      include_usage: bool, echo_only: bool = False) -> AsyncIterator[dict]:
+    """A completions stream with `echo` (vLLM's): each choice's first chunk is its first output after the
+    prompt (`echoed`), the next ones as `completion_chunks` makes them, their text offsets counted from
+    the start of the prompt; with `echo_only`, one chunk per choice: the prompt. Then with `include_usage`
+    the usage (the generated tokens). Raises what `generate` raises."""
+    created, sent_text, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
+    echoed_choices: set[int] = set()
+    async with contextlib.aclosing(state.engine.generate(prompt, params, request_id)) as outputs:
+        async for out in outputs:
+            num_prompt = len(out.prompt_token_ids)
+            for c in out.outputs:
+                first = c.index not in echoed_choices
+                if not first and (echo_only or not c.text and not c.token_ids and c.finish_reason is None):
+                    continue
+                shown = echoed(c, prompt_echo(state.engine.tokenizer, out, echo_only)) if first else c
+                echoed_choices.add(c.index)
+                yield stream_chunk(request_id, "text_completion", created, state.served_model_name,
+                                   [completion_choice(state, shown, params, sent_text[c.index])])
+                sent_text[c.index] += len(shown.text)
+                sent_tokens[c.index] += len(c.token_ids)
+    if include_usage:
+        yield stream_chunk(request_id, "text_completion", created, state.served_model_name, [],
+                           usage_info(num_prompt, sum(sent_tokens)))
+
 # %% ../../../notebooks/12_serving.ipynb #b50b3841
 def completion_response(state: ServingState, final: RequestOutput, params: SamplingParams,
-                        request_id: str) -> dict:
-    """A non-streamed completion: every choice, and the usage."""
-    choices = [completion_choice(state, c, params) for c in final.outputs]
+                        request_id: str, echo: bool = False, echo_only: bool = False) -> dict:
+    """A non-streamed completion: every choice (with `echo`, after its prompt: `echoed`; with vLLM's
+    `prompt_logprobs`), and the usage (the generated tokens, as vLLM counts them)."""
+    prompt = prompt_echo(state.engine.tokenizer, final, echo_only) if echo else None
+    prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
+    choices = [dict(completion_choice(state, echoed(c, prompt), params), prompt_logprobs=prompt_logprobs)
+               for c in final.outputs]
     usage = usage_info(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.served_model_name, "choices": choices, "usage": usage}
@@ -355,12 +425,17 @@ async def respond(state: ServingState, prompts: list[dict], request, request_id:
 
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request):
-    """`POST /v1/completions`: one prompt or several (`CompletionRequest.prompts`), each with `n` choices.
-    Raises ModelNotFoundError (404), ValueError (400), EngineDeadError (503)."""
+    """`POST /v1/completions`: one prompt or several (`CompletionRequest.prompts`), each with `n` choices
+    (with `echo`, `echo_chunks` and `completion_response(echo=True)`). Raises ModelNotFoundError (404),
+    ValueError (400), EngineDeadError (503)."""
     state: ServingState = raw_request.app.state.serving
     check_request(state, request.model)
     prompts = await encoded(state, completion_prompts, state.engine.tokenizer, request.prompts())
-    return await respond(state, prompts, request, f"cmpl-{random_uuid()}", completion_chunks, completion_response)
+    chunks, response = completion_chunks, completion_response
+    if request.echo:
+        chunks = functools.partial(echo_chunks, echo_only=request.echo_only)
+        response = functools.partial(completion_response, echo=True, echo_only=request.echo_only)
+    return await respond(state, prompts, request, f"cmpl-{random_uuid()}", chunks, response)
 
 # %% ../../../notebooks/12_serving.ipynb #865cff37
 async def merge_async_iterators(*iterators: AsyncGenerator) -> AsyncIterator[tuple[int, Any]]:
@@ -480,13 +555,15 @@ async def chat_chunks(state: ServingState, prompt: dict, params: SamplingParams,
 
 # %% ../../../notebooks/12_serving.ipynb #926a1387
 def chat_response(state: ServingState, final: RequestOutput, params: SamplingParams, request_id: str) -> dict:
-    """A non-streamed chat completion: one assistant message per choice, and the usage."""
+    """A non-streamed chat completion: one assistant message per choice, the usage, and vLLM's
+    `prompt_logprobs` (once per response, null unless asked for)."""
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_choice_logprobs(state, c, params), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason} for c in final.outputs]
     usage = usage_info(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.served_model_name, "choices": choices, "usage": usage}
+            "model": state.served_model_name, "choices": choices, "usage": usage,
+            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs)}
 
 
 @with_cancellation

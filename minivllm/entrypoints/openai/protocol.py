@@ -113,7 +113,7 @@ def structured_outputs_params(response_format: ResponseFormat | None,
 # for nothing (the default, or empty). `UnservedFields` declares these (pydantic drops an undeclared field);
 # the completions and chat requests add their own.
 NOT_IMPLEMENTED = {"use_beam_search": (False,), "logit_bias": (None, {}), "allowed_token_ids": (None, []),
-                   "bad_words": (None, []), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+                   "bad_words": (None, []), "truncate_prompt_tokens": (None,),
                    "logits_processors": (None, [])}
 
 
@@ -138,7 +138,6 @@ class UnservedFields(OpenAIBaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
     logits_processors: Any = None
     priority: int = 0
     length_penalty: float = 1.0
@@ -195,14 +194,20 @@ class SamplingRequest(UnservedFields):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's: logprobs name each token "token_id:{id}" (None: the server's choice, text)
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, its log-probability and the k likeliest
 
-    def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    def sampling_kwargs(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> dict[str, Any]:
         """`SamplingParams` keyword arguments; a field left None keeps SamplingParams' default. Streams ask
         for DELTA outputs, other requests for FINAL_ONLY (as vLLM). Raises ValueError: a field minivllm does
-        not serve (`refuse_unserved`), `logprobs` outside [0, MAX_LOGPROBS], a bad `structured_outputs_params`."""
+        not serve (`refuse_unserved`), `logprobs` or the request's `prompt_logprobs` outside [0, MAX_LOGPROBS],
+        `prompt_logprobs` in a stream (vLLM's rule), a bad `structured_outputs_params`."""
         self.refuse_unserved()
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream is true (vLLM's rule)")
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                      repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty)
@@ -210,7 +215,7 @@ class SamplingRequest(UnservedFields):
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return dict(kwargs, n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                     ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
-                    logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                     spaces_between_special_tokens=self.spaces_between_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output, output_kind=kind,
                     structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
@@ -231,7 +236,9 @@ def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
 
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids) or several (a list of texts, or of token-id
-    lists: OpenAI's forms); OpenAI's default `max_tokens` is 16."""
+    lists: OpenAI's forms); OpenAI's default `max_tokens` is 16. `echo` puts each prompt before its
+    choices' text and, with `logprobs`, the prompt's log-probabilities before theirs (vLLM's serving of it);
+    with `max_tokens: 0` a choice is its prompt alone (`echo_only`)."""
 
     # true, 1.0 or "1" is no token id (pydantic would convert it); texts and token ids do not mix, as in vLLM
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -241,13 +248,17 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: Any = True  # vLLM's; False: the prompt without the tokenizer's special tokens (a BOS)
-    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {"echo": (None, False), "suffix": (None,),
-                                                                     "add_special_tokens": (True,)}
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED | {"suffix": (None,), "add_special_tokens": (True,)}
 
     @property
     def requested_max_tokens(self) -> int | None:
         """The `max_tokens` asked for (OpenAI's default, 16, when the request gives none)."""
         return self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        """Whether each choice is its prompt alone: `echo` with `max_tokens: 0` (OpenAI's way to score a text)."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, text or token ids each: one prompt is a list of one (as vLLM's
@@ -262,12 +273,15 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """This request's `SamplingParams`; `default_max_tokens` (max_model_len - prompt tokens) is its
-        `max_tokens` when it asks for none (`capped_max_tokens`). Raises ValueError: a value out of range,
-        or a field minivllm does not implement (`not_implemented`, and `best_of` other than `n`)."""
+        `max_tokens` when it asks for none (`capped_max_tokens`). With `echo`, `prompt_logprobs` defaults to
+        `logprobs`, and `echo_only` generates one token that the answer leaves out (vLLM's rules). Raises
+        ValueError: a value out of range (`max_tokens: 0` without echo included), or a field minivllm does not
+        implement (`not_implemented`, and `best_of` other than `n`)."""
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"minivllm does not implement best_of={self.best_of}: leave it out (or equal to n)")
-        max_tokens = capped_max_tokens(self.requested_max_tokens, default_max_tokens)
-        return SamplingParams(**self.sampling_kwargs(max_tokens, self.logprobs))
+        max_tokens = 1 if self.echo_only else capped_max_tokens(self.requested_max_tokens, default_max_tokens)
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else self.prompt_logprobs
+        return SamplingParams(**self.sampling_kwargs(max_tokens, self.logprobs, prompt_logprobs))
 
 # %% ../../../notebooks/12_serving.ipynb #7408a67d
 class ContentPart(OpenAIBaseModel):
@@ -330,7 +344,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = capped_max_tokens(self.requested_max_tokens, default_max_tokens)
-        return SamplingParams(**self.sampling_kwargs(max_tokens, logprobs))
+        return SamplingParams(**self.sampling_kwargs(max_tokens, logprobs, self.prompt_logprobs))
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them. Raises ValueError: a message's text is not valid
