@@ -125,6 +125,20 @@ def test_untouched_stubs_fail_with_not_implemented(edition, tmp_path):
     assert suite.get("tests") == str(len(RELEASED)) and suite.get("failures") == suite.get("tests")
 
 
+def _plugin_run(tmp_path: Path, tests_file: Path, *args: str, path: Path | None = None):
+    """pytest with the grading plugin on `tests_file`, from `tmp_path` (more pytest `args`; `path` put first
+    on PYTHONPATH): the finished process, and the outcomes the plugin saved by test name ({} if none)."""
+    results = tmp_path / "outcomes.json"
+    env = {**os.environ, grading.RESULTS_ENV: str(results)}
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
+                        *args, "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True,
+                       text=True, env=env)
+    saved = json.loads(results.read_text()) if results.exists() else {}
+    return r, {n.split("::")[1]: o for n, o in saved.items()}
+
+
 def _dedent(text: str) -> str:
     lines = text.split("\n")
     cut = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
@@ -290,12 +304,9 @@ def test_a_crashed_run_names_the_crash_and_keeps_the_maximum(tmp_path):
     assert groups["right"]["max_points"] == 3 and groups["right"]["points"] == 0, groups
     tests_file = tmp_path / "test_gpu_flag.py"
     tests_file.write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_on_a_gpu():\n    pass\n")
-    results = tmp_path / "outcomes.json"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
-                    "--co", "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True,
-                   env={**os.environ, grading.RESULTS_ENV: str(results)})
+    _, ran = _plugin_run(tmp_path, tests_file, "--co")
     import torch
-    flagged = [o.get("gpu_absent", False) for o in json.loads(results.read_text()).values()]
+    flagged = [o.get("gpu_absent", False) for o in ran.values()]
     assert flagged == [not torch.cuda.is_available()], flagged
 
 
@@ -320,12 +331,7 @@ def test_a_skip_or_xfail_from_the_code_under_grading_fails_its_test(tmp_path):
         "@given(st.integers())\ndef test_answer_in_hypothesis(x):\n    answer.skip()\n\n\n"
         "def test_grader_skips():\n    pytest.skip('needs a CUDA GPU')\n\n\n"
         "@pytest.mark.skipif(True, reason='no GPU')\ndef test_grader_mark():\n    answer.skip()\n")
-    results = tmp_path / "outcomes.json"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
-                        "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True, text=True,
-                       env={**os.environ, grading.RESULTS_ENV: str(results),
-                            "PYTHONPATH": os.pathsep.join([str(tmp_path / "answer"), os.environ.get("PYTHONPATH", "")])})
-    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    r, ran = _plugin_run(tmp_path, tests_file, path=tmp_path / "answer")
     assert r.returncode == 1, r.stdout[-2000:]  # pytest itself counts them as failures
     for name, kind in [("test_answer[skip]", "pytest.skip"), ("test_answer[xfail]", "pytest.xfail"),
                        ("test_answer[raise_skipped]", "pytest.skip"), ("test_answer[exec_skip]", "pytest.skip"),
@@ -354,12 +360,7 @@ def test_a_hypothesis_grader_stops_at_its_first_example_that_reaches_a_stub(tmp_
         "def test_stub(x):\n    _count('stub')\n    stubbed.task(x)\n\n\n"
         "@settings(max_examples=50, derandomize=True, database=None)\n@given(st.integers(0, 10**6))\n"
         "def test_unfinished(x):\n    _count('unfinished')\n    stubbed.unfinished(x)\n")
-    results = tmp_path / "outcomes.json"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
-                    "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, capture_output=True, text=True,
-                   env={**os.environ, grading.RESULTS_ENV: str(results),
-                        "PYTHONPATH": os.pathsep.join([str(tmp_path / "exercises"), os.environ.get("PYTHONPATH", "")])})
-    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    _, ran = _plugin_run(tmp_path, tests_file, path=tmp_path / "exercises")
     counts = calls.read_text().split()
     assert ran["test_stub"]["outcome"] == "failed" and counts.count("stub") == 1, (ran["test_stub"], counts.count("stub"))
     assert ran["test_stub"]["message"] == "NotImplementedError: ch01_ex1: the task's words", ran["test_stub"]
@@ -379,11 +380,8 @@ def test_a_speed_part_scores_by_its_bands(tmp_path):
         "import pytest\n\n\n@pytest.mark.parametrize('r', [1.2, 2.5])\n"
         "def test_timed(r, record_property):\n    record_property('speed_ratio', r)\n\n\n"
         "def test_no_gpu():\n    pytest.skip('needs a CUDA GPU')\n")
-    results = tmp_path / "outcomes.json"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
-                    "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, check=True, capture_output=True,
-                   env={**os.environ, grading.RESULTS_ENV: str(results)})
-    ran = {n.split("::")[1]: o for n, o in json.loads(results.read_text()).items()}
+    r, ran = _plugin_run(tmp_path, tests_file)
+    assert r.returncode == 0, r.stdout[-2000:]
     assert ran["test_timed[1.2]"]["speed_ratio"] == 1.2 and ran["test_timed[2.5]"]["speed_ratio"] == 2.5, ran
     assert ran["test_no_gpu"]["outcome"] == "skipped" and ran["test_no_gpu"]["skip_reason"] == "needs a CUDA GPU"
 
@@ -442,12 +440,8 @@ def test_tests_left_out_by_the_marker_are_not_counted_as_not_run(tmp_path):
     (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
                                           "    for m in ('ch06_ex1', 'ch06_ex2'):\n"
                                           "        config.addinivalue_line('markers', m)\n")
-    results = tmp_path / "outcomes.json"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "minivllm.course.grade", "-p", "no:cacheprovider",
-                    "-m", "ch06_ex1", "--rootdir", str(tmp_path), str(tests_file)], cwd=tmp_path, check=True,
-                   capture_output=True, env={**os.environ, grading.RESULTS_ENV: str(results)})
-    ran = {n.split("::")[1]: o["outcome"] for n, o in json.loads(results.read_text()).items()}
-    assert ran == {"test_mine": "passed"}, ran
+    r, ran = _plugin_run(tmp_path, tests_file, "-m", "ch06_ex1")
+    assert r.returncode == 0 and {n: o["outcome"] for n, o in ran.items()} == {"test_mine": "passed"}, (r.stdout, ran)
 
 
 def test_a_class_graded_from_the_book_is_graded_beside_stubs(tmp_path):
