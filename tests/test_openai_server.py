@@ -480,6 +480,21 @@ def test_streamed_echo_starts_each_choice_with_its_prompt(client):
             assert [x for m in mine for x in m.logprobs.text_offset] == whole.choices[i].logprobs.text_offset
 
 
+@pytest.mark.parametrize("kwargs", [dict(prompt=PROMPTS[0], stop=[" zq never"]), dict(prompt="Hi 😀 there", echo=True),
+                                    dict(prompt=PROMPTS[1], echo=True, extra_body={"return_tokens_as_token_ids": True})],
+                         ids=["text-held-back-for-a-stop-string", "a-character-split-over-tokens", "token-ids-as-names"])
+def test_streamed_text_offsets_go_on_as_the_whole_completions_do(client, kwargs):
+    """A stream's text offsets run on across its chunks as the non-streamed completion's do (each token's offset:
+    the lengths of the tokens before it), also where the text sent so far is not the tokens' texts joined:
+    text held back while it may start a stop string, a character split over tokens (each shown as U+FFFD), tokens
+    named "token_id:{id}". Counting the text sent instead, the offsets went back, or stayed at 0."""
+    kw = dict(model=MODEL_NAME, max_tokens=8, temperature=0, logprobs=1, **kwargs)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.tokens
+    check_offsets(whole)
+    assert [x for c in chunks for x in c.logprobs.text_offset] == whole.text_offset
+
 def test_prompt_logprobs_as_vllm_returns_them(client, hf_prompt_logprobs):
     """vLLM's `prompt_logprobs` (k): per choice (chat: per response) a list with null first, then per prompt
     token {token id: {logprob, rank, decoded_token}} holding that token and the k likeliest, the logprobs

@@ -63,12 +63,13 @@ __all__ = ['ERROR_TYPES', 'MIN_LOGPROB', 'GRACEFUL_SHUTDOWN_S', 'READY_POLL_S', 
            'error_response', 'handle_error', 'handle_validation_error', 'handle_http_error', 'sse_event', 'sse_stream',
            'stream_chunk', 'usage_info', 'listen_for_disconnect', 'with_cancellation', 'token_text', 'finite',
            'completion_logprobs', 'chat_logprob', 'chat_logprobs', 'ServingState', 'check_request',
-           'default_max_tokens', 'prepare', 'completion_prompts', 'encoded', 'completion_choice', 'completion_chunks',
-           'PromptEcho', 'prompt_echo', 'echoed', 'prompt_logprobs_json', 'echo_chunks', 'completion_response',
-           'respond', 'create_completion', 'merge_async_iterators', 'close_all', 'final_outputs', 'merged_chunks',
-           'merged_response', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks', 'chat_response',
-           'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app', 'engine_args_from_cli',
-           'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http', 'run_server']
+           'default_max_tokens', 'prepare', 'completion_prompts', 'encoded', 'completion_choice', 'next_text_offset',
+           'completion_chunks', 'PromptEcho', 'prompt_echo', 'echoed', 'prompt_logprobs_json', 'echo_chunks',
+           'completion_response', 'respond', 'create_completion', 'merge_async_iterators', 'close_all', 'final_outputs',
+           'merged_chunks', 'merged_response', 'chat_choice_logprobs', 'chat_role_chunks', 'chat_chunks',
+           'chat_response', 'create_chat_completion', 'show_available_models', 'health', 'metrics', 'build_app',
+           'engine_args_from_cli', 'engine_core_from_cli', 'bind_socket', 'serve_until_stopped', 'serve_http',
+           'run_server']
 
 # %% ../../../notebooks/12_serving.ipynb #d9cf77c3
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -297,8 +298,8 @@ async def encoded(state: ServingState, make_prompt, *args):
 
 
 def completion_choice(state: ServingState, c: CompletionOutput, params: SamplingParams, offset: int = 0) -> dict:
-    """One choice of a completion (or of a stream chunk, with `c` a DELTA output and `offset` the length
-    of the text sent before it)."""
+    """One choice of a completion (or of a stream chunk, with `c` a DELTA output and `offset` where its first
+    token's text offset starts: `next_text_offset` of the chunk before it)."""
     logprobs = None
     if params.logprobs is not None and c.logprobs is not None:
         logprobs = completion_logprobs(state.engine.tokenizer, c.token_ids, c.logprobs, offset,
@@ -307,21 +308,28 @@ def completion_choice(state: ServingState, c: CompletionOutput, params: Sampling
             "stop_reason": c.stop_reason}
 
 
+def next_text_offset(choice: dict, offset: int) -> int:
+    """Where a stream's next chunk of this choice counts its text offsets from: after `choice`'s last token, as the
+    whole completion counts them (the text sent may lag behind its tokens); `offset` if it has none."""
+    lp = choice["logprobs"]
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else offset
+
+
 async def completion_chunks(state: ServingState, prompt: dict, params: SamplingParams, request_id: str,
                             include_usage: bool) -> AsyncIterator[dict]:
     """A completions stream's chunks: one per completion that advanced in an output (DELTA), then with
     `include_usage` a last chunk with no choices and the usage. Raises what `generate` raises."""
     # EXERCISE ch12_ex2 (5 points): a chunk per completion that advanced; with include_usage a last chunk with the usage
     ### BEGIN SOLUTION
-    created, sent_text, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
+    created, offsets, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
     async with contextlib.aclosing(state.engine.generate(prompt, params, request_id)) as outputs:
         async for out in outputs:
             num_prompt = len(out.prompt_token_ids)
             for c in out.outputs:
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                choice = completion_choice(state, c, params, sent_text[c.index])
-                sent_text[c.index] += len(c.text)
+                choice = completion_choice(state, c, params, offsets[c.index])
+                offsets[c.index] = next_text_offset(choice, offsets[c.index])
                 sent_tokens[c.index] += len(c.token_ids)
                 yield stream_chunk(request_id, "text_completion", created, state.served_model_name, [choice])
     if include_usage:
@@ -373,7 +381,7 @@ async def echo_chunks(state: ServingState, prompt: dict, params: SamplingParams,
     prompt (`echoed`), the next ones as `completion_chunks` makes them, their text offsets counted from
     the start of the prompt; with `echo_only`, one chunk per choice: the prompt. Then with `include_usage`
     the usage (the generated tokens). Raises what `generate` raises."""
-    created, sent_text, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
+    created, offsets, sent_tokens, num_prompt = int(time.time()), [0] * params.n, [0] * params.n, 0
     echoed_choices: set[int] = set()
     async with contextlib.aclosing(state.engine.generate(prompt, params, request_id)) as outputs:
         async for out in outputs:
@@ -384,9 +392,9 @@ async def echo_chunks(state: ServingState, prompt: dict, params: SamplingParams,
                     continue
                 shown = echoed(c, prompt_echo(state.engine.tokenizer, out, echo_only)) if first else c
                 echoed_choices.add(c.index)
-                yield stream_chunk(request_id, "text_completion", created, state.served_model_name,
-                                   [completion_choice(state, shown, params, sent_text[c.index])])
-                sent_text[c.index] += len(shown.text)
+                choice = completion_choice(state, shown, params, offsets[c.index])
+                offsets[c.index] = next_text_offset(choice, offsets[c.index])
+                yield stream_chunk(request_id, "text_completion", created, state.served_model_name, [choice])
                 sent_tokens[c.index] += len(c.token_ids)
     if include_usage:
         yield stream_chunk(request_id, "text_completion", created, state.served_model_name, [],
