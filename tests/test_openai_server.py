@@ -747,6 +747,19 @@ def test_fields_minivllm_does_not_implement_are_refused(client, endpoint, field,
     ok(client)
 
 
+def test_continuous_usage_stats_is_refused(client):
+    """vLLM's `stream_options.continuous_usage_stats` puts the usage in every chunk; minivllm sends it once, at the
+    end (`include_usage`), so the field is refused (400 naming it) instead of quietly leaving every chunk's usage
+    null; false asks for nothing and is served."""
+    for create, kw in ((client.completions.create, dict(prompt="Hi")), (client.chat.completions.create, dict(messages=CHAT))):
+        with pytest.raises(openai.BadRequestError, match="continuous_usage_stats"):
+            create(model=MODEL_NAME, max_tokens=2, stream=True,
+                   stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw)
+        chunks = list(create(model=MODEL_NAME, max_tokens=2, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": False}, **kw))
+        assert chunks[-1].usage.completion_tokens == 2 and all(c.usage is None for c in chunks[:-1])
+    ok(client)
+
 def test_fields_that_ask_for_nothing_are_served(client):
     """The same fields at values that ask for nothing (their defaults, empty, tool_choice none or auto
     without tools) give the answer the request gives without them."""

@@ -271,6 +271,9 @@ def prepare(state: ServingState, prompt: dict, request) -> SamplingParams:
     engine = state.engine
     if request.stream_options is not None and not request.stream:  # vLLM's rule
         raise ValueError("stream_options can only be given when stream is true")
+    if request.stream_options is not None and request.stream_options.continuous_usage_stats:
+        raise ValueError("minivllm does not implement stream_options.continuous_usage_stats=True (the usage in "
+                         "every chunk): leave it out; include_usage sends the usage in a last chunk")
     room = default_max_tokens(len(prompt["prompt_token_ids"]), engine.max_model_len, request.requested_max_tokens)
     params = request.to_sampling_params(room)
     engine.processor.process(prompt, params)

@@ -50,9 +50,11 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices. vLLM's
+    `continuous_usage_stats` (the usage in every chunk) is declared so that asking for it is refused."""
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 # %% auto #0
 __all__ = ['STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
