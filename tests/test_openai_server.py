@@ -495,6 +495,7 @@ def test_streamed_text_offsets_go_on_as_the_whole_completions_do(client, kwargs)
     check_offsets(whole)
     assert [x for c in chunks for x in c.logprobs.text_offset] == whole.text_offset
 
+
 def test_prompt_logprobs_as_vllm_returns_them(client, hf_prompt_logprobs):
     """vLLM's `prompt_logprobs` (k): per choice (chat: per response) a list with null first, then per prompt
     token {token id: {logprob, rank, decoded_token}} holding that token and the k likeliest, the logprobs
