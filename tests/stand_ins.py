@@ -32,11 +32,12 @@ EXERCISE_ID = re.compile(r"\bch\d\d_ex\d+\b")
 
 def _paged_decode_stand_in(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Paged decode attention as a batch: each sequence's keys gathered by slot (block id * block_size
-    + offset) up to the longest context, padding masked, one `F.scaled_dot_product_attention` call
-    with grouped-query heads. Also the reference of ch05_ex1's speed part."""
+    + offset) as far as the block tables reach, past its context masked, one `F.scaled_dot_product_attention`
+    call with grouped-query heads. Also the reference of ch05_ex1's speed part. It reads no tensor's value on
+    the host (the longest context would be one): chapter 08 captures it in a CUDA graph."""
     n, _, d = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    t = torch.arange(int(context_lens.max()), device=q.device)
+    t = torch.arange(block_tables.shape[1] * block_size, device=q.device)
     slots = block_tables.long().clamp(min=0).gather(1, (t // block_size).expand(n, -1)) * block_size + t % block_size
     k = k_cache.reshape(num_blocks * block_size, kv_heads, d)[slots].transpose(1, 2)
     v = v_cache.reshape(num_blocks * block_size, kv_heads, d)[slots].transpose(1, 2)

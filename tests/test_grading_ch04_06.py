@@ -291,7 +291,9 @@ CH05_BUILD_METHODS = [m for methods in CH05_PARTS.values() for m in methods]
 
 
 class _Scaffold(BlockManager):
-    """The grader's block manager: every method of ch05_ex1 (freeing head first, unlike the book)."""
+    """The grader's block manager: every method of ch05_ex1. It frees the tail first, as the book does: in an
+    edition it stands in for ch05_ex1 wherever another exercise is graded, and chapter 06's prefix cache keeps
+    a freed block's content and evicts leaves before their parents, an order its graders check."""
 
     def can_allocate(self, seq: Sequence) -> bool:
         return seq.num_blocks <= self.num_free_blocks
@@ -301,7 +303,7 @@ class _Scaffold(BlockManager):
         seq.block_table = [self._allocate_block().block_id for _ in range(seq.num_blocks)]
 
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in seq.block_table:
+        for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -712,7 +714,7 @@ class _FreesShared(_Scaffold):
     """deallocate that frees every block of the table, shared ones too (reference counts ignored)."""
 
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in seq.block_table:
+        for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count = 0
             self._free_block(block)
