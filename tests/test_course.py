@@ -644,13 +644,15 @@ def fill_with_the_books_answers(edition: Path) -> None:
             book_lines, answers = book[cell.get("id")].split("\n"), {}
             for r in find_regions(book[cell.get("id")]):
                 answers.setdefault(r.id, []).append(book_lines[r.begin + 1:r.end])
-            filled = []
+            filled, stubbed = [], set()
             for i, line in enumerate(lines):
-                marker = grading.REGION_MARKER.match(lines[i - 1]) if i else None
-                if marker and line.strip() != grading.BEGIN:
-                    line = "\n".join(answers[marker["id"]].pop(0))  # the stub's place: the book's answer
+                m = grading.REGION_MARKER.match(lines[i - 1]) if i else None
+                region = m and grading.Region(m["id"], int(m["points"]), m["task"].strip(), m["indent"], i - 1, i, i)
+                if region and line == grading.stub_line(region, kernel=grading.in_triton_kernel(lines, i)):
+                    line = "\n".join(answers[region.id].pop(0))  # the stub's place: the book's answer
+                    stubbed.add(region.id)
                 filled.append(line)
-            assert not any(answers.values()), (nb_path.name, cell.get("id"), answers)
+            assert not any(answers[ex] for ex in stubbed), (nb_path.name, cell.get("id"), answers)
             cell.source = "\n".join(filled)
         nbformat.write(nb, nb_path)
     for ex in EXERCISES.values():
