@@ -305,13 +305,19 @@ def test_llm_engine_defaults_to_chapter_04_pieces(oracle):
 
 def test_the_runner_scores_a_prompt_and_copies_blocks(oracle):
     """The model runner's services to the rest of the engine: `prompt_logits` (every position, no KV
-    cache) equals transformers' logits in float64, and `copy_blocks` copies K and V of every layer."""
+    cache, in chunks of rows: whole, several with a shorter last one, one row each) equals transformers'
+    logits in float64, and `copy_blocks` copies K and V of every layer."""
     folder, model, prompts, _, _ = oracle
     engine = LLMEngine(model=folder, dtype="float64", max_model_len=MAX_MODEL_LEN)
-    runner, prompt = engine.model_runner, prompts[0]
+    runner, prompt = engine.model_runner, prompts[-1]  # 300 tokens
     with torch.inference_mode():
         want = model(torch.tensor([prompt])).logits[0]
-    assert (runner.prompt_logits(prompt) - want).abs().max().item() < 1e-9
+    for chunk, sizes in [(None, [300]), (64, [64] * 4 + [44]), (1, [1] * 300)]:
+        chunks = list(runner.prompt_logits(prompt, chunk))
+        assert [len(c) for c in chunks] == sizes
+        assert (torch.cat(chunks) - want).abs().max().item() < 1e-9, chunk
+    with pytest.raises(ValueError, match="chunk_tokens must be at least 1; got 0"):
+        runner.prompt_logits(prompt, 0)
     cache = runner.kv_cache
     cache[:, :, 0].normal_()
     runner.copy_blocks([(0, 2)])

@@ -7,18 +7,21 @@ default model's byte-level tokenizer (marked slow: it needs the converted model 
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from engine_helpers import check_invariants, make_model, one_thread, random_prompts, run_engine
 from minivllm.core.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, finish_text, update_text
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.output_processor import OutputProcessor, iter_outputs
+from minivllm.engine.output_processor import OutputProcessor, compute_prompt_logprobs, iter_outputs
 from minivllm.attention.paged_attention import PagedAttention
 from minivllm.core.prefix_caching import PrefixCachingBlockManager
 from minivllm.engine.processor import completion_text
@@ -227,6 +230,47 @@ def test_logprobs_equal_transformers_log_softmax(tiny, caching):
         assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)),
                                                      abs=1e-12)
     assert out.num_cached_tokens == (8 if caching else 0)
+
+
+class CreatedShapes(TorchDispatchMode):
+    """Records the shape of every tensor an operation creates while active (no timing, no allocator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_prompt_logprobs_hold_one_chunk_of_scores_and_logits_at_a_time(tmp_path):
+    """A 400-token prompt's logprobs, 32 rows at a time (12 chunks and a shorter one): no attention
+    scores beyond `[num_heads, 32, 400]` (q, k and v, `[400, heads, head_dim]`, are smaller) and no
+    logits or log-softmax beyond 32 rows (a vocabulary of 250, unlike any other width of the model),
+    where the whole prompt at once made `[4, 400, 400]` scores and `[400, 250]` logits. The values equal
+    transformers' log-softmax (float64) and the unchunked pass's."""
+    vocab, chunk, heads = 250, 32, 4
+    hf = make_model(tmp_path, "llama", vocab_size=vocab, num_attention_heads=heads)
+    runner = tiny_engine(tmp_path, max_model_len=512, num_kvcache_blocks=128).model_runner
+    prompt = [(7 * i + 3) % vocab for i in range(400)]
+    runner.prompt_chunk_tokens = chunk
+    with CreatedShapes() as created:
+        got = compute_prompt_logprobs(runner, prompt, 3)
+    scores = max((s for s in created.shapes if len(s) == 3), key=math.prod)
+    assert math.prod(scores) <= heads * chunk * len(prompt), scores
+    assert max(s[0] for s in created.shapes if len(s) == 2 and s[1] == vocab) <= chunk
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert got[0] is None and len(got) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert len(got[i]) in (3, 4) and prompt[i] in got[i]
+        assert all(abs(lp.logprob - float(ref[i - 1, t])) <= 1e-9 for t, lp in got[i].items())
+    runner.prompt_chunk_tokens = len(prompt)
+    whole = compute_prompt_logprobs(runner, prompt, 3)
+    assert all(a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-12 and a[t].rank == b[t].rank
+                                            for t in a) for a, b in zip(got[1:], whole[1:]))
 
 
 def test_without_detokenize_logprobs_have_no_decoded_token(paris):

@@ -8,6 +8,7 @@ over their shard. After vLLM V1's `MultiprocExecutor` and nano-vllm's `ModelRunn
 call to the others)."""
 from __future__ import annotations
 
+import collections
 import pickle
 import subprocess
 import sys
@@ -63,9 +64,15 @@ class _TensorParallelDriver:
         send_plan(self.tp, "copy_blocks", block_pairs)
         super().copy_blocks(block_pairs)
 
-    def prompt_logits(self, token_ids):
-        send_plan(self.tp, "prompt_logits", token_ids)
-        return super().prompt_logits(token_ids)
+    def prompt_logits(self, token_ids, chunk_tokens=None):
+        """Chapter 04's chunks, with the other ranks running the same chunks (each one's LM head gathers)."""
+        chunk_tokens = self.prompt_chunk_tokens if chunk_tokens is None else chunk_tokens
+        chunks = super().prompt_logits(token_ids, chunk_tokens)  # a bad size raises before the others hear of it
+        send_plan(self.tp, "prompt_logits", token_ids, chunk_tokens)
+        try:
+            yield from chunks
+        finally:  # a consumer that stopped early: the others still wait in the next chunks' collectives
+            collections.deque(chunks, maxlen=0)
 
 
 class TensorParallelModelRunner(_TensorParallelDriver, ModelRunner):
@@ -81,10 +88,14 @@ class TensorParallelMixedBatchModelRunner(_TensorParallelDriver, MixedBatchModel
 
 # %% ../../notebooks/13_scaling_out.ipynb #f7580370
 class _NoSampling:
-    """A worker's runner samples nothing: rank 0 alone holds the gathered logits."""
+    """A worker's runner samples nothing: rank 0 alone holds the gathered logits. It still runs every
+    chunk of `prompt_logits` (its forward pass and each chunk's LM head join rank 0's collectives)."""
 
     def sample(self, seqs, logits):
         return [None] * len(seqs)
+
+    def prompt_logits(self, token_ids, chunk_tokens):
+        collections.deque(super().prompt_logits(token_ids, chunk_tokens), maxlen=0)
 
 
 class _CacheShape:

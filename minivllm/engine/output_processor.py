@@ -26,11 +26,15 @@ def compute_prompt_logprobs(model_runner, token_ids: list[int], num: int, decode
     """vLLM's `prompt_logprobs`: None for the first token, then `{token_id: Logprob}` for each prompt
     token given the ones before it, with the top `num` (-1: all). The logits come from the model
     runner's `prompt_logits` (no KV cache), so a prompt whose prefix came from the prefix cache gets
-    every position too."""
-    logits = model_runner.prompt_logits(token_ids)[:-1]
-    ids = torch.tensor(token_ids, device=logits.device)
-    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
-    rows = gather_logprobs(logprobs, ids[1:], [num] * (len(ids) - 1)) if len(ids) > 1 else []
+    every position too. They come a chunk of rows at a time (`[rows, vocab_size]`, the runner's
+    `prompt_chunk_tokens`), and each chunk's log-softmax (in at least float32) and top `num` are taken
+    before the next chunk's logits exist, as vLLM takes them from each chunked-prefill step's logits:
+    memory stays at a chunk times the vocabulary, whatever the prompt's length."""
+    rows, targets = [], token_ids[1:]  # row i: the logits after token i score token i + 1
+    for logits in model_runner.prompt_logits(token_ids[:-1]) if targets else ():
+        logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+        chosen = torch.tensor(targets[len(rows):len(rows) + len(logits)], device=logits.device)
+        rows += gather_logprobs(logprobs, chosen, [num] * len(logits))
     return [None] + [logprobs_dict(r, decode) for r in rows]
 
 

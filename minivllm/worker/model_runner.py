@@ -60,8 +60,8 @@ def split_prefill(seqs: list[Sequence], limit: int | None) -> list[list[Sequence
     return groups
 
 # %% auto #0
-__all__ = ['PREFILL_MICROBATCH_TOKENS', 'SAMPLE_BATCH_FIELDS', 'prepare_batch', 'split_prefill', 'sample_batch',
-           'kv_cache_bytes_per_token', 'prepare_cpu_model', 'ModelRunner']
+__all__ = ['PREFILL_MICROBATCH_TOKENS', 'SAMPLE_BATCH_FIELDS', 'PROMPT_CHUNK_TOKENS', 'prepare_batch', 'split_prefill',
+           'sample_batch', 'kv_cache_bytes_per_token', 'prepare_cpu_model', 'ModelRunner']
 
 # %% ../../notebooks/04_scheduler.ipynb #bb3e6035
 SAMPLE_BATCH_FIELDS = frozenset({"temperature", "seed"})  # the SamplingParams fields `sample_batch` acts on
@@ -112,9 +112,16 @@ class _RequestSampling:
         self.generators.pop(seq.seq_id, None)
 
 # %% ../../notebooks/04_scheduler.ipynb #0fef5706
+from collections.abc import Iterator
+
+PROMPT_CHUNK_TOKENS = 512  # prompt_logits' rows at once: 151 MB of float32 scores at the default model's 8,192 tokens
+
+
 class _CacheAndPrompts:
     """`ModelRunner`'s KV cache and whole-prompt logits: it uses `model`, `kv_cache`, `dtype` and
-    `device`, set by its `__init__`, and its class switch `huge_pages`."""
+    `device`, set by its `__init__`, and its class switches `huge_pages` and `prompt_chunk_tokens`."""
+
+    prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS  # rows per chunk of `prompt_logits`
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """The KV cache, zeros: `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`, model dtype;
@@ -131,14 +138,34 @@ class _CacheAndPrompts:
         sources, destinations = (list(ids) for ids in zip(*block_pairs))
         self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
 
-    @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """The logits after each of `token_ids`, `[num_tokens, vocab_size]`: one forward pass over them
-        alone, with no KV cache (causal attention among themselves; vLLM's `prompt_logprobs` use them)."""
+    def prompt_logits(self, token_ids: list[int], chunk_tokens: int | None = None) -> Iterator[torch.Tensor]:
+        """The logits after each of `token_ids`, chunk by chunk: yields `[rows, vocab_size]` (model dtype)
+        for rows `0..c-1`, `c..2c-1`, ... (the last chunk may be shorter), `c` = `chunk_tokens` (default
+        the class's `prompt_chunk_tokens`). One forward pass over the tokens alone, with no KV cache
+        (causal attention among themselves; vLLM's `prompt_logprobs` use them), run as the chunks are
+        taken, its attention in chunks of `c` queries over the keys up to them: at most `c × num_tokens`
+        scores per head and `c × vocab_size` logits exist at once, not `num_tokens²` and
+        `num_tokens × vocab_size` (vLLM's prompt logprobs come from its chunked prefill's logits, a
+        token budget at a time). Raises: ValueError, at the call, for `c` < 1."""
+        c = self.prompt_chunk_tokens if chunk_tokens is None else chunk_tokens
+        if c < 1:
+            raise ValueError(f"prompt_logits: chunk_tokens must be at least 1; got {c}")
         ids = torch.tensor(token_ids, device=self.device)
         scale = self.model.model.layers[0].self_attn.scale
-        no_cache = lambda layer_idx, q, k, v: attention_reference(q, k, v, scale, causal=True)  # noqa: E731
-        return self.model.compute_logits(self.model(ids, torch.arange(len(ids), device=self.device), no_cache))
+
+        def no_cache(layer_idx, q, k, v):  # queries a..b-1 are the last of keys 0..b-1 (causal, Tq < Tk)
+            out = torch.empty_like(q)
+            for a in range(0, len(q), c):
+                out[a:a + c] = attention_reference(q[a:a + c], k[:a + c], v[:a + c], scale, causal=True)
+            return out
+
+        @torch.inference_mode()
+        def chunks():
+            hidden = self.model(ids, torch.arange(len(ids), device=self.device), no_cache)  # [num_tokens, hidden_size]
+            for a in range(0, len(hidden), c):
+                yield self.model.compute_logits(hidden[a:a + c])
+
+        return chunks()
 
 # %% ../../notebooks/04_scheduler.ipynb #ac8af34b
 from ..model_executor.layers.amx_gemm import use_amx_linear
