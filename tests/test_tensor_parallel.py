@@ -117,15 +117,19 @@ def test_engine_greedy_equals_single_process_and_transformers(tiny_llama, tp_siz
 
 def test_sampling_n_and_prompt_logprobs_equal_single_process(tiny_llama):
     """Rank 0 samples from the gathered logits with the same generators: seeded draws, `n` completions
-    sharing the prompt's blocks (the ranks copy blocks together) and prompt logprobs equal one process's."""
+    sharing the prompt's blocks (the ranks copy blocks together) and prompt logprobs equal one process's,
+    also when rank 0 takes them 8 rows at a time (3 chunks of the 21-token prompt, each gathered from
+    every rank: a rank that ran other chunks would leave the gathers waiting)."""
     folder, _ = tiny_llama
     sp = [SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3, prompt_logprobs=2, logprobs=1),
           SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=3)]
     prompts = [list(range(10, 31)), [4, 4, 4]]
 
-    def run(**kw):
+    def run(prompt_chunk_tokens=None, **kw):
         llm = LLM(folder, dtype="float64", block_size=4, **kw)
         try:
+            if prompt_chunk_tokens is not None:
+                llm.llm_engine.model_runner.prompt_chunk_tokens = prompt_chunk_tokens
             return [([c.token_ids for c in o.outputs], o.prompt_logprobs, [c.logprobs for c in o.outputs])
                     for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
@@ -141,7 +145,7 @@ def test_sampling_n_and_prompt_logprobs_equal_single_process(tiny_llama):
                    x.keys() == y.keys() and all(x[t].rank == y[t].rank and abs(x[t].logprob - y[t].logprob) <= 1e-12
                                                 for t in x) for x, y in zip(a, b, strict=True))
 
-    tp, single = run(tensor_parallel_size=2), run()
+    tp, single = run(8, tensor_parallel_size=2), run()
     for (tp_tokens, tp_prompt, tp_samples), (tokens, prompt, samples) in zip(tp, single, strict=True):
         assert tp_tokens == tokens  # the seeded draws are the same tokens
         assert close(tp_prompt, prompt)
