@@ -108,19 +108,37 @@ class RecordingEngine(DataParallelLLMEngine):
     client_cls = RecordingDPClient
 
 
+def logprobs_close(a: list | None, b: list | None) -> bool:
+    """Per position, the same tokens, ranks and decoded text, log-probabilities within 1e-12 (a core runs on
+    half the threads, so float64 sums may differ in the last bit); None where the other has None."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(
+        x is y if x is None or y is None else x.keys() == y.keys() and all(
+            x[t].rank == y[t].rank and x[t].decoded_token == y[t].decoded_token
+            and abs(x[t].logprob - y[t].logprob) <= 1e-12 for t in x) for x, y in zip(a, b))
+
+
 # ------------------------------------------------------------------------------------------------- tests
 def test_greedy_and_seeded_outputs_equal_one_engine_and_a_dead_core_fails_only_its_requests(tiny_llama):
     folder, _ = tiny_llama
     params = [greedy(i) for i in range(len(PROMPTS))]
     seeded = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=8)  # its completions go to both cores
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, logprobs=2)  # each core scores its prompts
     one = LLM(str(folder), **ENGINE)
     expected, expected_n = one.generate(PROMPTS, params, use_tqdm=False), one.generate(PROMPTS[0], seeded, use_tqdm=False)
+    expected_scored = one.generate(PROMPTS, scored, use_tqdm=False)
     llm = LLM(str(folder), data_parallel_size=2, **ENGINE)
     engine = llm.llm_engine
     try:
         assert isinstance(engine, DataParallelLLMEngine)
         assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(expected)
         assert token_ids(llm.generate(PROMPTS[0], seeded, use_tqdm=False)) == token_ids(expected_n)
+        got_scored = llm.generate(PROMPTS, scored, use_tqdm=False)
+        assert token_ids(got_scored) == token_ids(expected_scored)
+        for a, b in zip(got_scored, expected_scored, strict=True):
+            assert logprobs_close(a.prompt_logprobs, b.prompt_logprobs)
+            assert logprobs_close(a.outputs[0].logprobs, b.outputs[0].logprobs)
         assert all(n > 0 for n in engine.client.num_routed)
         assert {s.engine_index for s in engine.stats} == {0, 1}
         assert any(s.is_prefill for s in engine.stats) and all(s.seconds >= 0 for s in engine.stats)
