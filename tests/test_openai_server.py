@@ -566,10 +566,34 @@ def test_bad_prompt_lists_are_refused_naming_the_prompt(server, client):
             client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["Hi", [1, 2]], "max_tokens": 2})
     assert r.status_code == 400, r.text  # texts and token ids are not mixed, as in vLLM
+    assert r.json()["error"]["message"].endswith("; got a list holding lists and texts"), r.text  # in one sentence
     after = wait_idle(server)
     assert after["vllm:request_success_total{finished_reason=length}"] == \
         before["vllm:request_success_total{finished_reason=length}"]
     ok(client)
+
+
+@pytest.mark.parametrize("prompt, says", [
+    (["Hi", [1, 2]], "got a list holding lists and texts"), (["Hi", 1], "got a list holding texts and token ids"),
+    ([True, False], "got a list holding booleans"), ([1.0, 2.0], "got a list holding numbers"),
+    ([[1, 2], [3, None]], r"^prompt\[1\] must be a list of token ids \(integers\); it holds nulls$"),
+    (5, "got a JSON number"), ({"text": "Hi"}, "got a JSON object"),
+])
+def test_a_prompt_in_none_of_openais_forms_is_one_error_saying_so(prompt, says):
+    """A prompt that is not a text, a list of texts, a list of token ids or a list of token-id lists is one
+    validation error, of `prompt`, that names what came instead (pydantic alone gives one error per form
+    it tried, five or six of them); the four forms themselves are taken."""
+    from pydantic import ValidationError
+
+    from minivllm.entrypoints.openai.protocol import PROMPT_FORMS, CompletionRequest
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(model=MODEL_NAME, prompt=prompt)
+    (error,) = e.value.errors()
+    message = error["msg"].removeprefix("Value error, ")
+    assert error["loc"] == ("prompt",) and re.search(says, message), error
+    assert message.startswith(f"prompt must be {PROMPT_FORMS}; ") or message.startswith("prompt[1]"), message
+    for good in ["Hi", ["Hi", "there"], [1, 2], [[1], [2, 3]]]:
+        assert CompletionRequest(model=MODEL_NAME, prompt=good).prompt == good
 
 
 def test_a_list_of_prompts_is_aborted_when_its_client_goes(server, client):

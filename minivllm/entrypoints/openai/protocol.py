@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from ...engine.processor import MAX_LOGPROBS  # the engine's limit (vLLM's default max_logprobs): one constant
 from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -57,10 +57,11 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 # %% auto #0
-__all__ = ['STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'random_uuid', 'OpenAIBaseModel', 'ErrorInfo',
-           'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat', 'ResponseFormat', 'structured_outputs_params',
-           'refuse_not_implemented', 'UnservedFields', 'utf8_text', 'SamplingRequest', 'capped_max_tokens',
-           'CompletionRequest', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'model_card']
+__all__ = ['STRUCTURED_OUTPUTS_KEYS', 'OPTION_KEYS', 'NOT_IMPLEMENTED', 'PROMPT_FORMS', 'JSON_KINDS', 'random_uuid',
+           'OpenAIBaseModel', 'ErrorInfo', 'ErrorResponse', 'StreamOptions', 'JsonSchemaResponseFormat',
+           'ResponseFormat', 'structured_outputs_params', 'refuse_not_implemented', 'UnservedFields', 'utf8_text',
+           'SamplingRequest', 'capped_max_tokens', 'prompt_form', 'CompletionRequest', 'ContentPart', 'ChatMessage',
+           'ChatCompletionRequest', 'model_card']
 
 # %% ../../../notebooks/12_serving.ipynb #6e3fb1c9
 class JsonSchemaResponseFormat(OpenAIBaseModel):
@@ -227,7 +228,7 @@ class SamplingRequest(UnservedFields):
         """Whether a stream ends with a usage chunk (`stream_options: {"include_usage": true}`)."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-# %% ../../../notebooks/12_serving.ipynb #842daac8
+# %% ../../../notebooks/12_serving.ipynb #b520fea2
 def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
     """The `max_tokens` a request's `SamplingParams` get: the request's own, or `default_max_tokens` (what
     the context leaves after the prompt) when it gives none, as vLLM's `get_max_tokens`. The server has
@@ -236,6 +237,32 @@ def capped_max_tokens(requested: int | None, default_max_tokens: int) -> int:
     return default_max_tokens if requested is None else min(requested, default_max_tokens)
 
 
+PROMPT_FORMS = "a text, a list of texts, a list of token ids or a list of token-id lists"  # OpenAI's
+JSON_KINDS = {str: "text", list: "list", dict: "object", bool: "boolean", int: "number", float: "number",
+              type(None): "null"}  # what a JSON value is, by the Python type it arrives as
+
+
+def prompt_form(prompt: Any) -> Any:
+    """`prompt` as it came when it has one of OpenAI's forms (`PROMPT_FORMS`; a token id is a JSON integer,
+    never true or 1.0). Raises ValueError in one sentence naming what came instead, where pydantic would
+    list how it fails each form (vLLM refuses the same prompts, in pydantic's words)."""
+    def kinds_of(xs):  # in the plural; in a list, an integer is a token id
+        return sorted({"token ids" if type(x) is int else JSON_KINDS.get(type(x), type(x).__name__) + "s" for x in xs})
+
+    if not isinstance(prompt, list):
+        if isinstance(prompt, str):
+            return prompt
+        what = JSON_KINDS.get(type(prompt), type(prompt).__name__)
+        raise ValueError(f"prompt must be {PROMPT_FORMS}; got a JSON {what}")
+    kinds = kinds_of(prompt)
+    if len(kinds) > 1 or kinds and kinds[0] not in ("texts", "token ids", "lists"):
+        raise ValueError(f"prompt must be {PROMPT_FORMS}; got a list holding {' and '.join(kinds)}")
+    for i, ids in enumerate(prompt):
+        if isinstance(ids, list) and (other := [k for k in kinds_of(ids) if k != "token ids"]):
+            raise ValueError(f"prompt[{i}] must be a list of token ids (integers); it holds {' and '.join(other)}")
+    return prompt
+
+# %% ../../../notebooks/12_serving.ipynb #842daac8
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids) or several (a list of texts, or of token-id
     lists: OpenAI's forms); OpenAI's default `max_tokens` is 16. `echo` puts each prompt before its
@@ -243,7 +270,7 @@ class CompletionRequest(SamplingRequest):
     with `max_tokens: 0` a choice is its prompt alone (`echo_only`)."""
 
     # true, 1.0 or "1" is no token id (pydantic would convert it); texts and token ids do not mix, as in vLLM
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Annotated[str | list[str] | list[StrictInt] | list[list[StrictInt]], BeforeValidator(prompt_form)]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
