@@ -190,6 +190,51 @@ def test_dead_rank_makes_the_call_raise(tiny_llama):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+    (["--tensor-parallel-size", "-2"], "--tensor-parallel-size must be >= 1, got -2"),
+    (["--nnodes", "1", "--node-rank", "0"], "--nnodes must be >= 2"),
+    (["--nnodes", "0"], "--nnodes must be >= 2"),
+    (["--distributed-timeout-seconds", "-1"], "--distributed-timeout-seconds must be > 0"),
+    (["--distributed-timeout-seconds", "nan"], "--distributed-timeout-seconds must be > 0"),
+])
+def test_worker_refuses_bad_flags_before_starting_a_rank(flags, message, monkeypatch, capsys):
+    """`python -m minivllm worker` names a bad flag in one line (exit 2) before any rank process starts."""
+    from minivllm import __main__
+    from minivllm.entrypoints import worker_cli
+
+    monkeypatch.setattr(worker_cli, "run_node", lambda *a: pytest.fail("a rank was started"))
+    argv = ["worker", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+            "127.0.0.1", "--master-port", "29500", *flags]
+    assert __main__.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1", "abc"])
+def test_worker_refuses_a_port_out_of_range_from_the_flag_or_master_port(port, monkeypatch, capsys):
+    """A port outside 1 .. 65535 is refused by the parser, whether from `--master-port` or MASTER_PORT; a
+    malformed MASTER_PORT does not break the other subcommands (it was read when the parser was built)."""
+    from minivllm import __main__
+    from minivllm.entrypoints import worker_cli
+
+    monkeypatch.setattr(worker_cli, "run_node", lambda *a: pytest.fail("a rank was started"))
+    argv = ["worker", "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"]
+    for env, extra in ((None, ["--master-port", port]), (port, [])):
+        if env is None:
+            monkeypatch.delenv("MASTER_PORT", raising=False)
+        else:
+            monkeypatch.setenv("MASTER_PORT", env)
+        with pytest.raises(SystemExit) as e:
+            __main__.main([*argv, *extra])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--master-port" in err and "1 .. 65535" in err and "Traceback" not in err, err
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(SystemExit) as e:
+        __main__.main(["generate", "--help"])
+    assert e.value.code == 0
+
+
 def test_two_nodes_on_one_machine(tiny_llama):
     """Node 1's ranks start with `python -m minivllm worker` (torchrun's flags) and join node 0's engine."""
     folder, _ = tiny_llama

@@ -11,6 +11,13 @@ import os
 from ..distributed.executor import run_node
 
 
+def tcp_port(text: str) -> int:
+    """argparse's `type` for a port node 0 listens on: 1 .. 65535 (MASTER_PORT's text comes here too)."""
+    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port in 1 .. 65535")
+    return int(text)
+
+
 def add_cli(subparsers) -> argparse.ArgumentParser:
     """Add `worker`: torchrun's rendezvous flags (default: the `MASTER_ADDR`, `MASTER_PORT` variables)."""
     p = subparsers.add_parser("worker", help="run this machine's ranks of a tensor-parallel engine on another node")
@@ -18,8 +25,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, required=True, help="machines the ranks span")
     p.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1 .. nnodes - 1")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"), help="node 0's address")
-    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 0)) or None,
-                   help="the port node 0's engine listens on")
+    p.add_argument("--master-port", type=tcp_port, default=os.environ.get("MASTER_PORT") or None,
+                   help="the port node 0's engine listens on")  # argparse checks a default given as text
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--distributed-timeout-seconds", type=float, default=300.0)
     p.set_defaults(func=worker)
@@ -30,7 +37,13 @@ def worker(args: argparse.Namespace) -> int:
     """Check the flags (ValueError names the bad one), then run this node's ranks until the engine stops."""
     if args.master_addr is None or args.master_port is None:
         raise ValueError("give --master-addr and --master-port (or MASTER_ADDR and MASTER_PORT): node 0's address")
-    if args.nnodes < 2 or not 0 < args.node_rank < args.nnodes:
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.nnodes < 2:
+        raise ValueError(f"--nnodes must be >= 2 (node 0 runs the engine, the others run workers), got {args.nnodes}")
+    if not args.distributed_timeout_seconds > 0:
+        raise ValueError(f"--distributed-timeout-seconds must be > 0, got {args.distributed_timeout_seconds}")
+    if not 0 < args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank} must be in [1, {args.nnodes - 1}]: node 0 runs the engine")
     if args.tensor_parallel_size % args.nnodes:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} does not split evenly over "
@@ -39,4 +52,4 @@ def worker(args: argparse.Namespace) -> int:
                     args.device, args.distributed_timeout_seconds)
 
 # %% auto #0
-__all__ = ['add_cli', 'worker']
+__all__ = ['tcp_port', 'add_cli', 'worker']
