@@ -667,6 +667,16 @@ def test_cli_refuses_ladder_flags_without_ladder_and_unknown_configs(capsys):
     assert "qwen3-0.6b" in capsys.readouterr().err
 
 
+def test_a_bad_model_config_is_named_by_the_path_the_user_gave(tmp_path, capsys):
+    """`--model-config` is read from a temporary copy named config.json; an error names the user's file."""
+    for text in ("{", '{"model_type": "gpt2"}'):
+        path = tmp_path / "my-config.json"
+        path.write_text(text)
+        assert main(["bench", "--model-config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and "tmp" not in err.replace(str(tmp_path), ""), err
+
+
 def test_package_imports_without_the_optional_extras():
     """The GPU image has torch, triton, transformers, safetensors, xxhash, tqdm, numpy and pytest only."""
     blocked = ["matplotlib", "IPython", "ipywidgets", "hypothesis", "gguf", "accelerate", "nbdev", "jupytext",

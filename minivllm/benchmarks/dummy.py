@@ -47,9 +47,13 @@ def resolve_model_config(name: str | os.PathLike) -> Path:
 def model_config(name: str | os.PathLike):
     """The checked transformers config of a `--model-config` (see `resolve_model_config`; checks as
     `load_config`: supported architecture, no sliding window, plain RoPE). Raises ValueError."""
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copyfile(resolve_model_config(name), Path(tmp) / "config.json")
-        return load_config(tmp)
+    src = resolve_model_config(name)
+    with tempfile.TemporaryDirectory() as tmp:  # load_config reads a folder's config.json: a copy of src
+        shutil.copyfile(src, Path(tmp) / "config.json")
+        try:
+            return load_config(tmp)
+        except ValueError as e:  # name the file the user gave, not the copy
+            raise ValueError(str(e).replace(str(Path(tmp) / "config.json"), str(src))) from None
 
 # %% auto #0
 __all__ = ['MODEL_CONFIGS', 'MODEL_CONFIG_ALIASES', 'DUMMY_DONE', 'resolve_model_config', 'model_config', 'dummy_weights',
@@ -93,7 +97,7 @@ def dummy_model(name: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0)
         return folder
     with folder_built_in_place(folder, DUMMY_DONE) as tmp:
         (tmp / "config.json").write_text(text)
-        weights = dummy_weights(load_config(tmp), SUPPORTED_DTYPES[dtype], seed)
+        weights = dummy_weights(model_config(src), SUPPORTED_DTYPES[dtype], seed)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # save_file writes 0600; a shared cache needs more
         (tmp / DUMMY_DONE).write_text(json.dumps(dict(config=str(src), dtype=dtype, seed=seed)) + "\n")
