@@ -837,8 +837,10 @@ def test_bench_mixed_summary_and_refusals(tiny_llama, capsys):
                            (["--workload", "mixed", "--mixed-decode-output-len", "1"], "--mixed-decode-output-len"),
                            (["--workload", "mixed", "--mixed-budget", "0"], "--mixed-budget"),
                            (["--workload", "mixed", "--mixed-budget", "8", "--max-num-seqs", "9"], "--max-num-seqs"),
-                           (["--mixed-budget", "64"], "need --workload mixed"),
-                           (["--mixed-long-input-len", "64"], "need --workload mixed"),
+                           (["--mixed-budget", "64"], "--mixed-budget needs --workload mixed"),
+                           (["--mixed-long-input-len", "64", "--mixed-budget", "64"],
+                            "--mixed-long-input-len, --mixed-budget need --workload mixed"),
+                           (["--workload", "mixed", "--max-model-len", "8"], "--max-model-len 8 cannot hold"),
                            (["--compare", "ch09", "--ladder"], "--ladder"),
                            (["--workload", "mixed", "--mixed-long-input-len", "2000"], "max_position_embeddings")]:
         assert main(["bench", "--model", str(folder), *flags]) == 2, flags

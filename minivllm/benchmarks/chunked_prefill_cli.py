@@ -77,6 +77,11 @@ def mixed_workload(args: argparse.Namespace) -> MixedWorkload:
     return MixedWorkload(**{name: getattr(args, f"mixed_{name}") for name in MIXED_FIELDS}, seed=args.seed)
 
 
+def longest_request(w: MixedWorkload) -> int:
+    """The tokens of the workload's longest request, prompt and output: the `max_model_len` it needs."""
+    return max(w.long_input_len + w.long_output_len, w.decode_input_len + w.decode_output_len)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flags that do not fit `--workload` or `--compare ch09`, before any work. Raises ValueError."""
     mixed_given = [_flag(n) for n in MIXED_FIELDS if getattr(args, f"mixed_{n}") != getattr(MixedWorkload(), n)]
@@ -84,7 +89,7 @@ def check_args(args: argparse.Namespace) -> None:
         mixed_given.append("--mixed-budget")
     if args.workload != "mixed":
         if mixed_given:
-            raise ValueError(f"{', '.join(mixed_given)} need --workload mixed")
+            raise ValueError(f"{', '.join(mixed_given)} need{'s' if len(mixed_given) == 1 else ''} --workload mixed")
         if args.compare == "ch09" and args.ladder:
             raise ValueError("--compare ch09 runs the plain benchmark, not --ladder (its rungs name their engines)")
         return
@@ -108,6 +113,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(name)} must be >= {low}, got {getattr(w, name)}")
     if args.mixed_budget < 1:
         raise ValueError(f"--mixed-budget must be >= 1 token, got {args.mixed_budget}")
+    if args.max_model_len is not None and args.max_model_len < longest_request(w):
+        raise ValueError(f"--max-model-len {args.max_model_len} cannot hold the mixed workload's longest request "
+                         f"({longest_request(w)} tokens, prompt and output): give at least that, or leave it out")
     if args.max_num_seqs is not None and args.max_num_seqs > args.mixed_budget:
         raise ValueError(f"--max-num-seqs {args.max_num_seqs} is more than --mixed-budget {args.mixed_budget}: a step "
                          "could not give every running sequence a token")
@@ -168,9 +176,7 @@ def mixed_benchmark(model: str | None, workload: MixedWorkload, budget: int = DE
     if threads is not None:
         torch.set_num_threads(threads)
     path = str(resolve_model(model))
-    longest = max(workload.long_input_len + workload.long_output_len,
-                  workload.decode_input_len + workload.decode_output_len)
-    engine_args = dict(engine_args, max_model_len=engine_args.get("max_model_len") or longest,
+    engine_args = dict(engine_args, max_model_len=engine_args.get("max_model_len") or longest_request(workload),
                        max_num_seqs=engine_args.get("max_num_seqs") or min(EngineArgs.max_num_seqs, budget))
     warmup = warmup_workload(workload, budget)
     contenders = {PREFILL_FIRST: ("chapter 04's prefill-first Scheduler (chapter 09's engine)",
