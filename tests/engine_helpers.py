@@ -147,7 +147,7 @@ def require_cpu_kernel():
 
 def float32_cpu_linear() -> type:
     """The class the engine's model runner gives float32 linear layers on this CPU: chapter 02's
-    `PanelLinear` where its C++ GEMM runs (AVX-512), else oneDNN's `PackedLinear`."""
+    `PanelLinear` where its C++ GEMM runs (AVX-512, or AVX2 with FMA), else oneDNN's `PackedLinear`."""
     from minivllm.model_executor.layers.cpu_gemm import PanelLinear, cpu_gemm
     from minivllm.model_executor.layers.linear import PackedLinear
 

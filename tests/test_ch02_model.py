@@ -285,7 +285,7 @@ def test_engine_packs_on_cpu_only_where_the_dtype_allows(tiny_llama):
 
     folder, _ = tiny_llama
     f32 = LLM(str(folder), dtype="float32", num_kvcache_blocks=8).llm_engine.model_runner.model
-    fast = float32_cpu_linear()  # chapter 02's own GEMM where the CPU has AVX-512, else oneDNN's
+    fast = float32_cpu_linear()  # chapter 02's own GEMM where the CPU has AVX-512 or AVX2, else oneDNN's
     assert isinstance(f32.lm_head, fast) and isinstance(f32.model.layers[0].mlp.down_proj, fast)
     f64 = LLM(str(folder), dtype="float64", num_kvcache_blocks=8).llm_engine.model_runner.model
     assert isinstance(f64.lm_head, torch.nn.Linear)

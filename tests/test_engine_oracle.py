@@ -256,7 +256,7 @@ def test_microbatches_cut_in_order_under_the_limit():
 
 @pytest.mark.skipif(not onednn_packing_supported(torch.float32), reason="no oneDNN float32 linear here")
 def test_packed_float32_engine_gives_the_same_tokens_in_any_passes(oracle, monkeypatch):
-    """The engine's real CPU path (float32, chapter 02's C++ GEMM where the CPU has AVX-512, else
+    """The engine's real CPU path (float32, chapter 02's C++ GEMM where the CPU has AVX-512 or AVX2, else
     oneDNN-packed layers) with prefill passes of one sequence each and with no limit: neither
     kernel's rows depend on how many rows it is given, so the greedy tokens must be identical (not
     just close)."""

@@ -178,7 +178,7 @@ from ..model_executor.models.fused_qkv import fuse_qkv_projections
 def prepare_cpu_model(model: LlamaForCausalLM, pack_linears: bool = True, cpu_gemm: bool = True,
                       fuse_ops: bool = True, huge_pages: bool = True) -> None:
     """Put a loaded CPU model on chapter 02's faster paths, in place. `pack_linears`: fuse q/k/v
-    (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 and bfloat16
+    (appendix A), then float32 linear layers on the C++ GEMM where the CPU has AVX-512 or AVX2 and bfloat16
     ones on the C++ AMX GEMM where it has AMX (`cpu_gemm`, appendix C), their packed weights in 2 MiB pages
     (`huge_pages`, the end of appendix C), the rest on oneDNN (float64 and float16 layers stay `nn.Linear`);
     `fuse_ops`: the small ops in C++ (appendix B; float32 and bfloat16 only)."""
