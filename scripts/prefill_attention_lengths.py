@@ -5,7 +5,7 @@
 
 The profile (`scripts/profile_engine.py`) holds a prefill's attention against its FLOPs at the matmul
 rate. This script asks what that ratio depends on. For each dtype whose C++ prefill kernel runs here
-(chapter 05's `cpu_prefill_varlen_kernel`: float32 where the CPU has AVX-512, bfloat16 where it has AMX)
+(chapter 05's `cpu_prefill_varlen_kernel`: float32 where the CPU has AVX-512 or AVX2, bfloat16 where it has AMX)
 and each length L of `--lengths`, it times one call of the kernel's batch form on `--tokens // L`
 sequences of L new tokens each (at least one sequence, so a row holds `--tokens` tokens only where L
 divides it), with the default model's heads (read from its config), random inputs, after one untimed
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = DTYPES[name]
         kernel = cpu_prefill_varlen_kernel(dtype)
         if kernel is None:
-            print(f"{name}: the C++ prefill kernel does not run here (no AVX-512 for float32, no AMX for bfloat16)")
+            print(f"{name}: the C++ prefill kernel does not run here (neither AVX-512 nor AVX2 for float32, no AMX for bfloat16)")
             results[name] = dict(kernel=False, rows=[])
             continue
         peaks = measure_peaks("cpu", dtype)

@@ -170,11 +170,11 @@ def test_backend_through_steps_in_turn_equals_plain_torch():
         assert torch.equal(backend.kv_cache, plain.kv_cache)
 
 # The C++ prefill kernel (chapter 05's appendix): float32, FlashAttention-2's tiles of six query rows
-# (a K/V head's query heads at consecutive tokens) over blocks of 64 keys. It is called here directly
-# from the library, which builds its function on every machine; the backend uses it where the CPU has
-# AVX-512 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths above: float32 scores,
-# exp and sums, in another order than the reference's. Not covered on a given machine: the kernel's
-# speed where its 64-byte vectors are two AVX2 registers (it is not used there), and, in the decode
+# (a K/V head's query heads at consecutive tokens) over blocks of 64 keys (AVX-512) or 32 (AVX2). It is
+# called here directly from the library, which builds its function on every machine; the backend uses it
+# where the CPU has AVX-512 or AVX2 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths
+# above: float32 scores, exp and sums, in another order than the reference's. Not covered on a given
+# machine: the other vector width's build (AVX-512's on an AVX2 CPU, and the reverse), and, in the decode
 # kernel's tests, whichever bfloat16 score path this CPU does not take (vdpbf16ps or widening).
 @pytest.fixture
 def prefill_kernel():
@@ -186,7 +186,7 @@ def prefill_kernel():
     return load_extension(DECODE_KERNEL).prefill_attention
 
 
-LONG_CASES = [*CASES, (64, 64), (65, 65), (200, 200), (70, 333)]  # one, two and several blocks of 64 keys
+LONG_CASES = [*CASES, (32, 32), (33, 33), (64, 64), (65, 65), (200, 200), (70, 333)]  # one, two, several blocks
 
 
 @pytest.mark.parametrize("tq,tk", LONG_CASES)

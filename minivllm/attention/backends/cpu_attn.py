@@ -125,10 +125,10 @@ PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # the C++ prefill kernel's head dimensions
 def cpu_prefill_kernel():
     """The same library's causal prefill in float32, `(q, k, v, scale)` with `prefill_attention_sdpa`'s
     shapes and head_dim in `PREFILL_KERNEL_HEAD_DIMS` (FlashAttention-2's tiling; ValueError for
-    inputs outside that). None where `cpu_decode_kernel` is None, and where the CPU has no AVX-512
-    (torch's own dispatch level says), whose 64-byte registers the kernel's vectors are meant for."""
+    inputs outside that). None where `cpu_decode_kernel` is None, and where the CPU has neither AVX-512
+    nor AVX2 (torch's own dispatch level says), the registers the kernel's vectors are written for."""
     module = load_extension(DECODE_KERNEL)
-    if module is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if module is None or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
         return None
     return module.prefill_attention
 
@@ -148,7 +148,7 @@ def cpu_amx_prefill_kernel():
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's prefill attention on a CPU: with head_dim 64 or 128, float32 through the C++ kernel
-    where the CPU has AVX-512 (`cpu_prefill_kernel`) and bfloat16 through the AMX kernel where the CPU has
+    where the CPU has AVX-512 or AVX2 (`cpu_prefill_kernel`) and bfloat16 through the AMX kernel where the CPU has
     AMX (`cpu_amx_prefill_kernel`); everything else through `prefill_attention_sdpa` (in chapter 05's
     timing the fastest of the torch paths in bfloat16, where it accumulates in float32; float64 equals
     the reference to rounding). Shapes and dtypes: as `prefill_attention_sdpa`. Raises: ValueError (the

@@ -603,21 +603,33 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // is a broadcast q value times a K^T row; then the online softmax in base 2 (the block's max, 2**x by a
 // polynomial, a rescale of the running sum and output); then O += P V, the tile's outputs held in
 // registers across the block's V rows. The scores never leave the first-level cache. The registers are
-// 64-byte vectors of the GCC/Clang extension: one AVX-512 register each, which is where the engine uses
-// this kernel (cpu_attn.py's cpu_prefill_kernel); AVX-512 intrinsics where the vector extension has no
-// word for an instruction (vscalefps, shuffles), with plain fallbacks.
-constexpr int64_t kLanes = 16;             // float32 values per 64-byte vector
-constexpr int64_t kRows = 6;               // query rows per tile: 6 x 4 sums of S, then 6 x 4 of O, in registers
-constexpr int64_t kKeyVecs = 4;            // vectors of keys per block
+// vectors of the GCC/Clang extension: 64 bytes, one AVX-512 register each, with blocks of 64 keys; where the
+// CPU has AVX2 instead, 32 bytes, blocks of 32 keys, and S and P V each done in two passes of half the
+// width, so that a pass's sums fit AVX2's 16 registers (cpu_attn.py's cpu_prefill_kernel takes it on
+// either). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
+// shuffles), with plain fallbacks.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;             // float32 values per vector: one 64-byte AVX-512 register
+constexpr int64_t kScoreVecs = 4;          // vectors of keys per pass of S = Q K^T: 6 x 4 sums in registers
+constexpr int64_t kOutVecs = 4;            // vectors of a row of O per pass of P V: 6 x 4 sums in registers
+#else
+constexpr int64_t kLanes = 8;              // AVX2: one 32-byte register, 16 of them
+constexpr int64_t kScoreVecs = 2;          // 6 x 2 sums, a K^T row's 2 vectors and a broadcast: 15 registers
+constexpr int64_t kOutVecs = 2;            // likewise for P V
+#endif
+constexpr int64_t kRows = 6;               // query rows per tile
+constexpr int64_t kKeyVecs = 4;            // vectors of keys per block: 64 keys with AVX-512, 32 with AVX2
 constexpr int64_t kKeys = kKeyVecs * kLanes;
-typedef float Vec16 __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t Int16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
+#if defined(__AVX512F__)
 template <>
-struct IntsOf<Vec16> { typedef Int16 type; };
+struct IntsOf<VecF> { typedef VecI type; };  // (with 8 lanes VecF is the decode's Vec<float>, already there)
+#endif
 
-static inline Vec16 load_vec16(const float* p) { Vec16 v; std::memcpy(&v, p, sizeof(v)); return v; }
-static inline void store_vec16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-static inline float max_lanes(Vec16 v) {
+static inline VecF load_vecf(const float* p) { VecF v; std::memcpy(&v, p, sizeof(v)); return v; }
+static inline void store_vecf(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+static inline float max_lanes(VecF v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps((__m512)v);  // shuffles within the register, not through memory
 #else
@@ -628,7 +640,7 @@ static inline float max_lanes(Vec16 v) {
   return t[0];
 #endif
 }
-static inline float add_lanes(Vec16 v) {
+static inline float add_lanes(VecF v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);
 #else
@@ -674,8 +686,8 @@ static inline void load_rows16(__m512i (&r)[16], const T* p, int64_t stride, int
 #endif
 
 template <size_t N>
-static inline Vec16 horner(Vec16 f, const float (&c)[N]) {  // c[0] + c[1] f + ... + c[N - 1] f**(N - 1)
-  Vec16 p = Vec16{} + c[N - 1];
+static inline VecF horner(VecF f, const float (&c)[N]) {  // c[0] + c[1] f + ... + c[N - 1] f**(N - 1)
+  VecF p = VecF{} + c[N - 1];
   for (size_t i = N - 1; i-- > 0;) p = p * f + c[i];
   return p;
 }
@@ -685,16 +697,16 @@ static inline Vec16 horner(Vec16 f, const float (&c)[N]) {  // c[0] + c[1] f + .
 // vscalefps, or the exponent bits). x below -127 is taken as -127, so that -inf gives 2**-127 (a subnormal float32; 0
 // through the exponent bits), not the NaN of -inf - (-inf): callers that need exactly 0 there select it.
 template <size_t N>
-static inline Vec16 exp2_poly(Vec16 x, const float (&c)[N]) {
+static inline VecF exp2_poly(VecF x, const float (&c)[N]) {
 #if defined(__AVX512F__)
-  x = (Vec16)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
-  const Vec16 n = (Vec16)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return (Vec16)_mm512_scalef_ps((__m512)horner(x - n, c), (__m512)n);
+  x = (VecF)_mm512_max_ps(_mm512_set1_ps(-127.0f), (__m512)x);  // a NaN lane stays NaN (max's second operand)
+  const VecF n = (VecF)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return (VecF)_mm512_scalef_ps((__m512)horner(x - n, c), (__m512)n);
 #else
-  x = x < Vec16{} - 127.0f ? Vec16{} - 127.0f : x;  // a NaN lane stays NaN
-  const Vec16 n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
-  const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
-  Vec16 two_n;
+  x = x < VecF{} - 127.0f ? VecF{} - 127.0f : x;  // a NaN lane stays NaN
+  const VecF n = (x + 12582912.0f) - 12582912.0f;  // 1.5 * 2**23: the sum's last bit is a unit, rounded to nearest
+  const VecI bits = (__builtin_convertvector(n, VecI) + 127) << 23;
+  VecF two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return horner(x - n, c) * two_n;
 #endif
@@ -707,24 +719,39 @@ constexpr float kExp2Float32[] = {1.0f, 0.6931468844f, 0.2402223796f, 0.05550893
 // polynomial c (where the max stayed, c's constant: 1 for float32's), 0 where m was -inf (nothing seen yet,
 // so the sums it scales are 0).
 template <size_t N>
-static inline Vec16 rescale_factors(Vec16 m, Vec16 m_new, const float (&c)[N]) {
-  const Vec16 minus_inf = Vec16{} - INFINITY;
-  return m == minus_inf ? Vec16{} : exp2_poly(m - m_new, c);
+static inline VecF rescale_factors(VecF m, VecF m_new, const float (&c)[N]) {
+  const VecF minus_inf = VecF{} - INFINITY;
+  return m == minus_inf ? VecF{} : exp2_poly(m - m_new, c);
 }
 
-// S = Q K^T for one tile and kVecs vectors of keys: s[r][16 c + i] = q[r] . kt[:, 16 c + i], the tile's
-// 6 x kVecs sums in registers across the D steps (a broadcast q value times a K^T row at each step).
+// S = Q K^T for one tile and kVecs vectors of keys from vector c0: s[r][kLanes c + i] = q[r] . kt[:, kLanes c + i]
+// for c = c0..c0 + kVecs - 1, the tile's 6 x kVecs sums in registers across the D steps (a broadcast q value
+// times a K^T row at each step).
 template <int64_t D, int64_t kVecs>
-static inline void tile_block_scores(const float* __restrict q, const float* __restrict kt, float (*s)[kKeys]) {
-  Vec16 acc[kRows][kVecs] = {};
+static inline void tile_block_scores(const float* __restrict q, const float* __restrict kt, float (*s)[kKeys],
+                                     int64_t c0) {
+  VecF acc[kRows][kVecs] = {};
   for (int64_t d = 0; d < D; ++d) {
-    Vec16 k[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) k[c] = load_vec16(kt + d * kKeys + c * kLanes);
+    VecF k[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) k[c] = load_vecf(kt + d * kKeys + (c0 + c) * kLanes);
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += q[r * D + d] * k[c];
   }
   for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t c = 0; c < kVecs; ++c) store_vec16(s[r] + c * kLanes, acc[r][c]);
+    for (int64_t c = 0; c < kVecs; ++c) store_vecf(s[r] + (c0 + c) * kLanes, acc[r][c]);
+}
+
+// The scores of a block's first `vecs` vectors of keys, kScoreVecs vectors a pass (one pass with AVX-512, whose
+// 32 registers hold 6 x 4 sums; two with AVX2's 16), each pass's width a compile-time constant.
+template <int64_t D>
+static inline void block_scores(const float* __restrict q, const float* __restrict kt, float (*s)[kKeys], int64_t vecs) {
+  for (int64_t c0 = 0; c0 < vecs; c0 += kScoreVecs) {
+    const int64_t w = std::min(kScoreVecs, vecs - c0);
+    if (w == 1) tile_block_scores<D, 1>(q, kt, s, c0);
+    else if (w == 2) tile_block_scores<D, 2>(q, kt, s, c0);
+    else if (w == 3) tile_block_scores<D, 3>(q, kt, s, c0);
+    else tile_block_scores<D, kScoreVecs>(q, kt, s, c0);
+  }
 }
 
 // One tile: rows r < n of q [kRows, D] (scaled by the softmax scale times log2(e): scores in base 2),
@@ -735,32 +762,27 @@ static inline void tile_block_scores(const float* __restrict q, const float* __r
 template <int64_t D>
 static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t n, const float* __restrict kt,
                          const float* __restrict v, int64_t ldv, float* const* out) {
-  static_assert(D % (4 * kLanes) == 0, "head_dim: a multiple of 64");
+  static_assert(D % (kOutVecs * kLanes) == 0, "head_dim: a multiple of 64");
   alignas(64) float o[kRows][D] = {};
   alignas(64) float s[kRows][kKeys];
   alignas(64) float p[kRows][kKeys];  // rows < n written before they are read; rows >= n zero
   for (int64_t r = n; r < kRows; ++r) std::memset(p[r], 0, sizeof(p[r]));
   alignas(64) float m[kLanes], m_new[kLanes], alpha[kLanes];  // per row (a register's worth: one exp2 for all)
-  Vec16 lsum[kRows] = {}, l[kRows];  // the running and a block's sums of probabilities, lane by lane
+  VecF lsum[kRows] = {}, l[kRows];  // the running and a block's sums of probabilities, lane by lane
   int64_t num_keys = 0, min_last = INT64_MAX;
   for (int64_t r = 0; r < kLanes; ++r) m[r] = m_new[r] = -INFINITY;
   for (int64_t r = 0; r < n; ++r) num_keys = std::max(num_keys, last[r] + 1), min_last = std::min(min_last, last[r]);
-  Int16 lane;
+  VecI lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
-  const Vec16 minus_inf = Vec16{} - INFINITY;
+  const VecF minus_inf = VecF{} - INFINITY;
   for (int64_t j0 = 0; j0 < num_keys; j0 += kKeys) {
     const int64_t keys = std::min(kKeys, num_keys - j0), vecs = (keys + kLanes - 1) / kLanes;
-    switch (vecs) {  // 1. scores of the block's keys, as few vectors of them as the rows see
-      case 1: tile_block_scores<D, 1>(q, kt + j0 * D, s); break;
-      case 2: tile_block_scores<D, 2>(q, kt + j0 * D, s); break;
-      case 3: tile_block_scores<D, 3>(q, kt + j0 * D, s); break;
-      default: tile_block_scores<D, 4>(q, kt + j0 * D, s);
-    }
+    block_scores<D>(q, kt + j0 * D, s, vecs);  // 1. scores of the block's keys, as few vectors as the rows see
     const bool all_seen = j0 + kKeys <= min_last + 1;  // no row's causal limit inside the block
     for (int64_t r = 0; r < n; ++r) {  // 2. online softmax in base 2: probabilities; the rescale follows
-      Vec16 x[kKeyVecs], mx = minus_inf;
+      VecF x[kKeyVecs], mx = minus_inf;
       for (int64_t c = 0; c < vecs; ++c) {
-        x[c] = load_vec16(s[r] + c * kLanes);
+        x[c] = load_vecf(s[r] + c * kLanes);
         if (!all_seen) x[c] = lane + int32_t(j0 + c * kLanes) > int32_t(last[r]) ? minus_inf : x[c];
         mx = mx > x[c] ? mx : x[c];
       }
@@ -768,32 +790,32 @@ static void prefill_tile(const float* __restrict q, const int64_t* last, int64_t
       // -inf where every score seen so far is -inf (hidden, or a product that overflowed float32, finite
       // inputs): the exponent from 0 then; -inf scores weigh exactly 0
       const float m_ref = m_new[r] == -INFINITY ? 0.0f : m_new[r];
-      Vec16 sum = {};
+      VecF sum = {};
       for (int64_t c = 0; c < vecs; ++c) {
-        const Vec16 e = x[c] == minus_inf ? Vec16{} : exp2_poly(x[c] - m_ref, kExp2Float32);
+        const VecF e = x[c] == minus_inf ? VecF{} : exp2_poly(x[c] - m_ref, kExp2Float32);
         sum += e;
-        store_vec16(p[r] + c * kLanes, e);
+        store_vecf(p[r] + c * kLanes, e);
       }
       l[r] = sum;
     }
     {  // the rescale factors of all rows in one register (rescale_factors)
-      const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
-      store_vec16(alpha, rescale_factors(mo, mn, kExp2Float32));
-      store_vec16(m, mn);
+      const VecF mo = load_vecf(m), mn = load_vecf(m_new);
+      store_vecf(alpha, rescale_factors(mo, mn, kExp2Float32));
+      store_vecf(m, mn);
     }
     for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
-    for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {  // 3. o = alpha o + P V, 64 values of D at a time
-      Vec16 a[kRows][4];
+    for (int64_t d0 = 0; d0 < D; d0 += kOutVecs * kLanes) {  // 3. o = alpha o + P V, a register block of D at a time
+      VecF a[kRows][kOutVecs];
       for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t c = 0; c < 4; ++c) a[r][c] = alpha[r] * load_vec16(o[r] + d0 + c * kLanes);
+        for (int64_t c = 0; c < kOutVecs; ++c) a[r][c] = alpha[r] * load_vecf(o[r] + d0 + c * kLanes);
       for (int64_t j = 0; j < keys; ++j) {
-        Vec16 vj[4];
-        for (int64_t c = 0; c < 4; ++c) vj[c] = load_vec16(v + (j0 + j) * ldv + d0 + c * kLanes);
+        VecF vj[kOutVecs];
+        for (int64_t c = 0; c < kOutVecs; ++c) vj[c] = load_vecf(v + (j0 + j) * ldv + d0 + c * kLanes);
         for (int64_t r = 0; r < kRows; ++r)
-          for (int64_t c = 0; c < 4; ++c) a[r][c] += p[r][j] * vj[c];
+          for (int64_t c = 0; c < kOutVecs; ++c) a[r][c] += p[r][j] * vj[c];
       }
       for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t c = 0; c < 4; ++c) store_vec16(o[r] + d0 + c * kLanes, a[r][c]);
+        for (int64_t c = 0; c < kOutVecs; ++c) store_vecf(o[r] + d0 + c * kLanes, a[r][c]);
     }
   }
   for (int64_t r = 0; r < n; ++r) {  // one division a row, not one a value (vdivps is slow), as the AMX kernel
@@ -1139,8 +1161,8 @@ static void configure_tiles() {
 
 // 32 bfloat16 values (two to a 32-bit word) as 16 float32 lanes whose sum is theirs: a word's high half is
 // already a float32's bits, its low half becomes one shifted up.
-static inline Vec16 pair_sums(__m512i pr) {
-  return (Vec16)_mm512_slli_epi32(pr, 16) + (Vec16)_mm512_and_si512(pr, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+static inline VecF pair_sums(__m512i pr) {
+  return (VecF)_mm512_slli_epi32(pr, 16) + (VecF)_mm512_and_si512(pr, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
 }
 
 // exp2_poly_where: exp2_poly in the lanes of `keep`, 0 in the others (the scaling masked: no extra instruction),
@@ -1148,9 +1170,9 @@ static inline Vec16 pair_sums(__m512i pr) {
 // where exp2_poly clamps, rounds and subtracts; vreduceps gives f = 0 at x = -inf, so 2**n is 0 there with no clamp
 // at -127. Below -127 the two differ only in subnormals, which P's rounding to bfloat16 flushes to 0: the same P.
 template <size_t N>
-static inline Vec16 exp2_poly_where(Vec16 x, __mmask16 keep, const float (&c)[N]) {
-  const Vec16 f = (Vec16)_mm512_reduce_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // NaN stays NaN
-  return (Vec16)_mm512_maskz_scalef_ps(keep, (__m512)horner(f, c), (__m512)(x - f));
+static inline VecF exp2_poly_where(VecF x, __mmask16 keep, const float (&c)[N]) {
+  const VecF f = (VecF)_mm512_reduce_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // NaN stays NaN
+  return (VecF)_mm512_maskz_scalef_ps(keep, (__m512)horner(f, c), (__m512)(x - f));
 }
 
 // How far (in base 2) a block's score may rise above a row's reference max before the reference moves: the
@@ -1175,15 +1197,15 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   alignas(64) float s_buf[2][kAmxRows][kAmxKeys];  // block b's scores in s_buf[b % 2]
   alignas(64) uint16_t p[kAmxRows][kAmxKeys] = {};  // its probabilities (rows >= n stay zero)
   alignas(64) float pv[kAmxRows][16];
-  alignas(64) Vec16 l[kAmxRows], lsum[kAmxRows] = {};  // a block's and the running sums, lane by lane
+  alignas(64) VecF l[kAmxRows], lsum[kAmxRows] = {};  // a block's and the running sums, lane by lane
   alignas(64) float m[kAmxRows], m_new[kAmxRows], alpha[kAmxRows];
   int64_t num_keys = 0, min_last = INT64_MAX;
   for (int64_t r = 0; r < kAmxRows; ++r) m[r] = -INFINITY;
   for (int64_t r = 0; r < n; ++r)
     num_keys = std::max(num_keys, last[r] + 1), min_last = std::min(min_last, last[r]);
-  Int16 lane;
+  VecI lane;
   for (int64_t i = 0; i < kLanes; ++i) lane[i] = int32_t(i);
-  const Vec16 minus_inf = Vec16{} - INFINITY, ones = Vec16{} + 1.0f;
+  const VecF minus_inf = VecF{} - INFINITY, ones = VecF{} + 1.0f;
   const float scale2 = scale * 1.4426950408889634f;  // scores in base 2: scale * log2(e)
   const __m512 scale2_v = _mm512_set1_ps(scale2), headroom = _mm512_set1_ps(kRescaleHeadroom);
   const uint32_t all_rows = (1u << n) - 1;
@@ -1216,7 +1238,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     // P rounded to bfloat16 into p[r], and this block's part of the row's sum (the running sum's rescale
     // follows), of P as rounded: the divisor then holds the same rounding as the weighted sum, which cancels
     // where one key carries most of the weight (a row's largest probability need not be 1 here)
-    const auto emit = [&](int64_t r, const Vec16 (&e)[2]) {
+    const auto emit = [&](int64_t r, const VecF (&e)[2]) {
       const __m512i pr = (__m512i)_mm512_cvtne2ps_pbh((__m512)e[1], (__m512)e[0]);  // e[0] first
       _mm512_store_si512(p[r], pr);
       l[r] = pair_sums(pr);
@@ -1234,11 +1256,11 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     uint32_t redo = _mm512_cmp_ps_mask(_mm512_load_ps(m), (__m512)minus_inf, _CMP_EQ_OQ) & all_rows;
     for (int64_t r = 0; r < n && redo != all_rows; ++r) {
       const __m512 minus_m = _mm512_set1_ps(-m[r]);
-      Vec16 e[2];
+      VecF e[2];
       __mmask16 over = 0;
       for (int64_t h = 0; h < 2; ++h) {
         const __mmask16 k = seen(r, h);
-        const Vec16 x = (Vec16)_mm512_fmadd_ps(_mm512_load_ps(s[r] + h * kLanes), scale2_v, minus_m);
+        const VecF x = (VecF)_mm512_fmadd_ps(_mm512_load_ps(s[r] + h * kLanes), scale2_v, minus_m);
         over |= _mm512_mask_cmp_ps_mask(k, (__m512)x, headroom, _CMP_GT_OQ);
         e[h] = exp2_poly_where(x, k, kExp2Cubic);
       }
@@ -1248,11 +1270,11 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     std::memcpy(m_new, m, sizeof(m));
     for (uint32_t rows = redo; rows != 0; rows &= rows - 1) {
       const int64_t r = __builtin_ctz(rows);
-      Vec16 x[2], e[2];
+      VecF x[2], e[2];
       __mmask16 k[2];
       for (int64_t h = 0; h < 2; ++h) {
         k[h] = seen(r, h);
-        x[h] = (Vec16)_mm512_mask_blend_ps(k[h], (__m512)minus_inf, (__m512)(load_vec16(s[r] + h * kLanes) * scale2));
+        x[h] = (VecF)_mm512_mask_blend_ps(k[h], (__m512)minus_inf, (__m512)(load_vecf(s[r] + h * kLanes) * scale2));
       }
       m_new[r] = std::max(m[r], max_lanes(x[0] > x[1] ? x[0] : x[1]));
       // -inf where every score seen so far is -inf (a float32 product that overflowed, finite inputs): 2**x
@@ -1263,12 +1285,12 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
     }
     const bool rescale = redo != 0;
     if (rescale) {  // all 16 rows' rescale factors in one register (rescale_factors, base 2; 1 where m stayed)
-      const Vec16 mo = load_vec16(m), mn = load_vec16(m_new);
-      store_vec16(alpha, mo == mn ? ones : rescale_factors(mo, mn, kExp2Cubic));
-      store_vec16(m, mn);
+      const VecF mo = load_vecf(m), mn = load_vecf(m_new);
+      store_vecf(alpha, mo == mn ? ones : rescale_factors(mo, mn, kExp2Cubic));
+      store_vecf(m, mn);
       for (int64_t r = 0; r < n; ++r) lsum[r] = lsum[r] * alpha[r] + l[r];
     } else {
-      store_vec16(alpha, ones);
+      store_vecf(alpha, ones);
       for (int64_t r = 0; r < n; ++r) lsum[r] += l[r];
     }
     _tile_loadd(6, &p[0][0], kAmxKeys * 2);
@@ -1279,7 +1301,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
         _tile_stored(2, &o[0][32], D * 4);
         _tile_stored(3, &o[0][48], D * 4);
         for (int64_t r = 0; r < n; ++r)
-          for (int64_t d = 0; d < D; d += kLanes) store_vec16(o[r] + d, alpha[r] * load_vec16(o[r] + d));
+          for (int64_t d = 0; d < D; d += kLanes) store_vecf(o[r] + d, alpha[r] * load_vecf(o[r] + d));
         _tile_loadd(0, &o[0][0], D * 4);
         _tile_loadd(1, &o[0][16], D * 4);
         _tile_loadd(2, &o[0][32], D * 4);
@@ -1300,7 +1322,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
         _tile_dpbf16ps(0, 6, 7);
         _tile_stored(0, &pv[0][0], 64);
         for (int64_t r = 0; r < n; ++r)
-          store_vec16(o[r] + j * 16, alpha[r] * load_vec16(o[r] + j * 16) + load_vec16(pv[r]));
+          store_vecf(o[r] + j * 16, alpha[r] * load_vecf(o[r] + j * 16) + load_vecf(pv[r]));
       }
     }
   }
@@ -1316,7 +1338,7 @@ static void prefill_tile_amx(const uint16_t* q, const int64_t* last, int64_t n, 
   for (int64_t r = 0; r < n; ++r) inv[r] = add_lanes(lsum[r]), inv[r] = inv[r] == 0.0f ? 1.0f : 1.0f / inv[r];
   for (int64_t r = 0; r < n; ++r)
     for (int64_t d = 0; d < D; d += kLanes)
-      _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vec16(o[r] + d) * inv[r])));
+      _mm256_storeu_si256((__m256i*)(out[r] + d), (__m256i)_mm512_cvtneps_pbh((__m512)(load_vecf(o[r] + d) * inv[r])));
 }
 
 template <int64_t D>
@@ -1487,12 +1509,12 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
     };
     // 2. softmax down the columns: the max (and whether a score is NaN or infinite), then 2**(x - max) in
     // place and the sums (columns >= cols: 0s)
-    Vec16 m, sum = {};
+    VecF m, sum = {};
     auto max_of_scores = [&] {
-      m = Vec16{} - INFINITY;
+      m = VecF{} - INFINITY;
       __mmask16 bad = 0;
       for (int64_t t = 0; t < len; ++t) {
-        const Vec16 x = load_vec16(s + t * 16) * scale2;
+        const VecF x = load_vecf(s + t * 16) * scale2;
         m = x > m ? x : m;
         bad |= _mm512_fpclass_ps_mask((__m512)x, 0x99);  // quiet or signalling NaN, +inf, -inf
       }
@@ -1504,8 +1526,8 @@ static void decode_one_sequence_amx(c10::BFloat16* __restrict out, const c10::BF
       max_of_scores();
     }
     for (int64_t t = 0; t < len; ++t) {
-      const Vec16 e = exp2_poly(load_vec16(s + t * 16) * scale2 - m, kExp2Float32);
-      store_vec16(s + t * 16, e);
+      const VecF e = exp2_poly(load_vecf(s + t * 16) * scale2 - m, kExp2Float32);
+      store_vecf(s + t * 16, e);
       sum += e;
     }
     // 3. a[col] = sum over t of p[t, col] * v[t, kv0 + col / group]
