@@ -28,7 +28,7 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -683,6 +683,25 @@ template <typename T>
 static inline void load_rows16(__m512i (&r)[16], const T* p, int64_t stride, int64_t present) {
   for (int64_t i = 0; i < 16; ++i) r[i] = i < present ? _mm512_loadu_si512(p + i * stride) : _mm512_setzero_si512();
 }
+#elif defined(__AVX2__)
+// The AVX2 counterpart, 8 x 8 floats: pairs of rows interleaved, then pairs of pairs, then 128-bit halves.
+static inline void transpose8x8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + j]: word j of rows i..i + 3, then word j + 4 (one per 128-bit half)
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
 #endif
 
 template <size_t N>
@@ -1012,6 +1031,17 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
         load_rows16(r, rows + d0, k_stride, present);
         transpose16x16(r);
         for (int64_t j = 0; j < kLanes; ++j) _mm512_storeu_si512(dst + (d0 + j) * kKeys + c * kLanes, r[j]);
+      }
+    }
+#elif defined(__AVX2__)
+    for (int64_t c = 0; c < kKeys / 8; ++c) {  // 8 keys' values d0..d0 + 7: 8 row loads, one transposition
+      const int64_t t = t0 + c * 8, present = std::clamp<int64_t>(tk - t, 0, 8);
+      const float* rows = present > 0 ? kp + batch.key_row(s, t) * k_stride + h * D : kp;  // 8 rows in a row
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m256 r[8];
+        for (int64_t i = 0; i < 8; ++i) r[i] = i < present ? _mm256_loadu_ps(rows + i * k_stride + d0) : _mm256_setzero_ps();
+        transpose8x8(r);
+        for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (d0 + j) * kKeys + c * 8, r[j]);
       }
     }
 #else
