@@ -85,7 +85,8 @@ def cpu_rows(results: Path) -> list[tuple[str, str, str]]:
              f"{head['hf_tok_s']:,.1f} ({head['hf_s']:,.0f} s, batches of {head['hf_batch_size']}): "
              f"**{head['ratio']:.2f}×**; identical greedy outputs for {100 * head['hf_match_fraction']:.0f} % of "
              f"requests" + (f"; roofline ratio {head['roofline_ratio']:.2f}" if head.get("roofline_ratio") else "")
-             + (f" ({note})" if head.get("roofline_ratio") and (note := one_size_peak(head)) else ""),
+             + (f" ({note})" if head.get("roofline_ratio") and (note := one_size_peak(head)) else "")
+             + (f" ({head['note']})" if head.get("note") else ""),
              source("cpu_bench_headline.json", head))]
     if len(sweep) > 1:
         best = max(sweep, key=lambda b: sweep[b][1]["hf_tok_s"])

@@ -18,6 +18,7 @@ record results/cpu_bench_headline_hf64.json "$PY" -m minivllm bench "${HEADLINE[
 record results/cpu_bench_shared_prefix.json "$PY" -m minivllm bench "${HEADLINE[@]}" --shared-prefix 0.9 --json
 "$PY" scripts/profile_engine.py --out results/cpu_profile_headline.json
 "$PY" scripts/cpu_gemm_ab.py --out results/cpu_gemm_ab.json  # chapter 02's GEMM against oneDNN's, by rows
+"$PY" scripts/prefill_attention_lengths.py --out results/cpu_prefill_attention_lengths.json  # chapter 05's prefill kernel, by length
 "$PY" scripts/overlap_probe.py --out results/cpu_overlap_probe.json  # does this CPU overlap reads with arithmetic?
 PY=$PY scripts/record_chunked_prefill.sh  # chapter 11: the mixed workload, and the headline against chapter 09's engine
 "$PY" scripts/readme_figures.py  # README's figures table, from the records just written
