@@ -1,6 +1,6 @@
 """Chapter 05's CPU backend prefill: `CPUPagedAttention` runs each sequence's causal attention through
 `prefill_attention_cpu`: with head_dim 64 or 128, the appendix's C++ prefill kernel in float32 where the
-CPU has AVX-512 and its AMX kernel in bfloat16 where the CPU has AMX; otherwise torch's fused
+library was built for AVX-512 or AVX2 and its AMX kernel in bfloat16 where the CPU has AMX; otherwise torch's fused
 `scaled_dot_product_attention` (`prefill_attention_sdpa`, a batch of one so that torch's fused CPU
 kernel takes it), which accumulates in float32 for bfloat16.
 `prefill_attention_grouped` (one product per K/V head and query chunk), the unfused alternative the
@@ -286,9 +286,33 @@ def test_the_backend_takes_the_kernel_for_float32_only(prefill_kernel, monkeypat
                                    rtol=1e-5 if dtype != torch.bfloat16 else 0, atol=1e-5 if dtype != torch.bfloat16
                                    else BF16_TOL * v.double().abs().max().item())
     assert calls == [torch.float32, torch.float32]
-    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: None)  # no AVX-512: torch's fused path
+    monkeypatch.setattr(cd, "cpu_prefill_kernel", lambda: None)  # neither AVX-512 nor AVX2: torch's fused path
     q, k, v = (x.float() for x in qkv(7, 20, 4, 2, 64))
     torch.testing.assert_close(cd.prefill_attention_cpu(q, k, v, 0.25), prefill_attention_sdpa(q, k, v, 0.25))
+
+
+def test_the_kernel_is_taken_as_its_build_says_whatever_torchs_dispatch_level(prefill_kernel, tmp_path):
+    """`cpu_prefill_kernel` asks the library which vector width it was built for (`kernel_isa`, the same answer
+    as chapter 02's GEMM library gives), not torch's dispatch level: with `ATEN_CPU_CAPABILITY=default`, which
+    turns torch's own vector kernels off, an AVX-512 or AVX2 build is still taken."""
+    import os
+    import subprocess
+    import sys
+
+    from minivllm.attention.backends.cpu_attn import DECODE_KERNEL, cpu_prefill_kernel
+    from minivllm.model_executor.cpp_extension import load_extension
+    from minivllm.model_executor.layers.cpu_gemm import CPU_GEMM
+
+    isa = load_extension(DECODE_KERNEL).kernel_isa()
+    gemm = load_extension(CPU_GEMM)
+    assert gemm is None or gemm.kernel_isa() == isa
+    assert (cpu_prefill_kernel() is not None) == (isa in ("avx512", "avx2"))
+    code = ("import torch; from minivllm.attention.backends.cpu_attn import cpu_prefill_kernel; "
+            "print(torch.backends.cpu.get_cpu_capability(), cpu_prefill_kernel() is not None)")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-2:] == ["DEFAULT", str(isa in ("avx512", "avx2"))]
 
 
 def test_the_engine_with_the_prefill_kernel_gives_the_same_greedy_tokens(prefill_kernel, monkeypatch, tmp_path):

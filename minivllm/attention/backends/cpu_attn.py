@@ -125,10 +125,11 @@ PREFILL_KERNEL_HEAD_DIMS = (64, 128)  # the C++ prefill kernel's head dimensions
 def cpu_prefill_kernel():
     """The same library's causal prefill in float32, `(q, k, v, scale)` with `prefill_attention_sdpa`'s
     shapes and head_dim in `PREFILL_KERNEL_HEAD_DIMS` (FlashAttention-2's tiling; ValueError for
-    inputs outside that). None where `cpu_decode_kernel` is None, and where the CPU has neither AVX-512
-    nor AVX2 (torch's own dispatch level says), the registers the kernel's vectors are written for."""
+    inputs outside that). None where `cpu_decode_kernel` is None, and where the library was built for
+    neither AVX-512 nor AVX2 with FMA (its `kernel_isa()`, as chapter 02's GEMM answers), the registers
+    the kernel's vectors are written for."""
     module = load_extension(DECODE_KERNEL)
-    if module is None or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+    if module is None or module.kernel_isa() not in ("avx512", "avx2"):
         return None
     return module.prefill_attention
 

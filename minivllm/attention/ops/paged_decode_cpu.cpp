@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -1738,6 +1739,20 @@ torch::Tensor prefill_attention_amx_paged(torch::Tensor q, torch::Tensor k_cache
   return prefill_entry_paged(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, true);
 }
 
+// The vector width this build's kernels are written for (what -march=native gave the compiler): "avx512"
+// (16-lane registers, blocks of 64 keys in the float32 prefill), "avx2" (AVX2 with FMA: 8 lanes, blocks of
+// 32), or "" (neither: the generic vector code, which cpu_attn.py's cpu_prefill_kernel does not use). The
+// same answer as chapter 02's GEMM library gives, asked of the build rather than of torch's dispatch level.
+std::string kernel_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (q, k_cache, v_cache, block_tables, context_lens, scale)");
@@ -1762,4 +1777,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bfloat16 AMX batch form, keys read through block tables "
         "(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)");
   m.def("amx_available", &amx_available, "whether this build and CPU run the AMX kernels");
+  m.def("kernel_isa", &kernel_isa, "the vector width this build is written for: 'avx512', 'avx2' or '' (neither)");
 }
