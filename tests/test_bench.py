@@ -6,6 +6,7 @@ Tests check correctness and the report's fields only; throughput numbers are mea
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -468,6 +469,12 @@ def test_dummy_model_is_a_checkpoint_both_load(tmp_path, monkeypatch):
         benchmarks.dummy.dummy_model(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="dtype"):
         benchmarks.dummy.dummy_model(tmp_path, dtype="int8")
+    bad = tmp_path / "bad.json"  # a config load_config refuses: the error names the user's file, not a copy
+    bad.write_text(json.dumps({**tiny_config("llama").to_dict(), "model_type": "mistral",
+                               "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(ValueError, match=f"unsupported architecture.* in {re.escape(str(bad))};"):
+        benchmarks.dummy.dummy_model(bad)
+    assert not list((tmp_path / "cache" / "dummy").glob("bad-*"))  # and no folder is left half made
 
 
 def _greedy_runs(folder, w):

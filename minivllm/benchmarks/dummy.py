@@ -50,14 +50,20 @@ def model_config(name: str | os.PathLike):
     src = resolve_model_config(name)
     with tempfile.TemporaryDirectory() as tmp:  # load_config reads a folder's config.json: a copy of src
         shutil.copyfile(src, Path(tmp) / "config.json")
-        try:
-            return load_config(tmp)
-        except ValueError as e:  # name the file the user gave, not the copy
-            raise ValueError(str(e).replace(str(Path(tmp) / "config.json"), str(src))) from None
+        return config_in(Path(tmp), src)
+
+
+def config_in(folder: Path, src: Path):
+    """`load_config(folder)`, whose config.json is a copy of `src`: an error names `src`, the file the user
+    gave, not the copy. Raises ValueError."""
+    try:
+        return load_config(folder)
+    except ValueError as e:
+        raise ValueError(str(e).replace(str(folder / "config.json"), str(src))) from None
 
 # %% auto #0
-__all__ = ['MODEL_CONFIGS', 'MODEL_CONFIG_ALIASES', 'DUMMY_DONE', 'resolve_model_config', 'model_config', 'dummy_weights',
-           'dummy_model']
+__all__ = ['MODEL_CONFIGS', 'MODEL_CONFIG_ALIASES', 'DUMMY_DONE', 'resolve_model_config', 'model_config', 'config_in',
+           'dummy_weights', 'dummy_model']
 
 # %% ../../notebooks/09_benchmark.ipynb #62a05f33
 def dummy_weights(config, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -97,7 +103,7 @@ def dummy_model(name: str | os.PathLike, dtype: str = "bfloat16", seed: int = 0)
         return folder
     with folder_built_in_place(folder, DUMMY_DONE) as tmp:
         (tmp / "config.json").write_text(text)
-        weights = dummy_weights(model_config(src), SUPPORTED_DTYPES[dtype], seed)
+        weights = dummy_weights(config_in(tmp, src), SUPPORTED_DTYPES[dtype], seed)  # checked from the copy written
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", 0o644)  # save_file writes 0600; a shared cache needs more
         (tmp / DUMMY_DONE).write_text(json.dumps(dict(config=str(src), dtype=dtype, seed=seed)) + "\n")
