@@ -170,7 +170,7 @@ def test_backend_through_steps_in_turn_equals_plain_torch():
         assert torch.equal(backend.kv_cache, plain.kv_cache)
 
 # The C++ prefill kernel (chapter 05's appendix): float32, FlashAttention-2's tiles of six query rows
-# (a K/V head's query heads at consecutive tokens) over blocks of 64 keys (AVX-512) or 32 (AVX2). It is
+# (a K/V head's query heads at consecutive tokens) over blocks of 64 keys (4 AVX-512 vectors, 8 AVX2 ones). It is
 # called here directly from the library, which builds its function on every machine; the backend uses it
 # where the CPU has AVX-512 or AVX2 (`cpu_prefill_kernel`). Same tolerance as the other float32 paths
 # above: float32 scores, exp and sums, in another order than the reference's. Not covered on a given

@@ -604,10 +604,11 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // is a broadcast q value times a K^T row; then the online softmax in base 2 (the block's max, 2**x by a
 // polynomial, a rescale of the running sum and output); then O += P V, the tile's outputs held in
 // registers across the block's V rows. The scores never leave the first-level cache. The registers are
-// vectors of the GCC/Clang extension: 64 bytes, one AVX-512 register each, with blocks of 64 keys; where the
-// CPU has AVX2 instead, 32 bytes, blocks of 32 keys, and S and P V each done in two passes of half the
-// width, so that a pass's sums fit AVX2's 16 registers (cpu_attn.py's cpu_prefill_kernel takes it on
-// either). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
+// vectors of the GCC/Clang extension: 64 bytes, one AVX-512 register each; where the CPU has AVX2 instead,
+// 32 bytes, and S and P V each done in passes of two vectors (four over a block's keys, four over a row of O
+// for head_dim 64), so that a pass's sums fit AVX2's 16 registers. Blocks of 64 keys on either: with AVX2, 64
+// ran 3-6% faster than 32 from 128 tokens on an AMD EPYC (Zen 3), the rescale of O and the other per-block
+// work spread over twice the keys (cpu_attn.py's cpu_prefill_kernel takes either build). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
 // shuffles), with plain fallbacks.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;             // float32 values per vector: one 64-byte AVX-512 register
@@ -619,8 +620,8 @@ constexpr int64_t kScoreVecs = 2;          // 6 x 2 sums, a K^T row's 2 vectors 
 constexpr int64_t kOutVecs = 2;            // likewise for P V
 #endif
 constexpr int64_t kRows = 6;               // query rows per tile
-constexpr int64_t kKeyVecs = 4;            // vectors of keys per block: 64 keys with AVX-512, 32 with AVX2
-constexpr int64_t kKeys = kKeyVecs * kLanes;
+constexpr int64_t kKeys = 64;              // keys per block (16 KiB of K^T for head_dim 64)
+constexpr int64_t kKeyVecs = kKeys / kLanes;  // 4 AVX-512 vectors, 8 AVX2 ones
 typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
 #if defined(__AVX512F__)
@@ -776,7 +777,8 @@ static inline void block_scores(const float* __restrict q, const float* __restri
 
 // One tile: rows r < n of q [kRows, D] (scaled by the softmax scale times log2(e): scores in base 2),
 // row r seeing keys 0..last[r]; K^T kt [key blocks][D][kKeys] (each block's K^T contiguous, 16 KiB for D 64,
-// so that its rows do not crowd a few sets of the first-level cache; zero past the last key), V rows
+// so that its rows do not crowd a few sets of the first-level cache; zero past the last key in its vector,
+// vectors wholly past it not written, as no tile reads them), V rows
 // v + j * ldv; row r's output written to out[r]. The last block computes scores only for the vectors of
 // keys some row sees; the causal mask is applied only in blocks that hold a row's limit.
 template <int64_t D>
@@ -1025,8 +1027,9 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
 #if defined(__AVX512F__)
     for (int64_t c = 0; c < kKeyVecs; ++c) {  // 16 keys' values d0..d0 + 15: 16 row loads, one transposition
       const int64_t t = t0 + c * kLanes, present = std::clamp<int64_t>(tk - t, 0, kLanes);
+      if (present == 0) break;  // past the last key: no tile scores these vectors
       // 16 keys from a multiple of 16 are 16 rows in a row, in a paged cache too (block_size a multiple of 16)
-      const float* rows = present > 0 ? kp + batch.key_row(s, t) * k_stride + h * D : kp;
+      const float* rows = kp + batch.key_row(s, t) * k_stride + h * D;
       for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
         __m512i r[16];
         load_rows16(r, rows + d0, k_stride, present);
@@ -1037,7 +1040,8 @@ static void prefill_heads(const torch::Tensor& q, const torch::Tensor& k, const 
 #elif defined(__AVX2__)
     for (int64_t c = 0; c < kKeys / 8; ++c) {  // 8 keys' values d0..d0 + 7: 8 row loads, one transposition
       const int64_t t = t0 + c * 8, present = std::clamp<int64_t>(tk - t, 0, 8);
-      const float* rows = present > 0 ? kp + batch.key_row(s, t) * k_stride + h * D : kp;  // 8 rows in a row
+      if (present == 0) break;  // past the last key: no tile scores these vectors
+      const float* rows = kp + batch.key_row(s, t) * k_stride + h * D;  // 8 rows in a row
       for (int64_t d0 = 0; d0 < D; d0 += 8) {
         __m256 r[8];
         for (int64_t i = 0; i < 8; ++i) r[i] = i < present ? _mm256_loadu_ps(rows + i * k_stride + d0) : _mm256_setzero_ps();
