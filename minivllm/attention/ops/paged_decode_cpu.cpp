@@ -607,8 +607,8 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // vectors of the GCC/Clang extension: 64 bytes, one AVX-512 register each; where the CPU has AVX2 instead,
 // 32 bytes, and S and P V each done in passes of two vectors (four over a block's keys, four over a row of O
 // for head_dim 64), so that a pass's sums fit AVX2's 16 registers. Blocks of 64 keys on either: with AVX2, 64
-// ran 3-6% faster than 32 from 128 tokens on an AMD EPYC (Zen 3), the rescale of O and the other per-block
-// work spread over twice the keys (cpu_attn.py's cpu_prefill_kernel takes either build). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
+// ran 2-5% faster than 32 from 128 tokens a sequence on an AMD EPYC (Zen 3), 3% slower at 32, the rescale of O
+// and the other per-block work spread over twice the keys (cpu_attn.py's cpu_prefill_kernel takes either build). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
 // shuffles), with plain fallbacks.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;             // float32 values per vector: one 64-byte AVX-512 register
