@@ -173,7 +173,8 @@ def chunked_rows(results: Path) -> list[tuple[str, str, str]]:
         rows.append((f"CPU, the headline workload ({workload(c)}), {c['dtype']}: the default engine (chapter 11's "
                      "scheduler) against chapter 09's (chapter 04's prefill-first)",
                      f"**{c['engine_tok_s']:,.1f}** against {c['ch09_tok_s']:,.1f} output tok/s in the same run: "
-                     f"**{c['ch09_ratio']:.2f}×** (target ≥ {c['ch09_target_min']:g}×)",
+                     f"**{c['ch09_ratio']:.2f}×** (target ≥ {c['ch09_target_min']:g}×)"
+                     + (f" ({c['note']})" if c.get("note") else ""),
                      source(ch09_path.name, c)))
     return rows
 
