@@ -607,9 +607,9 @@ void reshape_and_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, 
 // vectors of the GCC/Clang extension: 64 bytes, one AVX-512 register each; where the CPU has AVX2 instead,
 // 32 bytes, and S and P V each done in passes of two vectors (four over a block's keys, four over a row of O
 // for head_dim 64), so that a pass's sums fit AVX2's 16 registers. Blocks of 64 keys on either: with AVX2, 64
-// ran 2-5% faster than 32 from 128 tokens a sequence on an AMD EPYC (Zen 3), 3% slower at 32, the rescale of O
-// and the other per-block work spread over twice the keys (cpu_attn.py's cpu_prefill_kernel takes either build). AVX-512 intrinsics where the vector extension has no word for an instruction (vscalefps,
-// shuffles), with plain fallbacks.
+// ran 2-5% faster than 32 from 128 tokens a sequence on an AMD EPYC (Zen 3), 3% slower at 32, the rescale of
+// O and the other per-block work spread over twice the keys (cpu_attn.py's cpu_prefill_kernel takes either
+// build). AVX-512 intrinsics, with plain fallbacks, where the vector extension has no word for an instruction.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;             // float32 values per vector: one 64-byte AVX-512 register
 constexpr int64_t kScoreVecs = 4;          // vectors of keys per pass of S = Q K^T: 6 x 4 sums in registers
@@ -1744,9 +1744,9 @@ torch::Tensor prefill_attention_amx_paged(torch::Tensor q, torch::Tensor k_cache
 }
 
 // The vector width this build's kernels are written for (what -march=native gave the compiler): "avx512"
-// (16-lane registers, blocks of 64 keys in the float32 prefill), "avx2" (AVX2 with FMA: 8 lanes, blocks of
-// 32), or "" (neither: the generic vector code, which cpu_attn.py's cpu_prefill_kernel does not use). The
-// same answer as chapter 02's GEMM library gives, asked of the build rather than of torch's dispatch level.
+// (16-lane registers in the float32 prefill), "avx2" (AVX2 with FMA: 8 lanes), or "" (neither: the generic
+// vector code, which cpu_attn.py's cpu_prefill_kernel does not use). The same answer as chapter 02's GEMM
+// library gives, asked of the build rather than of torch's dispatch level.
 std::string kernel_isa() {
 #if defined(__AVX512F__)
   return "avx512";
